@@ -1,0 +1,46 @@
+"""Reward functions for the tests, in an importable module so spawned workers can unpickle them."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from treadle.rewards.base import Score
+from treadle.types import Task
+
+
+class ScriptedReward:
+    """A reward whose behaviour is scripted by markers in the response.
+
+    ``SLEEP`` in the response: sleep ``sleep_s`` seconds (to trip the pool's timeout);
+    ``RAISE``: raise ``ValueError("scripted failure")``; ``PID``: the reward is the worker's
+    process id (to see which process scored it); otherwise ``Score(reward, True)``.
+    """
+
+    name = "scripted"
+
+    def __init__(self, reward: float = 0.25, sleep_s: float = 30.0) -> None:
+        self.reward = reward
+        self.sleep_s = sleep_s
+
+    def score(self, task: Task, response: str) -> Score:
+        if "SLEEP" in response:
+            time.sleep(self.sleep_s)
+        if "RAISE" in response:
+            raise ValueError("scripted failure")
+        if "PID" in response:
+            return Score(reward=float(os.getpid()), correct=True)
+        return Score(reward=self.reward, correct=True)
+
+
+class UnpicklableReward:
+    """Holds a lock, so it cannot be sent to a worker process."""
+
+    name = "unpicklable"
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+
+    def score(self, task: Task, response: str) -> Score:
+        return Score(reward=0.0, correct=False)

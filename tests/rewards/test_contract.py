@@ -1,0 +1,42 @@
+"""The RewardFunction contract, checked for every built-in implementation and the fake."""
+
+from __future__ import annotations
+
+import math
+import pickle
+from collections.abc import Callable
+
+import pytest
+
+from treadle.rewards.base import REWARD_FUNCTIONS, RewardFunction, Score, build_reward_function
+from treadle.types import Task
+
+from .fake_rewards import ScriptedReward
+
+BUILDERS: dict[str, Callable[[], RewardFunction]] = {
+    **{name: (lambda name=name: build_reward_function(name)) for name in REWARD_FUNCTIONS},
+    "scripted": ScriptedReward,
+}
+RESPONSES = ["<answer>-14282</answer>", "<answer>7</answer>", "no answer here", "", "<answer>"]
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_contract(name: str, chain_sum_task: Task) -> None:
+    # chain_sum_task suits every function: gold "-14282" for math, a real rg payload.
+    reward = BUILDERS[name]()
+    assert isinstance(reward.name, str) and reward.name
+    clone = pickle.loads(pickle.dumps(reward))  # the pool sends instances to workers
+    for response in RESPONSES:
+        score = reward.score(chain_sum_task, response)
+        assert isinstance(score, Score)
+        assert isinstance(score.reward, float) and math.isfinite(score.reward)
+        assert isinstance(score.correct, bool)
+        assert clone.score(chain_sum_task, response) == score  # deterministic, survives pickling
+
+
+@pytest.mark.parametrize("name", ["math_verify", "reasoning_gym"])
+def test_answer_checkers_agree_on_right_and_wrong(name: str, chain_sum_task: Task) -> None:
+    reward = BUILDERS[name]()
+    assert reward.score(chain_sum_task, "<answer>-14282</answer>") == Score(1.0, True)
+    assert reward.score(chain_sum_task, "<answer>7</answer>") == Score(0.0, False)
+    assert reward.score(chain_sum_task, "no answer here") == Score(0.0, False)

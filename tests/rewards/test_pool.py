@@ -1,0 +1,116 @@
+"""RewardPool: a raise, timeout or worker death gives the fallback; the rest keeps its score."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+from treadle.errors import UserError
+from treadle.rewards.base import Score
+from treadle.rewards.pool import RewardConfig, RewardPool, RewardSpec
+from treadle.rewards.reasoning_gym import ReasoningGymReward
+from treadle.types import Task
+
+from .fake_rewards import ScriptedReward, UnpicklableReward
+
+TIMEOUT_S = 1.0
+FALLBACK = -1.0
+
+
+def test_golden_batch(
+    chain_sum_task: Task, prime_task: Task, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Primary: reasoning-gym (weight 1.0); second: the scripted fake (weight 0.5, reward 0.25).
+    functions = [(ReasoningGymReward(), 1.0), (ScriptedReward(reward=0.25, sleep_s=30.0), 0.5)]
+    samples = [
+        (chain_sum_task, "<answer>-14282</answer>"),  # 1.0 + 0.5 * 0.25 = 1.125
+        (chain_sum_task, "<answer>5</answer>"),  # 0.0 + 0.5 * 0.25 = 0.125
+        (chain_sum_task, "SLEEP <answer>-14282</answer>"),  # 1.0 + 0.5 * -1 (timeout) = 0.5
+        (chain_sum_task, "RAISE <answer>-14282</answer>"),  # 1.0 + 0.5 * -1 (raised) = 0.5
+        (prime_task, "<answer>abc</answer>"),  # -1 (rg raised) + 0.5 * 0.25 = -0.875
+        (prime_task, "<answer>866</answer>"),  # 0.5 (partial credit) + 0.5 * 0.25 = 0.625
+    ]
+    with RewardPool(functions, timeout_s=TIMEOUT_S, fallback=FALLBACK, workers=2) as pool:
+        assert pool.score(samples[:1]).scores == [Score(1.125, True)]  # warm the workers
+        caplog.clear()
+        start = time.perf_counter()
+        result = pool.score(samples)
+        wall_s = time.perf_counter() - start
+    assert result.scores == [
+        Score(1.125, True),
+        Score(0.125, False),
+        Score(0.5, True),  # correct follows the primary verifier, which was right
+        Score(0.5, True),
+        Score(-0.875, False),  # the primary verifier failed: not correct
+        Score(0.625, False),  # partial credit is not correct
+    ]
+    assert (result.failures, result.timeouts) == (2, 1)
+    assert wall_s < TIMEOUT_S + 3.0
+    assert result.seconds <= wall_s
+    messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(messages) == 3  # each failure logged once
+    assert any("scripted failure" in m for m in messages)
+    assert any("invalid literal for int() with base 10: 'abc'" in m for m in messages)
+    assert any("timed out after 1.0 s on task chain_sum/0" in m for m in messages)
+
+
+def test_pool_is_reused_and_a_killed_worker_replaced(chain_sum_task: Task) -> None:
+    # One worker, so the PID sample and the hung sample of batch 1 run in the same process.
+    with RewardPool(
+        [(ScriptedReward(), 1.0)], timeout_s=TIMEOUT_S, fallback=FALLBACK, workers=1
+    ) as pool:
+        first = pool.score([(chain_sum_task, "PID"), (chain_sum_task, "SLEEP")])
+        second = pool.score([(chain_sum_task, "PID"), (chain_sum_task, "ok")])
+    old_pid, new_pid = first.scores[0].reward, second.scores[0].reward
+    assert first.scores[1] == Score(FALLBACK, False)
+    assert (first.failures, first.timeouts) == (0, 1)
+    assert new_pid != old_pid  # the hung worker was killed and replaced
+    assert second.scores[1] == Score(0.25, True)
+    assert (second.failures, second.timeouts) == (0, 0)
+
+
+def test_in_process_mode_catches_exceptions(chain_sum_task: Task, prime_task: Task) -> None:
+    pool = RewardPool([(ReasoningGymReward(), 2.0)], fallback=FALLBACK, workers=0)
+    result = pool.score(
+        [(chain_sum_task, "<answer>-14282</answer>"), (prime_task, "<answer>abc</answer>")]
+    )
+    pool.close()
+    # 2.0 * 1.0 = 2.0; 2.0 * -1.0 (fallback) = -2.0
+    assert result.scores == [Score(2.0, True), Score(-2.0, False)]
+    assert (result.failures, result.timeouts) == (1, 0)
+
+
+def test_from_config(chain_sum_task: Task) -> None:
+    cfg = RewardConfig(
+        functions=[
+            RewardSpec(name="math_verify", params={"extract": "answer_tag"}),
+            RewardSpec(name="format", weight=0.1),
+        ],
+        workers=0,
+    )
+    with RewardPool.from_config(cfg) as pool:
+        result = pool.score(
+            [(chain_sum_task, "<answer>-14282</answer>"), (chain_sum_task, "-14282")]
+        )
+    # 1.0 * 1.0 + 0.1 * 1.0 = 1.1; the second has no tag: 0.0 + 0.1 * 0.0 = 0.0
+    assert result.scores == [Score(1.0 + 0.1 * 1.0, True), Score(0.0, False)]
+
+
+def test_bad_config_is_a_user_error() -> None:
+    with pytest.raises(UserError, match=r"reward\.functions\[1\]: unknown reward function 'f'"):
+        RewardPool.from_config(
+            RewardConfig(functions=[RewardSpec("format"), RewardSpec("f")], workers=0)
+        )
+    with pytest.raises(UserError, match="at least one"):
+        RewardPool([])
+    with pytest.raises(UserError, match="timeout_s"):
+        RewardPool([(ScriptedReward(), 1.0)], timeout_s=0.0, workers=0)
+    with pytest.raises(UserError, match="workers"):
+        RewardPool([(ScriptedReward(), 1.0)], workers=-1)
+
+
+def test_unpicklable_function_fails_at_construction() -> None:
+    with pytest.raises(TypeError, match="'unpicklable' cannot be pickled"):
+        RewardPool([(UnpicklableReward(), 1.0)], workers=1)

@@ -1,0 +1,1 @@
+"""RL algorithms as pure tensor functions: advantage estimators, policy losses, KL, aggregation."""

@@ -1,0 +1,82 @@
+"""The ``treadle`` command.
+
+    treadle train RECIPE [section.key=value ...] [--resume RUN_DIR]
+    treadle sft RECIPE [section.key=value ...]
+
+Bad input prints one line on stderr and exits with code 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before torch or vLLM are imported: no hub access at run time, and one OpenMP pool sized to the
+# machine (vLLM's CPU backend binds its threads at import).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="treadle", description="RL post-training for LLMs")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="SFT warm-up (if sft.steps > 0), then RL, with evaluation")
+    train.add_argument("recipe", nargs="?", help="YAML recipe (omit with --resume)")
+    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-5")
+    train.add_argument("--resume", type=Path, help="continue the run in this directory")
+    sft = sub.add_parser("sft", help="supervised fine-tuning only; writes RUN/sft_model")
+    sft.add_argument("recipe")
+    sft.add_argument("overrides", nargs="*")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from treadle.errors import UserError
+
+    try:
+        return _run(args)
+    except UserError as e:
+        print(f"treadle: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("treadle: interrupted; resume with --resume RUN_DIR", file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from treadle.config import load_config
+    from treadle.errors import UserError
+
+    console = Console()
+    recipe = args.recipe
+    overrides = list(args.overrides)
+    if args.command == "train" and args.resume is not None:
+        recipe = args.resume / "config.yaml"
+        if args.recipe:  # `train RECIPE ... --resume RUN`: the run's own config wins
+            overrides = [o for o in [args.recipe, *overrides] if "=" in o]
+    if recipe is None:
+        raise UserError("train: pass a recipe, e.g. treadle train recipes/default.yaml")
+    cfg = load_config(recipe, overrides)
+    if args.command == "sft":
+        from treadle.pipeline import sft_only
+
+        folder = sft_only(cfg, console)
+        console.print(f"SFT checkpoint: {folder} (start RL from it with model.path={folder})")
+        return 0
+    from treadle.pipeline import train
+
+    train(cfg, resume=args.resume, console=console)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,319 @@
+"""One typed config tree, loaded from a YAML recipe plus dotted command-line overrides.
+
+Each component owns its section. Loading validates every key and type: a misspelt key names its
+dotted path and suggests the closest valid key; a wrong type names the path and the expected
+type. Both raise :class:`treadle.errors.UserError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from treadle.errors import UserError
+from treadle.rewards.pool import RewardConfig, RewardSpec
+
+
+@dataclass
+class TinyModelConfig:
+    """A small Qwen2-architecture model built locally with seeded random weights."""
+
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    """Head dim = hidden_size / heads; vLLM's CPU attention needs a head dim of 32 or more."""
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 512
+    tokenizer_vocab_size: int = 512
+    """BPE vocabulary trained on the task's own text (digits stay single tokens)."""
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = None
+    """Local Hugging Face model folder (weights + tokenizer). None builds ``tiny``."""
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the trained weights (and of the engine)."""
+
+
+@dataclass
+class DataConfig:
+    source: Literal["reasoning_gym", "jsonl", "parquet"] = "reasoning_gym"
+    path: str | None = None
+    """jsonl/parquet file (for those sources)."""
+    question_field: str = "question"
+    answer_field: str = "answer"
+    answer_pattern: str | None = None
+    """Regex applied to the answer column; group 1 is the gold answer (e.g. GSM8K ``#### (.+)``)."""
+    task: str = "chain_sum"
+    """reasoning-gym dataset name (for that source)."""
+    task_params: dict[str, int | float | str] = field(default_factory=dict)
+    """reasoning-gym dataset parameters, e.g. ``{min_terms: 2, max_terms: 3}``."""
+    size: int = 2000
+    """Number of training prompts generated (reasoning-gym) or read at most (files)."""
+    seed: int = 42
+    domain: str = "math"
+    eval_size: int = 100
+    """Held-out prompts, never trained on (deduplicated against the training prompts)."""
+    system_prompt: str | None = None
+    answer_template: str = "<answer>{answer}</answer>"
+    """How a gold answer is written in an SFT demonstration."""
+
+
+@dataclass
+class NoiseConfig:
+    """Imperfect demonstrations for SFT: what real demonstration data looks like."""
+
+    loose_format_fraction: float = 0.0
+    """Share of demonstrations that write the answer in ``loose_template`` instead."""
+    loose_template: str = "{answer}"
+    wrong_answer_fraction: float = 0.0
+    """Share of demonstrations whose answer is off by 1 to 3 (numeric answers only)."""
+
+
+@dataclass
+class SFTConfig:
+    steps: int = 0
+    """SFT warm-up optimizer steps before RL (0: none)."""
+    batch_size: int = 64
+    lr: float = 1e-3
+    warmup_steps: int = 10
+    noise: NoiseConfig = field(default_factory=NoiseConfig)
+
+
+@dataclass
+class RolloutConfig:
+    engine: Literal["vllm", "hf"] = "vllm"
+    prompts_per_step: int = 64
+    n: int = 8
+    """Samples per prompt (the group size)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 32
+    kv_cache_gib: float = 1.0
+    """vLLM CPU KV-cache size (GiB)."""
+
+
+@dataclass
+class AlgorithmConfig:
+    advantage: Literal["grpo"] = "grpo"
+    std_normalize: bool = True
+    """GRPO divides by the group's reward std (Dr. GRPO turns this off)."""
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    kl_coef: float = 0.0
+    """Weight of the k3 KL to the frozen reference, as a loss term (0: no reference model)."""
+    loss_agg: Literal["token-mean"] = "token-mean"
+
+
+@dataclass
+class TrainerConfig:
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.99)
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    micro_batch_tokens: int = 4096
+    """Token budget of one packed micro-batch (no padding is computed)."""
+    bf16_autocast: bool = False
+    """Autocast forward/backward to bf16 (helps on GPUs and bf16-capable CPUs; weights stay fp32)."""
+    mini_batches: int = 1
+    """Optimizer steps per RL step (the batch is split; later ones are off-policy, clipped)."""
+
+
+@dataclass
+class EvalConfig:
+    every: int = 0
+    """Evaluate held-out accuracy every N RL steps (0: only before and after RL)."""
+    samples_per_prompt: int = 8
+    """pass@1 is averaged over these samples; pass@k uses k = this."""
+    greedy: bool = True
+    control_sft: bool = False
+    """After RL, also spend the same wall time on SFT from the SFT checkpoint and evaluate it."""
+
+
+@dataclass
+class RunConfig:
+    name: str = "default"
+    output_dir: str = "runs"
+    seed: int = 0
+    steps: int = 20
+    """RL steps (one batch of rollouts each)."""
+    save_every: int = 10
+    keep_last: int = 2
+    samples_to_log: int = 16
+    """Completions saved per step under samples/."""
+    threads: int = 2
+    """torch intra-op threads (give each compute process its own cores)."""
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(
+        default_factory=lambda: RewardConfig(functions=[RewardSpec("reasoning_gym")])
+    )
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    """Load a YAML recipe, apply ``a.b.c=value`` overrides, validate, and build the tree.
+
+    Raises:
+        UserError: missing/unparsable recipe, unknown key (with a "did you mean"), wrong type,
+            or a malformed override.
+    """
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise UserError(
+                f"recipe {p} does not exist; pass a YAML file such as recipes/default.yaml"
+            )
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise UserError(f"recipe {p} is not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise UserError(f"recipe {p} must be a mapping of sections (run:, model:, ...)")
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UserError(f"override {item!r} must look like section.key=value")
+        _set_dotted(raw, key.strip(), yaml.safe_load(value) if value else None)
+    cfg = _build(Config, raw, "")
+    _check(cfg)
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    """The config as plain data (for ``config.yaml`` in the run directory)."""
+    return dataclasses.asdict(cfg)
+
+
+def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    node = raw
+    *parents, leaf = key.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise UserError(f"override {key}: {part} is a value, not a section")
+    node[leaf] = value
+
+
+def _build(cls: type, raw: Any, path: str) -> Any:
+    if not isinstance(raw, dict):
+        raise UserError(f"config {path or '<root>'}: expected a section (mapping), got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        dotted = f"{path}.{key}" if path else str(key)
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
+            hint = f"; did you mean {path + '.' if path else ''}{close[0]}?" if close else ""
+            raise UserError(f"config: unknown key {dotted}{hint} (valid: {', '.join(fields)})")
+        kwargs[key] = _coerce(hints[key], value, dotted)
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, path)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(arg, value, path)
+            except UserError as e:
+                errors.append(str(e))
+        raise UserError(
+            errors[-1]
+            if len(errors) == 1
+            else f"config {path}: expected {_name(tp)}, got {value!r}"
+        )
+    if origin is Literal:
+        if value not in args:
+            raise UserError(
+                f"config {path}: expected one of {', '.join(map(repr, args))}, got {value!r}"
+            )
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise UserError(f"config {path}: expected a list, got {value!r}")
+        return [_coerce(args[0], v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is tuple:
+        if not isinstance(value, list | tuple) or len(value) != len(args):
+            raise UserError(f"config {path}: expected a list of {len(args)} values, got {value!r}")
+        return tuple(
+            _coerce(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value, strict=True))
+        )
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise UserError(f"config {path}: expected a mapping, got {value!r}")
+        return {str(k): _coerce(args[1], v, f"{path}.{k}") for k, v in value.items()}
+    return _scalar(tp, value, path)
+
+
+def _scalar(tp: Any, value: Any, path: str) -> Any:
+    if tp is float and isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):
+        try:  # YAML 1.1 reads "1e-5" as a string
+            return float(value)
+        except ValueError:
+            pass
+    if tp is str and isinstance(value, int | float) and not isinstance(value, bool):
+        return str(value)
+    if tp in (int, bool, str) and type(value) is tp:
+        return value
+    raise UserError(f"config {path}: expected {_name(tp)}, got {type(value).__name__} {value!r}")
+
+
+def _name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _check(cfg: Config) -> None:
+    """Cross-field checks that types alone cannot express."""
+    positive = {
+        "run.steps": cfg.run.steps >= 0,
+        "rollout.n": cfg.rollout.n >= 1,
+        "rollout.prompts_per_step": cfg.rollout.prompts_per_step >= 1,
+        "rollout.max_tokens": cfg.rollout.max_tokens >= 1,
+        "rollout.temperature": cfg.rollout.temperature >= 0,
+        "trainer.lr": cfg.trainer.lr > 0,
+        "trainer.micro_batch_tokens": cfg.trainer.micro_batch_tokens >= 16,
+        "trainer.mini_batches": cfg.trainer.mini_batches >= 1,
+        "data.size": cfg.data.size >= 1,
+        "eval.samples_per_prompt": cfg.eval.samples_per_prompt >= 1,
+    }
+    for key, ok in positive.items():
+        if not ok:
+            raise UserError(f"config {key}: must be positive")
+    if cfg.data.source != "reasoning_gym" and not cfg.data.path:
+        raise UserError(f"config data.path: required for data.source={cfg.data.source}")
+    if cfg.algorithm.advantage == "grpo" and cfg.rollout.n < 2:
+        raise UserError("config rollout.n: GRPO needs at least 2 samples per prompt (a group)")
+    if not cfg.reward.functions:
+        raise UserError("config reward.functions: list at least one reward function")

@@ -1,0 +1,187 @@
+"""Prompts from local jsonl/parquet files or reasoning-gym, chat rendering, and the data position.
+
+A dataset is split once into training tasks and held-out tasks; held-out prompts are
+deduplicated against the training prompts so evaluation never sees a trained-on question.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from treadle.config import DataConfig
+from treadle.errors import UserError
+from treadle.types import Message, Task
+
+
+@dataclass(frozen=True)
+class Dataset:
+    train: tuple[Task, ...]
+    held_out: tuple[Task, ...]
+
+
+def load_dataset(cfg: DataConfig) -> Dataset:
+    """Build the training and held-out tasks the config names.
+
+    Raises:
+        UserError: unreadable or malformed file (naming file and line), a missing field, an
+            unknown reasoning-gym task, or too few prompts.
+    """
+    if cfg.source == "reasoning_gym":
+        train, held_out = _reasoning_gym(cfg)
+    else:
+        rows = _read_rows(Path(cfg.path or ""), cfg.source)
+        tasks = [_file_task(cfg, row, where, i) for i, (row, where) in enumerate(rows)]
+        if len(tasks) <= cfg.eval_size:
+            raise UserError(
+                f"data.path {cfg.path}: {len(tasks)} usable rows, need more than "
+                f"data.eval_size={cfg.eval_size} (the held-out split); add data or lower it"
+            )
+        held_out = tasks[-cfg.eval_size :] if cfg.eval_size else []
+        train = tasks[: len(tasks) - cfg.eval_size][: cfg.size]
+        seen = {t.messages for t in train}
+        held_out = [t for t in held_out if t.messages not in seen]
+    if not train:
+        raise UserError(f"data: the dataset ({cfg.source} {cfg.path or cfg.task}) is empty")
+    return Dataset(tuple(train), tuple(held_out))
+
+
+def _messages(cfg: DataConfig, question: str) -> tuple[Message, ...]:
+    system = (Message("system", cfg.system_prompt),) if cfg.system_prompt else ()
+    return (*system, Message("user", question))
+
+
+def _reasoning_gym(cfg: DataConfig) -> tuple[list[Task], list[Task]]:
+    import reasoning_gym
+
+    def make(size: int, seed: int) -> list[dict[str, Any]]:
+        try:
+            return list(
+                reasoning_gym.create_dataset(cfg.task, size=size, seed=seed, **cfg.task_params)
+            )
+        except (ValueError, TypeError, AssertionError, KeyError) as e:
+            raise UserError(
+                f"data.task {cfg.task} with data.task_params {cfg.task_params}: {e}"
+            ) from None
+
+    def task(entry: dict[str, Any], split: str, i: int) -> Task:
+        payload = json.dumps({"dataset": cfg.task, "entry": entry}, default=list)
+        return Task(
+            task_id=f"{cfg.task}/{split}/{i}",
+            messages=_messages(cfg, entry["question"]),
+            answer=str(entry["answer"]),
+            domain=cfg.domain,
+            payload=payload,
+            demonstration=cfg.answer_template.format(answer=entry["answer"]),
+        )
+
+    train = [task(e, "train", i) for i, e in enumerate(make(cfg.size, cfg.seed))]
+    seen = {t.messages for t in train}
+    # Held-out prompts come from another seed; oversample, then drop trained-on questions.
+    pool = make(cfg.eval_size * 4 + 16, cfg.seed + 1_000_003) if cfg.eval_size else []
+    held_out: list[Task] = []
+    for i, e in enumerate(pool):
+        t = task(e, "eval", i)
+        if t.messages not in seen and len(held_out) < cfg.eval_size:
+            seen.add(t.messages)
+            held_out.append(t)
+    return train, held_out
+
+
+def _read_rows(path: Path, source: str) -> list[tuple[dict[str, Any], str]]:
+    if not path.is_file():
+        raise UserError(f"data.path {path}: file not found")
+    if source == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.read_table(path)
+        except Exception as e:  # pyarrow raises several types for a bad file
+            raise UserError(f"data.path {path}: not a readable parquet file: {e}") from None
+        return [(row, f"{path} row {i}") for i, row in enumerate(table.to_pylist())]
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(
+                    f"{path}:{lineno}: malformed JSON line ({e.msg}); fix or remove it"
+                ) from None
+            if not isinstance(row, dict):
+                raise UserError(f"{path}:{lineno}: expected a JSON object per line")
+            rows.append((row, f"{path}:{lineno}"))
+    return rows
+
+
+def _file_task(cfg: DataConfig, row: dict[str, Any], where: str, index: int) -> Task:
+    for name, col in (("question_field", cfg.question_field), ("answer_field", cfg.answer_field)):
+        if col not in row:
+            raise UserError(f"{where}: no field {col!r} (data.{name}); fields are {sorted(row)}")
+    answer = str(row[cfg.answer_field])
+    if cfg.answer_pattern:
+        m = re.search(cfg.answer_pattern, answer, flags=re.MULTILINE)
+        if not m:
+            raise UserError(
+                f"{where}: answer does not match data.answer_pattern {cfg.answer_pattern!r}"
+            )
+        answer = m.group(1).strip().replace(",", "")
+    return Task(
+        task_id=f"{Path(cfg.path or '').stem}/{index}",
+        messages=_messages(cfg, str(row[cfg.question_field])),
+        answer=answer,
+        domain=cfg.domain,
+        demonstration=cfg.answer_template.format(answer=answer),
+    )
+
+
+def render_prompt(tokenizer: PreTrainedTokenizerBase, task: Task) -> list[int]:
+    """Prompt token ids ``[P]``: the chat template over the task's messages, ready for a reply."""
+    text = tokenizer.apply_chat_template(
+        [{"role": m.role, "content": m.content} for m in task.messages],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+@dataclass
+class DataPosition:
+    """Where the sampler is: ``epoch`` passes done and ``offset`` tasks into the current one."""
+
+    epoch: int = 0
+    offset: int = 0
+
+
+class TaskSampler:
+    """Draws training tasks in a seeded shuffle per epoch; its position is part of the run state."""
+
+    def __init__(self, tasks: tuple[Task, ...], seed: int, position: DataPosition | None = None):
+        self._tasks = tasks
+        self._seed = seed
+        self.position = position or DataPosition()
+        self._order = self._shuffle(self.position.epoch)
+
+    def _shuffle(self, epoch: int) -> list[int]:
+        order = list(range(len(self._tasks)))
+        random.Random(self._seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def next_batch(self, k: int) -> list[Task]:
+        """The next ``k`` tasks; crossing an epoch boundary reshuffles."""
+        batch = []
+        while len(batch) < k:
+            if self.position.offset >= len(self._order):
+                self.position = DataPosition(self.position.epoch + 1, 0)
+                self._order = self._shuffle(self.position.epoch)
+            batch.append(self._tasks[self._order[self.position.offset]])
+            self.position.offset += 1
+        return batch

@@ -1,0 +1,270 @@
+"""The training job: prepare the model, SFT warm-up, evaluate, RL, evaluate, report.
+
+Run directory layout (``run.output_dir/run.name``)::
+
+    config.yaml        the resolved config
+    base_model/        the built tiny model + tokenizer (when model.path is unset)
+    sft_model/         the SFT warm-up checkpoint (Hugging Face format)
+    checkpoints/       RL checkpoints (step_NNNNNN/, latest)
+    final_model/       the policy after RL (Hugging Face format)
+    metrics.jsonl, tensorboard/, samples/, plot.png, summary.json
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+from rich.console import Console
+
+from treadle.backends.torch_backend import TorchBackend
+from treadle.checkpoint import latest_checkpoint, load_trainer_state, write_json_atomic
+from treadle.config import Config, to_dict
+from treadle.data import DataPosition, Dataset, TaskSampler, load_dataset
+from treadle.engines import EngineSpec, build_engine
+from treadle.errors import UserError
+from treadle.loop import RLParts, evaluate_policy, run_rl
+from treadle.models import build_tiny_model, build_tokenizer, load_model, save_model
+from treadle.observe import MetricsLogger, Progress
+from treadle.report import plot_run, print_summary
+from treadle.rewards.pool import RewardPool
+from treadle.sft import demonstration_samples, run_sft
+
+log = logging.getLogger(__name__)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def prepare_run_dir(cfg: Config, resume: Path | None) -> Path:
+    """Create the run directory (or reuse ``resume``) and record the resolved config."""
+    if resume is not None:
+        if not (resume / "config.yaml").is_file():
+            raise UserError(f"--resume {resume}: not a treadle run directory (no config.yaml)")
+        return resume
+    run_dir = Path(cfg.run.output_dir) / cfg.run.name
+    if (run_dir / "config.yaml").exists():
+        raise UserError(
+            f"run directory {run_dir} already holds a run; pass --resume {run_dir} to continue it, "
+            "or choose another run.name"
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    return run_dir
+
+
+def base_model(cfg: Config, data: Dataset, run_dir: Path) -> Path:
+    """Folder of the starting policy: ``model.path``, or a tiny model built in the run dir."""
+    if cfg.model.path is not None:
+        load_model(cfg.model.path, cfg.model.dtype)  # fail early with a clear error
+        return Path(cfg.model.path)
+    folder = run_dir / "base_model"
+    if not (folder / "config.json").exists():
+        corpus = [m.content for t in data.train for m in t.messages] + [
+            t.demonstration for t in data.train
+        ]
+        corpus += [cfg.sft.noise.loose_template.format(answer=t.answer) for t in data.train]
+        tokenizer = build_tokenizer(corpus, cfg.model.tiny.tokenizer_vocab_size)
+        model = build_tiny_model(cfg.model.tiny, tokenizer, cfg.run.seed)
+        atomic_save(model, tokenizer, folder)
+    return folder
+
+
+def atomic_save(model, tokenizer, folder: Path) -> Path:
+    """Write a Hugging Face folder via a temporary sibling, so it is never half-written."""
+    tmp = folder.with_name(f".tmp_{folder.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_model(model, tokenizer, tmp)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(tmp, folder)
+    return folder
+
+
+def sft_backend(cfg: Config, model, steps: int) -> TorchBackend:
+    trainer = dataclasses.replace(
+        cfg.trainer,
+        lr=cfg.sft.lr,
+        warmup_steps=cfg.sft.warmup_steps,
+        lr_schedule="cosine",
+        mini_batches=1,
+    )
+    return TorchBackend(model, trainer, total_steps=steps)
+
+
+def warm_up(cfg: Config, data: Dataset, start: Path, run_dir: Path, console: Console) -> Path:
+    """SFT on the (noisy) demonstrations; returns the SFT checkpoint folder."""
+    folder = run_dir / "sft_model"
+    if (folder / "config.json").exists():
+        return folder
+    model, tokenizer = load_model(start, cfg.model.dtype)
+    samples = demonstration_samples(
+        data.train, tokenizer, cfg.sft.noise, cfg.data.answer_template, cfg.run.seed
+    )
+    backend = sft_backend(cfg, model, cfg.sft.steps)
+    metrics = MetricsLogger(run_dir / "sft")
+    console.print(f"SFT warm-up: {cfg.sft.steps} steps")
+    with Progress(cfg.sft.steps, console=console) as bar:
+
+        def on_step(step: int, m: dict[str, float]) -> None:
+            metrics.log(step + 1, m)
+            bar.update(step + 1)
+
+        run_sft(
+            backend,
+            samples,
+            steps=cfg.sft.steps,
+            batch_size=cfg.sft.batch_size,
+            seed=cfg.run.seed,
+            on_step=on_step,
+        )
+    metrics.close()
+    return atomic_save(model, tokenizer, folder)
+
+
+def train(cfg: Config, resume: Path | None = None, console: Console | None = None) -> dict:
+    """The whole job. Returns the summary written to ``summary.json``."""
+    console = console or Console()
+    started = time.perf_counter()
+    torch.set_num_threads(cfg.run.threads)
+    seed_everything(cfg.run.seed)
+    run_dir = prepare_run_dir(cfg, resume)
+    data = load_dataset(cfg.data)
+    if not data.held_out:
+        raise UserError("data.eval_size: no held-out prompts left after removing trained-on ones")
+    start = base_model(cfg, data, run_dir)
+    if cfg.sft.steps > 0:
+        start = warm_up(cfg, data, start, run_dir, console)
+    ckpt = latest_checkpoint(run_dir)
+    model, tokenizer = load_model(ckpt / "model" if ckpt else start, cfg.model.dtype)
+    engine = build_engine(
+        cfg.rollout.engine,
+        EngineSpec(
+            model_dir=str(ckpt / "model" if ckpt else start),
+            dtype=cfg.model.dtype,
+            seed=cfg.run.seed,
+            max_model_len=cfg.model.tiny.max_position_embeddings
+            if cfg.model.path is None
+            else 4096,
+            kv_cache_gib=cfg.rollout.kv_cache_gib,
+        ),
+    )
+    policy = TorchBackend(
+        model, cfg.trainer, cfg.run.steps * cfg.trainer.mini_batches, cfg.rollout.temperature
+    )
+    reference = None
+    if cfg.algorithm.kl_coef > 0:
+        ref_model, _ = load_model(start, cfg.model.dtype)
+        reference = TorchBackend(
+            ref_model, cfg.trainer, 1, cfg.rollout.temperature, trainable=False
+        )
+    state = load_trainer_state(ckpt, policy.optimizer, policy.scheduler) if ckpt else {}
+    position = DataPosition(**state["data_position"]) if state else None
+    metrics = MetricsLogger(run_dir)
+    metrics.truncate_after(state.get("step", 0))
+    parts = RLParts(
+        cfg,
+        run_dir,
+        engine,
+        tokenizer,
+        RewardPool.from_config(cfg.reward),
+        policy,
+        reference,
+        TaskSampler(data.train, cfg.run.seed, position),
+        data.held_out,
+        metrics,
+    )
+    summary_path = run_dir / "summary.json"
+    try:
+        summary = _load_json(run_dir / "before_rl.json")
+        if not summary:
+            before = evaluate_policy(parts)
+            metrics.log(0, before.metrics())
+            summary = {
+                "accuracy_before_rl": before.pass_at_1,
+                "greedy_accuracy_before_rl": before.greedy_accuracy,
+                "pass_at_k_before_rl": before.pass_at_k,
+            }
+            write_json_atomic(run_dir / "before_rl.json", summary)
+        rl_start = time.perf_counter()
+        console.print(f"GRPO: {cfg.run.steps} steps")
+        with Progress(cfg.run.steps, console=console, start_step=state.get("step", 0)) as bar:
+            run_rl(parts, state.get("step", 0), bar)
+        rl_seconds = time.perf_counter() - rl_start
+        after = evaluate_policy(parts)
+        metrics.log(cfg.run.steps, after.metrics())
+        atomic_save(policy.model, tokenizer, run_dir / "final_model")
+        summary |= {
+            "accuracy_after_rl": after.pass_at_1,
+            "greedy_accuracy_after_rl": after.greedy_accuracy,
+            "pass_at_k_after_rl": after.pass_at_k,
+            "k": after.k,
+            "rl_steps": cfg.run.steps,
+            "rl_wall_time_s": rl_seconds,
+        }
+        if cfg.eval.control_sft and cfg.sft.steps > 0:
+            summary |= control_run(parts, data, run_dir, rl_seconds)
+    finally:
+        parts.rewards.close()
+        metrics.close()
+    summary["wall_time_s"] = time.perf_counter() - started
+    write_json_atomic(summary_path, summary)
+    plot_run(run_dir / "metrics.jsonl", run_dir / "plot.png")
+    print_summary(console, summary)
+    return summary
+
+
+def control_run(parts: RLParts, data: Dataset, run_dir: Path, seconds: float) -> dict:
+    """The control: the same wall time spent on more SFT from the SFT checkpoint instead of RL."""
+    cfg = parts.cfg
+    model, tokenizer = load_model(run_dir / "sft_model", cfg.model.dtype)
+    samples = demonstration_samples(
+        data.train, tokenizer, cfg.sft.noise, cfg.data.answer_template, cfg.run.seed
+    )
+    probe = sft_backend(cfg, copy.deepcopy(model), 2)
+    t0 = time.perf_counter()
+    run_sft(probe, samples, steps=2, batch_size=cfg.sft.batch_size, seed=cfg.run.seed)
+    steps = max(1, int(seconds / ((time.perf_counter() - t0) / 2)))
+    done = run_sft(
+        sft_backend(cfg, model, steps),
+        samples,
+        steps=steps,
+        batch_size=cfg.sft.batch_size,
+        seed=cfg.run.seed + 1,
+        max_seconds=seconds,
+    )
+    parts.engine.update_weights(model.state_dict().items(), version=-1)
+    result = evaluate_policy(parts)
+    return {
+        "control_sft_steps": done,
+        "accuracy_control_sft": result.pass_at_1,
+        "greedy_accuracy_control_sft": result.greedy_accuracy,
+    }
+
+
+def _load_json(path: Path) -> dict:
+    import json
+
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def sft_only(cfg: Config, console: Console | None = None) -> Path:
+    """``treadle sft``: build or load the model and run SFT; returns the checkpoint folder."""
+    if cfg.sft.steps <= 0:
+        raise UserError("sft.steps: must be positive for `treadle sft` (e.g. sft.steps=200)")
+    torch.set_num_threads(cfg.run.threads)
+    seed_everything(cfg.run.seed)
+    run_dir = prepare_run_dir(cfg, None)
+    data = load_dataset(cfg.data)
+    return warm_up(cfg, data, base_model(cfg, data, run_dir), run_dir, console or Console())

@@ -1,0 +1,289 @@
+"""Scoring batches of completions in worker processes, with a per-call timeout and a fallback.
+
+Verifiers run untrusted model output through parsers (sympy, regexes, reasoning-gym puzzles)
+that can hang or crash. Each call of one reward function on one sample therefore runs in a
+worker process of a ``pebble.ProcessPool`` with its own wall-clock timeout: a call that raises,
+times out or kills its worker gets the fallback reward for that function on that sample, and
+the rest of the batch keeps its true scores. Pebble replaces killed workers by itself.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+import multiprocessing
+import pickle
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+
+import pebble
+
+from treadle.errors import UserError
+from treadle.rewards.base import RewardFunction, Score, build_reward_function
+from treadle.types import Task
+
+logger = logging.getLogger(__name__)
+
+# Not "fork": the parent holds a multi-threaded torch/vLLM runtime, and forking a process with
+# live threads can deadlock the child on a lock some other thread held at fork time.
+_START_METHOD = "spawn"
+
+
+@dataclass
+class RewardSpec:
+    """One reward function of the mix."""
+
+    name: str
+    """A key of :data:`treadle.rewards.base.REWARD_FUNCTIONS`, e.g. ``"math_verify"``."""
+    weight: float = 1.0
+    """Multiplier of this function's reward in the total (unitless)."""
+    params: dict[str, str] = field(default_factory=dict)
+    """Constructor keyword arguments of the function, e.g. ``{"extract": "boxed"}``."""
+
+
+@dataclass
+class RewardConfig:
+    """The ``reward`` section of the config: which functions, and how they are run."""
+
+    functions: list[RewardSpec]
+    """Reward functions; the first is the primary verifier whose ``correct`` is reported."""
+    timeout_s: float = 5.0
+    """Wall-clock limit of one function on one sample, in seconds (ignored when workers=0)."""
+    fallback: float = 0.0
+    """Reward a function gives a sample when it raised or timed out on it."""
+    workers: int = 2
+    """Worker processes; 0 scores in the calling process (debugging: no timeout)."""
+
+
+@dataclass
+class BatchScores:
+    """The scores of one batch and what went wrong while computing them."""
+
+    scores: list[Score]
+    """``[N]`` one combined score per sample, in input order."""
+    failures: int
+    """Calls (function x sample) that raised or whose worker died; each got the fallback."""
+    timeouts: int
+    """Calls that ran past ``timeout_s`` and were killed; each got the fallback."""
+    seconds: float
+    """Wall-clock time of the whole batch, in seconds."""
+
+
+@dataclass(frozen=True)
+class _CallError:
+    """A reward function raised (or returned a bad value) on one sample."""
+
+    message: str
+    """``"ExceptionType: text"``."""
+    traceback: str
+
+
+class _Timeout:
+    """A call ran past its timeout and its worker was killed."""
+
+
+_Outcome = Score | _CallError | _Timeout
+
+
+class RewardPool:
+    """Scores (task, response) pairs with a weighted mix of reward functions.
+
+    The total reward of a sample is ``sum(weight * reward)`` over the functions; its
+    ``correct`` is the ``correct`` of the first function listed (the primary verifier), False
+    when that function failed. A failed call contributes ``weight * fallback``.
+
+    Workers are spawned once, when the pool is built, and reused for every batch; each imports
+    the reward functions' modules at start, so the import cost is paid once per worker (and
+    again only for a replacement of a killed worker). Spawned workers re-import the parent's
+    ``__main__`` module, so keep the entry point's top level light.
+
+    With ``workers=0`` the functions run in the calling process: exceptions still give the
+    fallback, but a hanging function cannot be stopped (there is no timeout).
+
+    Args:
+        functions: ``(function, weight)`` pairs; instances are pickled to the workers.
+        timeout_s: Wall-clock limit of one function on one sample, in seconds, counted from
+            when a worker starts the call (time queued behind other calls does not count).
+        fallback: Reward of a call that raised or timed out.
+        workers: Number of worker processes, or 0 for in-process scoring.
+
+    Raises:
+        UserError: no functions, ``timeout_s <= 0`` or ``workers < 0``.
+        TypeError: ``workers > 0`` and a function cannot be pickled.
+    """
+
+    def __init__(
+        self,
+        functions: Sequence[tuple[RewardFunction, float]],
+        *,
+        timeout_s: float = 5.0,
+        fallback: float = 0.0,
+        workers: int = 2,
+    ) -> None:
+        if not functions:
+            raise UserError("reward.functions: at least one reward function is needed")
+        if timeout_s <= 0:
+            raise UserError(f"reward.timeout_s: expected seconds > 0, got {timeout_s}")
+        if workers < 0:
+            raise UserError(f"reward.workers: expected an int >= 0, got {workers}")
+        self.functions = list(functions)
+        self.timeout_s = timeout_s
+        self.fallback = fallback
+        self._executor: pebble.ProcessPool | None = None
+        if workers > 0:
+            for fn, _ in self.functions:
+                _check_picklable(fn)
+            modules = sorted({type(fn).__module__ for fn, _ in self.functions})
+            self._executor = pebble.ProcessPool(
+                max_workers=workers,
+                initializer=_import_modules,
+                initargs=(modules,),
+                context=multiprocessing.get_context(_START_METHOD),
+            )
+            # Pebble starts its workers on the first schedule; a no-op starts them now, so
+            # they import while the caller does other work instead of during the first batch.
+            self._executor.schedule(_noop)
+
+    @classmethod
+    def from_config(cls, cfg: RewardConfig) -> RewardPool:
+        """Build the functions named in ``cfg`` and a pool to run them.
+
+        Raises:
+            UserError: a bad function name or params (the message names ``functions[i]``), or
+                a bad pool setting.
+        """
+        functions: list[tuple[RewardFunction, float]] = []
+        for i, spec in enumerate(cfg.functions):
+            try:
+                functions.append((build_reward_function(spec.name, **spec.params), spec.weight))
+            except UserError as error:
+                raise UserError(f"reward.functions[{i}]: {error}") from None
+        return cls(functions, timeout_s=cfg.timeout_s, fallback=cfg.fallback, workers=cfg.workers)
+
+    def score(self, samples: Sequence[tuple[Task, str]]) -> BatchScores:
+        """Score every ``(task, response)`` pair with every function.
+
+        All calls are scheduled at once and then collected, so the batch takes about
+        ``calls * call time / workers`` seconds, plus at most ``timeout_s`` (and up to 3 s more
+        when a killed worker ignores SIGTERM, e.g. stuck in C code) per hung call.
+
+        Raises:
+            RuntimeError: the pool was closed, or pebble's pool itself broke (e.g. a worker
+                could not import a reward function's module).
+        """
+        start = time.perf_counter()
+        if self._executor is None:
+            outcomes = [
+                [_call(fn, task, response) for fn, _ in self.functions]
+                for task, response in samples
+            ]
+        else:
+            outcomes = self._run_in_workers(samples)
+        scores: list[Score] = []
+        failures = timeouts = 0
+        for (task, _), row in zip(samples, outcomes, strict=True):
+            for (fn, _), outcome in zip(self.functions, row, strict=True):
+                if isinstance(outcome, _CallError):
+                    failures += 1
+                    logger.warning(
+                        "reward %s failed on task %s: %s", fn.name, task.task_id, outcome.message
+                    )
+                    logger.debug("reward %s traceback:\n%s", fn.name, outcome.traceback)
+                elif isinstance(outcome, _Timeout):
+                    timeouts += 1
+                    logger.warning(
+                        "reward %s timed out after %.1f s on task %s",
+                        fn.name,
+                        self.timeout_s,
+                        task.task_id,
+                    )
+            scores.append(self._combine(row))
+        seconds = time.perf_counter() - start
+        return BatchScores(scores=scores, failures=failures, timeouts=timeouts, seconds=seconds)
+
+    def close(self) -> None:
+        """Stop the workers (a running call is killed). Safe to call twice."""
+        if self._executor is not None:
+            self._executor.stop()
+            self._executor.join()
+            self._executor = None
+
+    def __enter__(self) -> RewardPool:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _run_in_workers(self, samples: Sequence[tuple[Task, str]]) -> list[list[_Outcome]]:
+        assert self._executor is not None
+        futures = [
+            [
+                self._executor.schedule(_call, args=(fn, task, response), timeout=self.timeout_s)
+                for fn, _ in self.functions
+            ]
+            for task, response in samples
+        ]
+        return [[_collect(future) for future in row] for row in futures]
+
+    def _combine(self, row: list[_Outcome]) -> Score:
+        total = 0.0
+        for (_, weight), outcome in zip(self.functions, row, strict=True):
+            reward = outcome.reward if isinstance(outcome, Score) else self.fallback
+            total += weight * reward
+        primary = row[0]
+        return Score(reward=total, correct=isinstance(primary, Score) and primary.correct)
+
+
+def _call(fn: RewardFunction, task: Task, response: str) -> Score | _CallError:
+    """Run one reward function on one sample (in a worker), turning errors into a value.
+
+    Errors are returned rather than raised so that the parent can tell a function's own
+    exception (even a ``TimeoutError``) from pebble's timeout, and never has to unpickle an
+    arbitrary exception object.
+    """
+    try:
+        score = fn.score(task, response)
+        if not isinstance(score, Score) or not math.isfinite(score.reward):
+            raise TypeError(f"expected a Score with a finite reward, got {score!r}")
+        return score
+    except Exception as error:
+        return _CallError(f"{type(error).__name__}: {error}", traceback.format_exc())
+
+
+def _collect(future: pebble.ProcessFuture) -> _Outcome:
+    """Wait for one call; pebble enforces the timeout, so this always returns."""
+    try:
+        return future.result()
+    except TimeoutError:
+        return _Timeout()
+    except pebble.ProcessExpired as error:
+        # The worker died (segfault, out of memory, os._exit); pebble starts a new one.
+        return _CallError(f"worker died: {error} (exit code {error.exitcode})", "")
+
+
+def _check_picklable(fn: RewardFunction) -> None:
+    try:
+        pickle.dumps(fn)
+    except Exception as error:
+        raise TypeError(
+            f"reward function {fn.name!r} cannot be pickled to the workers: {error}"
+        ) from error
+
+
+def _import_modules(modules: list[str]) -> None:
+    """Worker initializer: import the reward functions' modules (and their heavy deps) once."""
+    for module in modules:
+        importlib.import_module(module)
+
+
+def _noop() -> None:
+    """Nothing; scheduled once to start the workers."""
