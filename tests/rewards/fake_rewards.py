@@ -14,8 +14,9 @@ class ScriptedReward:
     """A reward whose behaviour is scripted by markers in the response.
 
     ``SLEEP`` in the response: sleep ``sleep_s`` seconds (to trip the pool's timeout);
-    ``RAISE``: raise ``ValueError("scripted failure")``; ``PID``: the reward is the worker's
-    process id (to see which process scored it); otherwise ``Score(reward, True)``.
+    ``RAISE``: raise ``ValueError("scripted failure")``; ``CRASH``: end the process with exit
+    code 3; ``PID``: the reward is the worker's process id (to see which process scored it);
+    otherwise ``Score(reward, True)``.
     """
 
     name = "scripted"
@@ -29,6 +30,11 @@ class ScriptedReward:
             time.sleep(self.sleep_s)
         if "RAISE" in response:
             raise ValueError("scripted failure")
+        if "CRASH" in response:
+            # Die a moment after the start, as a real crash would: pebble attributes a death
+            # to its task only once it has processed the task's acknowledgement.
+            time.sleep(0.2)
+            os._exit(3)
         if "PID" in response:
             return Score(reward=float(os.getpid()), correct=True)
         return Score(reward=self.reward, correct=True)

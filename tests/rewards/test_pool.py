@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import sys
 import time
+import types
 
 import pytest
 
@@ -80,6 +84,8 @@ def test_in_process_mode_catches_exceptions(chain_sum_task: Task, prime_task: Ta
     # 2.0 * 1.0 = 2.0; 2.0 * -1.0 (fallback) = -2.0
     assert result.scores == [Score(2.0, True), Score(-2.0, False)]
     assert (result.failures, result.timeouts) == (1, 0)
+    with pytest.raises(RuntimeError, match="after close"):
+        pool.score([(chain_sum_task, "<answer>-14282</answer>")])
 
 
 def test_from_config(chain_sum_task: Task) -> None:
@@ -114,3 +120,52 @@ def test_bad_config_is_a_user_error() -> None:
 def test_unpicklable_function_fails_at_construction() -> None:
     with pytest.raises(TypeError, match="'unpicklable' cannot be pickled"):
         RewardPool([(UnpicklableReward(), 1.0)], workers=1)
+
+
+def test_a_dead_worker_gives_the_fallback(chain_sum_task: Task) -> None:
+    pool = RewardPool([(ScriptedReward(), 1.0)], timeout_s=5.0, fallback=FALLBACK, workers=1)
+    with pool:
+        result = pool.score([(chain_sum_task, s) for s in ("PID", "CRASH", "PID")])
+    first_pid, crashed, second_pid = result.scores
+    assert crashed == Score(FALLBACK, False)
+    assert second_pid.reward != first_pid.reward  # a new worker took over
+    assert (result.failures, result.timeouts) == (1, 0)
+
+
+def test_a_broken_pool_is_rebuilt(chain_sum_task: Task, caplog: pytest.LogCaptureFixture) -> None:
+    # A worker killed while idle makes pebble declare the whole pool broken.
+    with RewardPool([(ScriptedReward(), 1.0)], workers=1) as pool:
+        pid = int(pool.score([(chain_sum_task, "PID")]).scores[0].reward)
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(0.5)  # pebble checks its workers every 0.1 s
+        result = pool.score([(chain_sum_task, "PID"), (chain_sum_task, "ok")])
+    assert result.scores[0].reward != pid
+    assert result.scores[1] == Score(0.25, True)
+    assert (result.failures, result.timeouts) == (0, 0)
+    assert "reward worker pool broke; starting a new one" in caplog.messages
+
+
+def test_workers_that_cannot_start_raise(chain_sum_task: Task) -> None:
+    # The class lives in a module that exists only in this process, so workers cannot import it.
+    module = types.ModuleType("treadle_phantom_rewards")
+    exec(_PHANTOM_SOURCE, module.__dict__)
+    sys.modules[module.__name__] = module
+    try:
+        with (
+            RewardPool([(module.PhantomReward(), 1.0)], workers=1) as pool,
+            pytest.raises(RuntimeError, match="reward workers did not start"),
+        ):
+            pool.score([(chain_sum_task, "x")])
+    finally:
+        del sys.modules[module.__name__]
+
+
+_PHANTOM_SOURCE = """
+from treadle.rewards.base import Score
+
+class PhantomReward:
+    name = "phantom"
+
+    def score(self, task, response):
+        return Score(reward=1.0, correct=True)
+"""

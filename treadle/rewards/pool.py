@@ -4,7 +4,8 @@ Verifiers run untrusted model output through parsers (sympy, regexes, reasoning-
 that can hang or crash. Each call of one reward function on one sample therefore runs in a
 worker process of a ``pebble.ProcessPool`` with its own wall-clock timeout: a call that raises,
 times out or kills its worker gets the fallback reward for that function on that sample, and
-the rest of the batch keeps its true scores. Pebble replaces killed workers by itself.
+the rest of the batch keeps its true scores. Pebble replaces killed workers by itself; a pool
+that pebble gives up on as a whole is rebuilt before the next batch.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pickle
 import time
 import traceback
 from collections.abc import Sequence
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from types import TracebackType
 
@@ -31,6 +33,8 @@ logger = logging.getLogger(__name__)
 # Not "fork": the parent holds a multi-threaded torch/vLLM runtime, and forking a process with
 # live threads can deadlock the child on a lock some other thread held at fork time.
 _START_METHOD = "spawn"
+# How long a fresh pool may take to start one worker (spawn + imports), in seconds.
+_STARTUP_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -104,6 +108,8 @@ class RewardPool:
     With ``workers=0`` the functions run in the calling process: exceptions still give the
     fallback, but a hanging function cannot be stopped (there is no timeout).
 
+    Not thread-safe: call :meth:`score` from one thread at a time.
+
     Args:
         functions: ``(function, weight)`` pairs; instances are pickled to the workers.
         timeout_s: Wall-clock limit of one function on one sample, in seconds, counted from
@@ -133,20 +139,13 @@ class RewardPool:
         self.functions = list(functions)
         self.timeout_s = timeout_s
         self.fallback = fallback
-        self._executor: pebble.ProcessPool | None = None
+        self._closed = False
+        self._workers: _Workers | None = None
         if workers > 0:
             for fn, _ in self.functions:
                 _check_picklable(fn)
             modules = sorted({type(fn).__module__ for fn, _ in self.functions})
-            self._executor = pebble.ProcessPool(
-                max_workers=workers,
-                initializer=_import_modules,
-                initargs=(modules,),
-                context=multiprocessing.get_context(_START_METHOD),
-            )
-            # Pebble starts its workers on the first schedule; a no-op starts them now, so
-            # they import while the caller does other work instead of during the first batch.
-            self._executor.schedule(_noop)
+            self._workers = _Workers(workers, modules)
 
     @classmethod
     def from_config(cls, cfg: RewardConfig) -> RewardPool:
@@ -172,21 +171,21 @@ class RewardPool:
         when a killed worker ignores SIGTERM, e.g. stuck in C code) per hung call.
 
         Raises:
-            RuntimeError: the pool was closed, or pebble's pool itself broke (e.g. a worker
-                could not import a reward function's module).
+            RuntimeError: the pool was closed, or its workers cannot start (e.g. they cannot
+                import a reward function's module).
         """
+        if self._closed:
+            raise RuntimeError("RewardPool.score called after close()")
         start = time.perf_counter()
-        if self._executor is None:
-            outcomes = [
-                [_call(fn, task, response) for fn, _ in self.functions]
-                for task, response in samples
-            ]
+        fns = [fn for fn, _ in self.functions]
+        if self._workers is None:
+            outcomes = [[_call(fn, task, response) for fn in fns] for task, response in samples]
         else:
-            outcomes = self._run_in_workers(samples)
+            outcomes = self._workers.run(fns, samples, self.timeout_s)
         scores: list[Score] = []
         failures = timeouts = 0
         for (task, _), row in zip(samples, outcomes, strict=True):
-            for (fn, _), outcome in zip(self.functions, row, strict=True):
+            for fn, outcome in zip(fns, row, strict=True):
                 if isinstance(outcome, _CallError):
                     failures += 1
                     logger.warning(
@@ -207,10 +206,10 @@ class RewardPool:
 
     def close(self) -> None:
         """Stop the workers (a running call is killed). Safe to call twice."""
-        if self._executor is not None:
-            self._executor.stop()
-            self._executor.join()
-            self._executor = None
+        self._closed = True
+        if self._workers is not None:
+            self._workers.close()
+            self._workers = None
 
     def __enter__(self) -> RewardPool:
         return self
@@ -223,17 +222,6 @@ class RewardPool:
     ) -> None:
         self.close()
 
-    def _run_in_workers(self, samples: Sequence[tuple[Task, str]]) -> list[list[_Outcome]]:
-        assert self._executor is not None
-        futures = [
-            [
-                self._executor.schedule(_call, args=(fn, task, response), timeout=self.timeout_s)
-                for fn, _ in self.functions
-            ]
-            for task, response in samples
-        ]
-        return [[_collect(future) for future in row] for row in futures]
-
     def _combine(self, row: list[_Outcome]) -> Score:
         total = 0.0
         for (_, weight), outcome in zip(self.functions, row, strict=True):
@@ -241,6 +229,66 @@ class RewardPool:
             total += weight * reward
         primary = row[0]
         return Score(reward=total, correct=isinstance(primary, Score) and primary.correct)
+
+
+class _Workers:
+    """A pebble process pool that is started eagerly and rebuilt if pebble declares it broken."""
+
+    def __init__(self, workers: int, modules: list[str]) -> None:
+        self._size = workers
+        self._modules = modules
+        self._executor, self._startup = self._start()
+
+    def _start(self) -> tuple[pebble.ProcessPool, pebble.ProcessFuture]:
+        executor = pebble.ProcessPool(
+            max_workers=self._size,
+            initializer=_import_modules,
+            initargs=(self._modules,),
+            context=multiprocessing.get_context(_START_METHOD),
+        )
+        # Pebble starts its workers on the first schedule; a no-op starts them now, so they
+        # import while the caller does other work, and its result shows that they can start.
+        return executor, executor.schedule(_noop)
+
+    def run(
+        self, fns: list[RewardFunction], samples: Sequence[tuple[Task, str]], timeout_s: float
+    ) -> list[list[_Outcome]]:
+        """Run every function on every sample; ``[N][F]`` outcomes in input order."""
+        self._restart_if_broken()
+        self._check_started()
+        futures = [
+            [
+                self._executor.schedule(_call, args=(fn, task, response), timeout=timeout_s)
+                for fn in fns
+            ]
+            for task, response in samples
+        ]
+        outcomes = [[_collect(future) for future in row] for row in futures]
+        self._restart_if_broken()
+        return outcomes
+
+    def _restart_if_broken(self) -> None:
+        if self._executor.active:
+            return
+        # Pebble gives up on the whole pool when a worker dies while it sees no task running
+        # on it: killed while idle, or dead before the parent processed its task's ack.
+        logger.error("reward worker pool broke; starting a new one")
+        self._executor.stop()
+        self._executor.join()
+        self._executor, self._startup = self._start()
+
+    def _check_started(self) -> None:
+        try:
+            self._startup.result(timeout=_STARTUP_TIMEOUT_S)
+        except Exception as error:
+            raise RuntimeError(
+                f"reward workers did not start ({type(error).__name__}: {error}); "
+                f"can a fresh Python process import {self._modules}? See the workers' log."
+            ) from error
+
+    def close(self) -> None:
+        self._executor.stop()
+        self._executor.join()
 
 
 def _call(fn: RewardFunction, task: Task, response: str) -> Score | _CallError:
@@ -268,6 +316,8 @@ def _collect(future: pebble.ProcessFuture) -> _Outcome:
     except pebble.ProcessExpired as error:
         # The worker died (segfault, out of memory, os._exit); pebble starts a new one.
         return _CallError(f"worker died: {error} (exit code {error.exitcode})", "")
+    except BrokenProcessPool as error:
+        return _CallError(f"worker pool broke: {error}", "")
 
 
 def _check_picklable(fn: RewardFunction) -> None:
