@@ -34,6 +34,8 @@ class TinyModelConfig:
     max_position_embeddings: int = 512
     tokenizer_vocab_size: int = 512
     """BPE vocabulary trained on the task's own text (digits stay single tokens)."""
+    tokenizer_path: str | None = None
+    """Use this local tokenizer folder (e.g. a real Qwen tokenizer) instead of training one."""
 
 
 @dataclass
@@ -66,7 +68,10 @@ class DataConfig:
     """Held-out prompts, never trained on (deduplicated against the training prompts)."""
     system_prompt: str | None = None
     answer_template: str = "<answer>{answer}</answer>"
-    """How a gold answer is written in an SFT demonstration."""
+    """An SFT demonstration: ``{answer}`` is the gold answer, ``{reasoning}`` its worked steps."""
+    reasoning: Literal["none", "chain_steps"] = "none"
+    """Worked steps for demonstrations: ``chain_steps`` evaluates a reasoning-gym +/- chain
+    left to right (``3 + 4 = 7, 7 - 9 = -2.``)."""
 
 
 @dataclass
@@ -76,6 +81,7 @@ class NoiseConfig:
     loose_format_fraction: float = 0.0
     """Share of demonstrations that write the answer in ``loose_template`` instead."""
     loose_template: str = "{answer}"
+    """Same fields as ``data.answer_template``."""
     wrong_answer_fraction: float = 0.0
     """Share of demonstrations whose answer is off by 1 to 3 (numeric answers only)."""
 
@@ -126,7 +132,7 @@ class TrainerConfig:
     micro_batch_tokens: int = 4096
     """Token budget of one packed micro-batch (no padding is computed)."""
     bf16_autocast: bool = False
-    """Autocast forward/backward to bf16 (helps on GPUs and bf16-capable CPUs; weights stay fp32)."""
+    """Autocast forward/backward to bf16 (helps on GPUs and bf16 CPUs); weights stay fp32."""
     mini_batches: int = 1
     """Optimizer steps per RL step (the batch is split; later ones are off-policy, clipped)."""
 

@@ -78,7 +78,7 @@ def _reasoning_gym(cfg: DataConfig) -> tuple[list[Task], list[Task]]:
             answer=str(entry["answer"]),
             domain=cfg.domain,
             payload=payload,
-            demonstration=cfg.answer_template.format(answer=entry["answer"]),
+            reasoning=_reasoning(cfg, entry),
         )
 
     train = [task(e, "train", i) for i, e in enumerate(make(cfg.size, cfg.seed))]
@@ -92,6 +92,41 @@ def _reasoning_gym(cfg: DataConfig) -> tuple[list[Task], list[Task]]:
             seen.add(t.messages)
             held_out.append(t)
     return train, held_out
+
+
+def _reasoning(cfg: DataConfig, entry: dict[str, Any]) -> str:
+    if cfg.reasoning == "none":
+        return ""
+    expression = entry.get("metadata", {}).get("expression")
+    if not isinstance(expression, str):
+        raise UserError(f"data.reasoning=chain_steps: task {cfg.task} has no metadata.expression")
+    return chain_steps(expression)
+
+
+def chain_steps(expression: str) -> str:
+    """Left-to-right worked steps of a chain of ``+``/``-`` on integers.
+
+    ``"4 - 1 - 7"`` -> ``"4 - 1 = 3, 3 - 7 = -4."``
+
+    Raises:
+        UserError: the expression holds another operator.
+    """
+    parts = expression.split()
+    if len(parts) < 3 or len(parts) % 2 == 0 or any(op not in "+-" for op in parts[1::2]):
+        raise UserError(f"data.reasoning=chain_steps: {expression!r} is not a +/- chain")
+    total, steps = int(parts[0]), []
+    for op, operand in zip(parts[1::2], parts[2::2], strict=True):
+        new = total + int(operand) if op == "+" else total - int(operand)
+        steps.append(f"{total} {op} {operand} = {new}")
+        total = new
+    return ", ".join(steps) + "."
+
+
+def render_demonstration(task: Task, template: str, answer: str | None = None) -> str:
+    """An SFT demonstration of ``task`` in ``template`` (fields ``{reasoning}``, ``{answer}``)."""
+    return template.format(
+        reasoning=task.reasoning, answer=task.answer if answer is None else answer
+    )
 
 
 def _read_rows(path: Path, source: str) -> list[tuple[dict[str, Any], str]]:
@@ -139,7 +174,6 @@ def _file_task(cfg: DataConfig, row: dict[str, Any], where: str, index: int) -> 
         messages=_messages(cfg, str(row[cfg.question_field])),
         answer=answer,
         domain=cfg.domain,
-        demonstration=cfg.answer_template.format(answer=answer),
     )
 
 

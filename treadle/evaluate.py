@@ -18,7 +18,7 @@ class EvalResult:
     """Accuracies are fractions in [0, 1] over held-out prompts."""
 
     pass_at_1: float
-    """Mean over prompts of the share of ``k`` samples (at the training temperature) judged right."""
+    """Mean over prompts of the share of ``k`` samples (training temperature) judged right."""
     pass_at_k: float
     """Share of prompts with at least one of ``k`` samples right."""
     k: int
@@ -48,7 +48,7 @@ def evaluate(
     max_tokens: int,
     greedy: bool = True,
 ) -> EvalResult:
-    """Sample ``k`` completions per held-out task at ``temperature`` (and one greedy) and score them."""
+    """Sample ``k`` completions per held-out task at ``temperature`` (and a greedy one); score."""
     sampled = score(
         pool,
         generate(

@@ -96,12 +96,7 @@ def load_model(
     Raises:
         UserError: the folder does not exist or holds no loadable model/tokenizer.
     """
-    folder = Path(path)
-    if not (folder / "config.json").is_file():
-        raise UserError(
-            f"model.path {folder}: no Hugging Face model folder there (config.json missing); "
-            "pass a local folder, or leave model.path unset to build the tiny model"
-        )
+    folder = require_model_folder(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype))
@@ -110,6 +105,21 @@ def load_model(
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
+
+
+def require_model_folder(path: str | Path) -> Path:
+    """``path`` as a folder that holds a Hugging Face model.
+
+    Raises:
+        UserError: no ``config.json`` there.
+    """
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise UserError(
+            f"model.path {folder}: no Hugging Face model folder there (config.json missing); "
+            "pass a local folder, or leave model.path unset to build the tiny model"
+        )
+    return folder
 
 
 def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Path) -> Path:

@@ -25,15 +25,22 @@ import numpy as np
 import torch
 import yaml
 from rich.console import Console
+from transformers import AutoTokenizer
 
 from treadle.backends.torch_backend import TorchBackend
 from treadle.checkpoint import latest_checkpoint, load_trainer_state, write_json_atomic
 from treadle.config import Config, to_dict
-from treadle.data import DataPosition, Dataset, TaskSampler, load_dataset
+from treadle.data import DataPosition, Dataset, TaskSampler, load_dataset, render_demonstration
 from treadle.engines import EngineSpec, build_engine
 from treadle.errors import UserError
 from treadle.loop import RLParts, evaluate_policy, run_rl
-from treadle.models import build_tiny_model, build_tokenizer, load_model, save_model
+from treadle.models import (
+    build_tiny_model,
+    build_tokenizer,
+    load_model,
+    require_model_folder,
+    save_model,
+)
 from treadle.observe import MetricsLogger, Progress
 from treadle.report import plot_run, print_summary
 from treadle.rewards.pool import RewardPool
@@ -68,18 +75,26 @@ def prepare_run_dir(cfg: Config, resume: Path | None) -> Path:
 def base_model(cfg: Config, data: Dataset, run_dir: Path) -> Path:
     """Folder of the starting policy: ``model.path``, or a tiny model built in the run dir."""
     if cfg.model.path is not None:
-        load_model(cfg.model.path, cfg.model.dtype)  # fail early with a clear error
         return Path(cfg.model.path)
     folder = run_dir / "base_model"
     if not (folder / "config.json").exists():
-        corpus = [m.content for t in data.train for m in t.messages] + [
-            t.demonstration for t in data.train
-        ]
-        corpus += [cfg.sft.noise.loose_template.format(answer=t.answer) for t in data.train]
-        tokenizer = build_tokenizer(corpus, cfg.model.tiny.tokenizer_vocab_size)
+        tokenizer = tiny_tokenizer(cfg, data)
         model = build_tiny_model(cfg.model.tiny, tokenizer, cfg.run.seed)
         atomic_save(model, tokenizer, folder)
     return folder
+
+
+def tiny_tokenizer(cfg: Config, data: Dataset):
+    """The tokenizer of a built model: a local folder, or a BPE trained on the task's text."""
+    if cfg.model.tiny.tokenizer_path is not None:
+        folder = Path(cfg.model.tiny.tokenizer_path)
+        if not folder.is_dir():
+            raise UserError(f"model.tiny.tokenizer_path {folder}: no such folder")
+        return AutoTokenizer.from_pretrained(folder)
+    corpus = [m.content for t in data.train for m in t.messages]
+    for template in (cfg.data.answer_template, cfg.sft.noise.loose_template):
+        corpus += [render_demonstration(t, template) for t in data.train]
+    return build_tokenizer(corpus, cfg.model.tiny.tokenizer_vocab_size)
 
 
 def atomic_save(model, tokenizer, folder: Path) -> Path:
@@ -139,10 +154,12 @@ def train(cfg: Config, resume: Path | None = None, console: Console | None = Non
     started = time.perf_counter()
     torch.set_num_threads(cfg.run.threads)
     seed_everything(cfg.run.seed)
-    run_dir = prepare_run_dir(cfg, resume)
-    data = load_dataset(cfg.data)
+    data = load_dataset(cfg.data)  # bad input fails here, before a run directory exists
     if not data.held_out:
         raise UserError("data.eval_size: no held-out prompts left after removing trained-on ones")
+    if cfg.model.path is not None:
+        require_model_folder(cfg.model.path)
+    run_dir = prepare_run_dir(cfg, resume)
     start = base_model(cfg, data, run_dir)
     if cfg.sft.steps > 0:
         start = warm_up(cfg, data, start, run_dir, console)
@@ -265,6 +282,8 @@ def sft_only(cfg: Config, console: Console | None = None) -> Path:
         raise UserError("sft.steps: must be positive for `treadle sft` (e.g. sft.steps=200)")
     torch.set_num_threads(cfg.run.threads)
     seed_everything(cfg.run.seed)
-    run_dir = prepare_run_dir(cfg, None)
     data = load_dataset(cfg.data)
+    if cfg.model.path is not None:
+        require_model_folder(cfg.model.path)
+    run_dir = prepare_run_dir(cfg, None)
     return warm_up(cfg, data, base_model(cfg, data, run_dir), run_dir, console or Console())

@@ -11,7 +11,7 @@ from transformers import PreTrainedTokenizerBase
 from treadle.algorithms.objectives import SFTObjective
 from treadle.backends.torch_backend import TorchBackend
 from treadle.config import NoiseConfig
-from treadle.data import render_prompt
+from treadle.data import render_demonstration, render_prompt
 from treadle.errors import UserError
 from treadle.types import Task, TrainSample
 
@@ -29,7 +29,7 @@ def noisy_demonstration(task: Task, noise: NoiseConfig, answer_template: str, se
     template = (
         noise.loose_template if rng.random() < noise.loose_format_fraction else answer_template
     )
-    return template.format(answer=answer)
+    return render_demonstration(task, template, answer)
 
 
 def demonstration_samples(
@@ -44,7 +44,7 @@ def demonstration_samples(
     for t in tasks:
         prompt = render_prompt(tokenizer, t)
         demo = noisy_demonstration(t, noise, answer_template, seed)
-        reply = tokenizer.encode(demo, add_special_tokens=False) + [tokenizer.eos_token_id]
+        reply = [*tokenizer.encode(demo, add_special_tokens=False), tokenizer.eos_token_id]
         samples.append(
             TrainSample(
                 token_ids=prompt + reply,
@@ -70,7 +70,7 @@ def run_sft(
     max_seconds: float | None = None,
     on_step: Callable[[int, dict[str, float]], None] | None = None,
 ) -> int:
-    """Train ``steps`` optimizer steps (or until ``max_seconds`` of wall time); returns steps done."""
+    """Train ``steps`` optimizer steps or until ``max_seconds`` (wall); returns steps done."""
     rng = random.Random(seed)
     order: list[int] = []
     objective = SFTObjective()

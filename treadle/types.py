@@ -44,8 +44,9 @@ class Task:
     """Data domain that routes the task to its reward functions, e.g. ``"math"``."""
     payload: str = ""
     """Opaque JSON string a domain's verifier may need (e.g. reasoning-gym's entry)."""
-    demonstration: str = ""
-    """A gold completion for SFT; ``""`` when the data has none."""
+    reasoning: str = ""
+    """Worked steps of a gold solution, written before the answer in SFT demonstrations;
+    ``""`` when the data has none."""
 
 
 @dataclass(frozen=True)

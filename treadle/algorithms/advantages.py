@@ -1,4 +1,4 @@
-"""Advantage estimators: functions of ``(rewards [N], group_index [N]) -> (advantages [N], metrics)``.
+"""Advantage estimators: ``(rewards [N], group_index [N]) -> (advantages [N], metrics)``.
 
 Groups are identified by prompt (``group_index``), never by position in the batch, so samples of
 one prompt may be interleaved with others and groups may differ in size.

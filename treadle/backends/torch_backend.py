@@ -134,7 +134,7 @@ class TorchBackend:
             per_token, metrics = objective(lp, mb)
             loss = token_mean(per_token, mb.loss_mask, float(num_loss_tokens))
             loss.backward()
-            loss_sum += float(loss)
+            loss_sum += loss.item()
             share = float(mb.loss_mask.sum()) / num_loss_tokens
             for name, v in metrics.items():
                 weighted[name] = weighted.get(name, 0.0) + v * share

@@ -82,7 +82,7 @@ class HFEngine:
         for seq in sequences:
             ids = torch.tensor([list(seq)])
             lp = F.log_softmax(self._model(input_ids=ids).logits[0, :-1].float(), -1)
-            result.append([0.0] + lp.gather(-1, ids[0, 1:, None])[:, 0].tolist())
+            result.append([0.0, *lp.gather(-1, ids[0, 1:, None])[:, 0].tolist()])
         return result
 
     def close(self) -> None:
