@@ -30,3 +30,16 @@ def tiny_qwen2() -> Callable[[int], Qwen2ForCausalLM]:
         return Qwen2ForCausalLM(config).float()
 
     return build
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Run the test with one torch intra-op thread, then restore the previous count.
+
+    The tiny models here gain nothing from threads, and on a machine shared with a training job
+    two spinning OpenMP threads per test run several times slower than one.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import string
 import types
 import typing
 from dataclasses import dataclass, field
@@ -129,7 +130,7 @@ class TrainerConfig:
     grad_clip: float = 1.0
     warmup_steps: int = 0
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
-    micro_batch_tokens: int = 4096
+    micro_batch_tokens: int = 512
     """Token budget of one packed micro-batch (no padding is computed)."""
     bf16_autocast: bool = False
     """Autocast forward/backward to bf16 (helps on GPUs and bf16 CPUs); weights stay fp32."""
@@ -202,7 +203,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise UserError(f"override {item!r} must look like section.key=value")
-        _set_dotted(raw, key.strip(), yaml.safe_load(value) if value else None)
+        _set_dotted(raw, key.strip(), _Override(value))
     cfg = _build(Config, raw, "")
     _check(cfg)
     return cfg
@@ -211,6 +212,23 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
 def to_dict(cfg: Config) -> dict[str, Any]:
     """The config as plain data (for ``config.yaml`` in the run directory)."""
     return dataclasses.asdict(cfg)
+
+
+@dataclass(frozen=True)
+class _Override:
+    """The text of a command-line value; parsed once its field's type is known, so a string
+    field takes the text as written (``{answer}`` stays a string, not a YAML mapping)."""
+
+    text: str
+
+    def resolve(self, tp: Any, path: str) -> Any:
+        text_only = set(typing.get_args(tp)) == {str, type(None)} and self.text not in ("", "null")
+        if tp is str or text_only:
+            return self.text
+        try:
+            return yaml.safe_load(self.text) if self.text else None
+        except yaml.YAMLError as e:
+            raise UserError(f"override {path}={self.text}: not a valid value ({e})") from None
 
 
 def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
@@ -236,10 +254,22 @@ def _build(cls: type, raw: Any, path: str) -> Any:
             hint = f"; did you mean {path + '.' if path else ''}{close[0]}?" if close else ""
             raise UserError(f"config: unknown key {dotted}{hint} (valid: {', '.join(fields)})")
         kwargs[key] = _coerce(hints[key], value, dotted)
+    missing = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.name not in kwargs
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        where = ", ".join(f"{path}.{m}" if path else m for m in missing)
+        raise UserError(f"config: missing required key {where}")
     return cls(**kwargs)
 
 
 def _coerce(tp: Any, value: Any, path: str) -> Any:
+    if isinstance(value, _Override):
+        value = value.resolve(tp, path)
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if dataclasses.is_dataclass(tp):
@@ -302,24 +332,41 @@ def _name(tp: Any) -> str:
 
 def _check(cfg: Config) -> None:
     """Cross-field checks that types alone cannot express."""
-    positive = {
-        "run.steps": cfg.run.steps >= 0,
-        "rollout.n": cfg.rollout.n >= 1,
-        "rollout.prompts_per_step": cfg.rollout.prompts_per_step >= 1,
-        "rollout.max_tokens": cfg.rollout.max_tokens >= 1,
-        "rollout.temperature": cfg.rollout.temperature >= 0,
-        "trainer.lr": cfg.trainer.lr > 0,
-        "trainer.micro_batch_tokens": cfg.trainer.micro_batch_tokens >= 16,
-        "trainer.mini_batches": cfg.trainer.mini_batches >= 1,
-        "data.size": cfg.data.size >= 1,
-        "eval.samples_per_prompt": cfg.eval.samples_per_prompt >= 1,
+    bounds = {
+        "run.steps": (cfg.run.steps, 0),
+        "rollout.n": (cfg.rollout.n, 1),
+        "rollout.prompts_per_step": (cfg.rollout.prompts_per_step, 1),
+        "rollout.max_tokens": (cfg.rollout.max_tokens, 1),
+        "rollout.temperature": (cfg.rollout.temperature, 0.0),
+        "trainer.micro_batch_tokens": (cfg.trainer.micro_batch_tokens, 16),
+        "trainer.mini_batches": (cfg.trainer.mini_batches, 1),
+        "data.size": (cfg.data.size, 1),
+        "eval.samples_per_prompt": (cfg.eval.samples_per_prompt, 1),
     }
-    for key, ok in positive.items():
-        if not ok:
-            raise UserError(f"config {key}: must be positive")
+    for key, (value, least) in bounds.items():
+        if value < least:
+            raise UserError(f"config {key}: must be at least {least}, got {value}")
+    if cfg.trainer.lr <= 0 or cfg.sft.lr <= 0:
+        raise UserError("config trainer.lr / sft.lr: must be positive")
     if cfg.data.source != "reasoning_gym" and not cfg.data.path:
         raise UserError(f"config data.path: required for data.source={cfg.data.source}")
+    if cfg.data.reasoning != "none" and cfg.data.source != "reasoning_gym":
+        raise UserError("config data.reasoning: chain_steps needs data.source=reasoning_gym")
     if cfg.algorithm.advantage == "grpo" and cfg.rollout.n < 2:
         raise UserError("config rollout.n: GRPO needs at least 2 samples per prompt (a group)")
     if not cfg.reward.functions:
         raise UserError("config reward.functions: list at least one reward function")
+    for key, template in (
+        ("data.answer_template", cfg.data.answer_template),
+        ("sft.noise.loose_template", cfg.sft.noise.loose_template),
+    ):
+        try:
+            fields = {
+                name for _, name, _, _ in string.Formatter().parse(template) if name is not None
+            }
+        except ValueError as e:
+            raise UserError(f"config {key}: {e}") from None
+        if not fields <= {"answer", "reasoning"}:
+            raise UserError(
+                f"config {key}: only {{answer}} and {{reasoning}} may appear, got {sorted(fields)}"
+            )

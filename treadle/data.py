@@ -6,6 +6,7 @@ deduplicated against the training prompts so evaluation never sees a trained-on 
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import re
@@ -141,20 +142,36 @@ def _read_rows(path: Path, source: str) -> list[tuple[dict[str, Any], str]]:
             raise UserError(f"data.path {path}: not a readable parquet file: {e}") from None
         return [(row, f"{path} row {i}") for i, row in enumerate(table.to_pylist())]
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(
-                    f"{path}:{lineno}: malformed JSON line ({e.msg}); fix or remove it"
-                ) from None
-            if not isinstance(row, dict):
-                raise UserError(f"{path}:{lineno}: expected a JSON object per line")
-            rows.append((row, f"{path}:{lineno}"))
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(
+            f"data.path {path}: not UTF-8 text ({e.reason} at byte {e.start})"
+        ) from None
+    for lineno, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(
+                f"{path}:{lineno}: malformed JSON line ({e.msg}); fix or remove it"
+            ) from None
+        if not isinstance(row, dict):
+            raise UserError(f"{path}:{lineno}: expected a JSON object per line")
+        rows.append((row, f"{path}:{lineno}"))
     return rows
+
+
+@functools.cache
+def _answer_regex(pattern: str) -> re.Pattern[str]:
+    try:
+        regex = re.compile(pattern, flags=re.MULTILINE)
+    except re.error as e:
+        raise UserError(f"data.answer_pattern {pattern!r}: not a valid regex ({e})") from None
+    if regex.groups < 1:
+        raise UserError(f"data.answer_pattern {pattern!r}: needs a group (...) around the answer")
+    return regex
 
 
 def _file_task(cfg: DataConfig, row: dict[str, Any], where: str, index: int) -> Task:
@@ -163,7 +180,7 @@ def _file_task(cfg: DataConfig, row: dict[str, Any], where: str, index: int) -> 
             raise UserError(f"{where}: no field {col!r} (data.{name}); fields are {sorted(row)}")
     answer = str(row[cfg.answer_field])
     if cfg.answer_pattern:
-        m = re.search(cfg.answer_pattern, answer, flags=re.MULTILINE)
+        m = _answer_regex(cfg.answer_pattern).search(answer)
         if not m:
             raise UserError(
                 f"{where}: answer does not match data.answer_pattern {cfg.answer_pattern!r}"
@@ -201,7 +218,7 @@ class TaskSampler:
     def __init__(self, tasks: tuple[Task, ...], seed: int, position: DataPosition | None = None):
         self._tasks = tasks
         self._seed = seed
-        self.position = position or DataPosition()
+        self.position = DataPosition(**vars(position)) if position else DataPosition()
         self._order = self._shuffle(self.position.epoch)
 
     def _shuffle(self, epoch: int) -> list[int]:

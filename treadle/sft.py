@@ -24,7 +24,7 @@ def noisy_demonstration(task: Task, noise: NoiseConfig, answer_template: str, se
     """
     rng = random.Random(f"{seed}/{task.task_id}")
     answer = task.answer
-    if rng.random() < noise.wrong_answer_fraction and answer.lstrip("-").isdigit():
+    if rng.random() < noise.wrong_answer_fraction and answer.lstrip("-").isdecimal():
         answer = str(int(answer) + rng.choice([-3, -2, -1, 1, 2, 3]))
     template = (
         noise.loose_template if rng.random() < noise.loose_format_fraction else answer_template

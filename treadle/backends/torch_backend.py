@@ -108,24 +108,26 @@ class TorchBackend:
         assert self.optimizer is not None and self.scheduler is not None, "frozen backend"
         self.model.train()
         t0 = time.perf_counter()
-        totals: dict[str, float] = {}
         k = self.cfg.mini_batches
-        chunks = [list(range(len(samples)))[i::k] for i in range(k)]
-        for j, chunk in enumerate(c for c in chunks if c):
-            stats = self._optimizer_step([samples[i] for i in chunk], objective, first=j == 0)
+        chunks = [[samples[i] for i in range(j, len(samples), k)] for j in range(k)]
+        steps = [
+            self._optimizer_step(c, objective) for c in chunks if any(any(s.loss_mask) for s in c)
+        ]
+        totals: dict[str, float] = {}
+        for stats in steps:  # mean over the optimizer steps taken
             for name, v in stats.items():
-                totals[name] = totals.get(name, 0.0) + v / k
+                totals[name] = totals.get(name, 0.0) + v / len(steps)
+        if steps:  # measured before any update of this call: the old policy vs the engine
+            totals["mismatch/abs_logprob_diff"] = steps[0]["mismatch/abs_logprob_diff"]
         tokens = sum(len(s) for s in samples)
         totals["perf/tokens_per_s"] = tokens / max(time.perf_counter() - t0, 1e-9)
         totals["perf/tokens"] = float(tokens)
         return totals
 
     def _optimizer_step(
-        self, samples: Sequence[TrainSample], objective: Objective, first: bool
+        self, samples: Sequence[TrainSample], objective: Objective
     ) -> dict[str, float]:
         num_loss_tokens = sum(sum(s.loss_mask) for s in samples)
-        if num_loss_tokens == 0:
-            return {}
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum, weighted, mismatch = 0.0, {}, 0.0
         micro = self._micro_batches(samples)
@@ -138,22 +140,20 @@ class TorchBackend:
             share = float(mb.loss_mask.sum()) / num_loss_tokens
             for name, v in metrics.items():
                 weighted[name] = weighted.get(name, 0.0) + v * share
-            # Before the first update the trainer's logprobs are the old policy's: their gap to
-            # the engine's is the rollout/train mismatch.
             gap = (lp.detach() - mb.behavior_logprobs).abs() * mb.loss_mask
             mismatch += float(gap.sum()) / num_loss_tokens
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step applies
         self.optimizer.step()
         self.scheduler.step()
         stats = {
             "loss": loss_sum,
             "grad_norm": float(grad_norm),
-            "lr": self.scheduler.get_last_lr()[0],
+            "lr": lr,
             "perf/micro_batches": float(len(micro)),
             **weighted,
         }
-        if first:
-            stats["mismatch/abs_logprob_diff"] = mismatch
+        stats["mismatch/abs_logprob_diff"] = mismatch
         return stats
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,0 +1,36 @@
+"""Driver for a test: ``python record_prompts.py RECIPE OUT.json`` runs ``treadle.pipeline.train``
+on RECIPE and writes the prompt token ids the RL loop sent to the engine into OUT.json.
+
+Imports stay inside ``main``: reward workers are spawned and re-import this file.
+"""
+
+from __future__ import annotations
+
+
+def main() -> None:
+    import json
+    import sys
+    from pathlib import Path
+
+    import treadle.loop as loop
+    from treadle.config import load_config
+    from treadle.pipeline import train
+
+    recorded: list[dict] = []
+    original = loop.generate
+
+    def recording(engine, tokenizer, tasks, params):
+        out = original(engine, tokenizer, tasks, params)
+        recorded.extend(
+            {"question": g.task.messages[-1].content, "prompt_token_ids": list(g.prompt_token_ids)}
+            for g in out
+        )
+        return out
+
+    loop.generate = recording
+    train(load_config(sys.argv[1]))
+    Path(sys.argv[2]).write_text(json.dumps(recorded))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""One contract for every inference engine (HF and vLLM) on a tiny real model.
+
+The model is given a few SFT steps first so that it really ends its turn with ``<|im_end|>``:
+without that a random model almost never samples the end-of-turn token and the STOP half of the
+finish-reason contract would go untested.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from treadle.backends.torch_backend import TorchBackend
+from treadle.config import TrainerConfig
+from treadle.engines import EngineSpec, SamplingParams, build_engine
+from treadle.models import end_of_turn_ids, load_model
+from treadle.types import FinishReason
+
+from .tiny import (
+    ATOL,
+    assert_all_finite,
+    build_tiny_folder,
+    max_abs_diff,
+    prompt_ids,
+    skip_without_vllm,
+    trainer_logprobs,
+)
+
+HF_TOP_K_BUG = (
+    "BUG treadle/engines/hf_engine.py HFEngine.generate: GenerationConfig(top_k=None) lets "
+    "transformers apply its default top_k=50, so HF samples from (and reports logprobs of) a "
+    "top-50-truncated distribution that the trainer does not compute; pass top_k=0"
+)
+
+ENGINES = [
+    "hf",
+    pytest.param("vllm", marks=pytest.mark.slow),
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("contract") / "model"
+    build_tiny_folder(folder, sft_steps=40)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tokenizer_and_trainer(model_dir):
+    model, tokenizer = load_model(model_dir)
+    return tokenizer, TorchBackend(model, TrainerConfig(), total_steps=1)
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def engine(request, model_dir):
+    if request.param == "vllm":
+        skip_without_vllm()
+    eng = build_engine(request.param, EngineSpec(model_dir=str(model_dir), seed=0))
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer_and_trainer):
+    tokenizer, _ = tokenizer_and_trainer
+    # Different lengths, so the HF engine's left padding is exercised.
+    return [
+        prompt_ids(tokenizer, "What is 3 + 1?"),
+        prompt_ids(tokenizer, "What is 12 + 7 + 5 + 9 + 1?"),
+        prompt_ids(tokenizer, "7 + 1"),
+    ]
+
+
+def check_completion(c, tokenizer, max_tokens: int) -> None:
+    eos = set(end_of_turn_ids(tokenizer))
+    ids = c.token_ids
+    assert 1 <= len(ids) <= max_tokens
+    assert all(0 <= t < len(tokenizer) for t in ids), ids
+    assert len(c.logprobs) == len(ids)
+    assert_all_finite(c.logprobs, "completion logprobs")
+    assert all(lp <= 0.0 for lp in c.logprobs), c.logprobs
+    # STOP iff the completion ends with the end-of-turn token, which appears nowhere else.
+    assert (c.finish_reason == FinishReason.STOP) == (ids[-1] in eos), (c.finish_reason, ids)
+    assert not eos & set(ids[:-1]), ids
+    if c.finish_reason == FinishReason.LENGTH:
+        assert len(ids) == max_tokens
+    assert c.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+    assert c.text == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_sampling_returns_n_valid_completions_per_prompt(engine, tokenizer_and_trainer, prompts):
+    tokenizer, _ = tokenizer_and_trainer
+    out = engine.generate(prompts, SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=0))
+    assert len(out) == len(prompts)
+    assert [len(group) for group in out] == [4, 4, 4]
+    for group in out:
+        for c in group:
+            check_completion(c, tokenizer, max_tokens=12)
+            assert c.policy_version == engine.policy_version == 0
+
+
+def test_finish_reason_stop_on_end_of_turn_and_length_on_budget(
+    engine, tokenizer_and_trainer, prompts
+):
+    tokenizer, _ = tokenizer_and_trainer
+    eos = end_of_turn_ids(tokenizer)
+    full = engine.generate(prompts[:1], SamplingParams(n=1, temperature=0.0, max_tokens=16))[0][0]
+    # The SFT taught "<answer>4</answer><|im_end|>": greedy decoding ends the turn itself.
+    assert full.finish_reason == FinishReason.STOP
+    assert full.token_ids[-1] in eos and len(full.token_ids) > 2
+    check_completion(full, tokenizer, max_tokens=16)
+    cut = engine.generate(prompts[:1], SamplingParams(n=1, temperature=0.0, max_tokens=2))[0][0]
+    assert cut.finish_reason == FinishReason.LENGTH
+    assert cut.token_ids == full.token_ids[:2]  # same greedy path, cut at the budget
+    check_completion(cut, tokenizer, max_tokens=2)
+
+
+def test_greedy_is_deterministic_and_picks_the_trainer_argmax(
+    engine, tokenizer_and_trainer, prompts
+):
+    _, trainer = tokenizer_and_trainer
+    params = SamplingParams(n=1, temperature=0.0, max_tokens=10)
+    first = [g[0].token_ids for g in engine.generate(prompts, params)]
+    second = [g[0].token_ids for g in engine.generate(prompts, params)]
+    assert first == second
+    model = trainer.model.eval()
+    for p, ids in zip(prompts, first, strict=True):
+        seq = torch.tensor([p + list(ids)])
+        with torch.no_grad():
+            logits = model(input_ids=seq).logits[0, len(p) - 1 : -1]  # [R, V] predicting ids
+        assert logits.argmax(-1).tolist() == list(ids)
+
+
+def test_sampled_logprobs_match_trainer(request, engine, tokenizer_and_trainer, prompts):
+    """Behavior logprobs at temperature 1 are the trainer's logprobs of the same tokens."""
+    if type(engine).__name__ == "HFEngine":
+        request.applymarker(pytest.mark.xfail(strict=True, reason=HF_TOP_K_BUG))
+    _, trainer = tokenizer_and_trainer
+    out = engine.generate(prompts, SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=1))
+    seqs = [p + list(c.token_ids) for p, group in zip(prompts, out, strict=True) for c in group]
+    starts = [len(p) for p, group in zip(prompts, out, strict=True) for _ in group]
+    expected = [lp[s:] for lp, s in zip(trainer_logprobs(trainer, seqs), starts, strict=True)]
+    got = [list(c.logprobs) for group in out for c in group]
+    assert max_abs_diff(got, expected) < ATOL
+
+
+def test_prompt_logprobs_match_trainer_on_fresh_weights(engine, tokenizer_and_trainer, prompts):
+    _, trainer = tokenizer_and_trainer
+    gen = torch.Generator().manual_seed(0)
+    long_random = torch.randint(3, len(tokenizer_and_trainer[0]), (200,), generator=gen).tolist()
+    reply = engine.generate(prompts, SamplingParams(n=1, temperature=0.0, max_tokens=8))
+    sequences = [p + list(g[0].token_ids) for p, g in zip(prompts, reply, strict=True)]
+    sequences += [long_random, prompts[1][:2]]
+    got = engine.prompt_logprobs(sequences)
+    assert [len(x) for x in got] == [len(s) for s in sequences]
+    assert all(x[0] == 0.0 for x in got)
+    for x in got:
+        assert_all_finite(x, "prompt logprobs")
+        assert all(v <= 0.0 for v in x)
+    assert max_abs_diff(got, trainer_logprobs(trainer, sequences)) < ATOL
+    # Not vacuous: the model is far from uniform on its own replies.
+    assert min(x[-1] for x in got[:3]) > math.log(0.5)

@@ -1,0 +1,89 @@
+"""Resuming a run from its last checkpoint continues it exactly (HF engine, in this process)."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+from rich.console import Console
+from transformers import AutoModelForCausalLM
+
+from treadle.config import load_config
+from treadle.pipeline import train
+
+from .runs import is_finite_number, metric_rows, step_rows
+
+OVERRIDES = [
+    "run.seed=0",
+    "run.save_every=1",
+    "model.tiny.hidden_size=64",
+    "model.tiny.intermediate_size=128",
+    "model.tiny.num_hidden_layers=1",
+    "model.tiny.num_attention_heads=2",
+    "model.tiny.num_key_value_heads=1",
+    "model.tiny.tokenizer_vocab_size=300",
+    "data.task=chain_sum",
+    "data.task_params={min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}",
+    "data.size=100",
+    "data.eval_size=4",
+    "rollout.engine=hf",
+    "rollout.prompts_per_step=4",
+    "rollout.n=4",
+    "rollout.max_tokens=8",
+    "eval.samples_per_prompt=2",
+    "trainer.lr=1e-3",
+    # The verifier alone scores a random model 0 everywhere; a small reward for any digit
+    # varies within groups, so each step really updates the weights.
+    "reward.functions=[{name: reasoning_gym}, {name: format, weight: 0.1, "
+    "params: {pattern: '.*[0-9].*'}}]",
+]
+
+
+def run(output_dir, name: str, steps: int, resume=None) -> dict:
+    cfg = load_config(
+        None, [*OVERRIDES, f"run.output_dir={output_dir}", f"run.name={name}", f"run.steps={steps}"]
+    )
+    return train(cfg, resume=resume, console=Console(file=io.StringIO()))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("resume")
+    resumed = out / "resumed"
+    run(out, "resumed", steps=2)
+    first = {r["step"]: r for r in metric_rows(resumed) if "loss" in r}
+    run(out, "resumed", steps=3, resume=resumed)
+    run(out, "straight", steps=3)
+    return resumed, out / "straight", first
+
+
+def test_resume_continues_from_the_last_step(runs):
+    resumed, _, first = runs
+    steps = step_rows(resumed)
+    assert sorted(steps) == [1, 2, 3] and all(len(rows) == 1 for rows in steps.values())
+    assert all(is_finite_number(rows[0]["loss"]) for rows in steps.values())
+    # Steps 1 and 2 are the first run's rows, untouched by the resume.
+    assert steps[1][0] == first[1] and steps[2][0] == first[2]
+    ckpts = resumed / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step_000003"
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_000002", "step_000003"]
+    state = json.loads((ckpts / "step_000003" / "state.json").read_text())
+    assert state["step"] == 3 and state["policy_version"] == 3
+    assert state["data_position"] == {"epoch": 0, "offset": 12}  # 3 steps x 4 prompts
+    summary = json.loads((resumed / "summary.json").read_text())
+    assert summary["rl_steps"] == 3
+
+
+def test_resumed_run_equals_an_uninterrupted_one(runs):
+    """Weights, optimizer state, data position and RNG all come back from the checkpoint."""
+    resumed, straight, _ = runs
+    a, b = step_rows(resumed)[3][0], step_rows(straight)[3][0]
+    for key in ("reward/mean", "adv/abs_mean", "loss", "grad_norm", "rollout/mean_length"):
+        assert a[key] == pytest.approx(b[key], abs=1e-6), key
+    ma = AutoModelForCausalLM.from_pretrained(resumed / "final_model")
+    mb = AutoModelForCausalLM.from_pretrained(straight / "final_model")
+    pb = dict(mb.named_parameters())
+    for name, p in ma.named_parameters():
+        torch.testing.assert_close(p, pb[name], rtol=0, atol=1e-6, msg=name)

@@ -1,0 +1,136 @@
+"""Bad input through the real ``treadle`` command: one line on stderr, exit code 2, no traceback,
+and nothing left behind (no run directory).
+
+Each case runs ``python -m treadle.cli`` in its own empty folder. The processes are started
+together (they spend most of their time importing torch) so the whole file takes about as long
+as one of them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from treadle.config import load_config
+from treadle.errors import UserError
+
+DEFAULT = Path(__file__).resolve().parents[1] / "recipes" / "default.yaml"
+# Small reasoning-gym data so the cases that load it before failing stay fast.
+SMALL = ["rollout.engine=hf", "data.size=50", "data.eval_size=10"]
+
+
+@dataclass
+class Case:
+    args: list[str]
+    files: dict[str, str]
+    """Input files written into the case's folder before the run (name -> content)."""
+    expected: list[str]
+    """Strings the single stderr line must contain ({dir} is the case's folder)."""
+
+
+CASES = {
+    "missing-model-folder": Case(
+        ["train", str(DEFAULT), *SMALL, "model.path=/nonexistent"],
+        {},
+        ["model.path /nonexistent", "config.json"],
+    ),
+    "malformed-jsonl-line": Case(
+        ["train", str(DEFAULT), *SMALL, "data.source=jsonl", "data.reasoning=none", "data.path={dir}/d.jsonl"],
+        {"d.jsonl": '{"question": "1 + 1", "answer": "2"}\n{"question": "2 + 2", answer}\n'},
+        ["{dir}/d.jsonl:2:", "malformed JSON"],
+    ),
+    "unknown-config-key": Case(
+        ["train", str(DEFAULT), *SMALL, "trainer.lrr=1e-5"],
+        {},
+        ["trainer.lrr", "did you mean trainer.lr?"],
+    ),
+    "empty-dataset": Case(
+        ["train", str(DEFAULT), *SMALL, "data.source=jsonl", "data.reasoning=none", "data.path={dir}/empty.jsonl"],
+        {"empty.jsonl": ""},
+        ["data.path {dir}/empty.jsonl", "0 usable rows"],
+    ),
+}
+
+
+@dataclass
+class Result:
+    folder: Path
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[str, Result]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    running = {}
+    for name, case in CASES.items():
+        folder = tmp_path_factory.mktemp(name)
+        for file, content in case.files.items():
+            (folder / file).write_text(content)
+        args = [a.replace("{dir}", str(folder)) for a in case.args]
+        running[name] = (
+            folder,
+            subprocess.Popen(
+                [sys.executable, "-m", "treadle.cli", *args],
+                cwd=folder,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            ),
+        )
+    out = {}
+    for name, (folder, proc) in running.items():
+        try:
+            stdout, stderr = proc.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+        out[name] = Result(folder, proc.returncode, stdout, stderr)
+    return out
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_is_one_line_exit_2_and_leaves_nothing(results, name):
+    case, r = CASES[name], results[name]
+    assert "Traceback" not in r.stderr, r.stderr
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("treadle: error: ")
+    for text in case.expected:
+        assert text.replace("{dir}", str(r.folder)) in lines[0]
+    # Failing before any work: no run directory (runs/default/config.yaml), no built model,
+    # nothing at all besides the input files.
+    assert not (r.folder / "runs").exists()
+    assert sorted(p.name for p in r.folder.iterdir()) == sorted(case.files)
+
+
+# The same guarantees for the library entry points, in this process (no torch import per case).
+
+
+def test_sft_only_with_a_missing_model_folder_leaves_no_run_dir(tmp_path, monkeypatch):
+    from treadle.pipeline import sft_only
+
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(DEFAULT, [*SMALL, "model.path=/nonexistent"])
+    with pytest.raises(UserError, match=re.escape("model.path /nonexistent")):
+        sft_only(cfg)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_template_typo_fails_before_the_run_dir_exists(tmp_path, monkeypatch):
+    from treadle.pipeline import train
+
+    monkeypatch.chdir(tmp_path)
+    # The typo is caught while loading the config, before train() could create anything.
+    with pytest.raises(UserError, match=re.escape("data.answer_template")):
+        train(load_config(DEFAULT, [*SMALL, "data.answer_template=<answer>{ans}</answer>"]))
+    assert list(tmp_path.iterdir()) == []
