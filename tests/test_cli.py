@@ -41,7 +41,14 @@ CASES = {
         ["model.path /nonexistent", "config.json"],
     ),
     "malformed-jsonl-line": Case(
-        ["train", str(DEFAULT), *SMALL, "data.source=jsonl", "data.reasoning=none", "data.path={dir}/d.jsonl"],
+        [
+            "train",
+            str(DEFAULT),
+            *SMALL,
+            "data.source=jsonl",
+            "data.reasoning=none",
+            "data.path={dir}/d.jsonl",
+        ],
         {"d.jsonl": '{"question": "1 + 1", "answer": "2"}\n{"question": "2 + 2", answer}\n'},
         ["{dir}/d.jsonl:2:", "malformed JSON"],
     ),
@@ -51,7 +58,14 @@ CASES = {
         ["trainer.lrr", "did you mean trainer.lr?"],
     ),
     "empty-dataset": Case(
-        ["train", str(DEFAULT), *SMALL, "data.source=jsonl", "data.reasoning=none", "data.path={dir}/empty.jsonl"],
+        [
+            "train",
+            str(DEFAULT),
+            *SMALL,
+            "data.source=jsonl",
+            "data.reasoning=none",
+            "data.path={dir}/empty.jsonl",
+        ],
         {"empty.jsonl": ""},
         ["data.path {dir}/empty.jsonl", "0 usable rows"],
     ),

@@ -344,8 +344,7 @@ class Progress:
                 TextColumn("[bold]step"),
                 MofNCompleteColumn(),
                 BarColumn(),
-                TextColumn("reward {task.fields[reward]}"),
-                TextColumn("acc {task.fields[accuracy]}"),
+                TextColumn("{task.fields[stats]}"),
                 TextColumn("{task.fields[step_time]}/step"),
                 TimeElapsedColumn(),
                 TextColumn("eta"),
@@ -357,8 +356,7 @@ class Progress:
                 "train",
                 total=self.total_steps,
                 completed=self.start_step,
-                reward="-",
-                accuracy="-",
+                stats="reward - | acc -",
                 step_time="-",
             )
         return self
@@ -380,6 +378,7 @@ class Progress:
         reward: float | None = None,
         accuracy: float | None = None,
         step_time_s: float | None = None,
+        loss: float | None = None,
     ) -> None:
         """Show that ``step`` steps are complete.
 
@@ -388,16 +387,17 @@ class Progress:
             reward: mean training reward of the step.
             accuracy: fraction of correct samples of the step, in [0, 1] (shown as a percent).
             step_time_s: wall seconds the step took.
+            loss: training loss, shown instead of reward and accuracy (for SFT).
         """
         reward_s = _fmt_opt(reward, ".3f")
         accuracy_s = "-" if accuracy is None else f"{accuracy:.1%}"
+        stats = f"loss {loss:.4f}" if loss is not None else f"reward {reward_s} | acc {accuracy_s}"
         step_time_s_s = "-" if step_time_s is None else f"{step_time_s:.1f}s"
         if self._rich is not None and self._task is not None:
             self._rich.update(
                 self._task,
                 completed=step,
-                reward=reward_s,
-                accuracy=accuracy_s,
+                stats=stats,
                 step_time=step_time_s_s,
             )
             return
@@ -406,7 +406,7 @@ class Progress:
             elapsed = time.perf_counter() - self._started_at
             eta = elapsed / max(done_here, 1) * (self.total_steps - step)
             self.console.print(
-                f"step {step}/{self.total_steps} | reward {reward_s} | acc {accuracy_s} | "
+                f"step {step}/{self.total_steps} | {stats} | "
                 f"step {step_time_s_s} | elapsed {_fmt_duration(elapsed)} | "
                 f"eta {_fmt_duration(eta)}",
                 markup=False,

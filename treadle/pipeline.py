@@ -134,7 +134,7 @@ def warm_up(cfg: Config, data: Dataset, start: Path, run_dir: Path, console: Con
 
         def on_step(step: int, m: dict[str, float]) -> None:
             metrics.log(step + 1, m)
-            bar.update(step + 1)
+            bar.update(step + 1, loss=m["loss"], step_time_s=m["time/step_s"])
 
         run_sft(
             backend,

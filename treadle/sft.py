@@ -83,7 +83,9 @@ def run_sft(
             rng.shuffle(fresh)
             order += fresh
         batch, order = [samples[i] for i in order[:batch_size]], order[batch_size:]
+        step_start = time.perf_counter()
         metrics = backend.train_step(batch, objective)
+        metrics["time/step_s"] = time.perf_counter() - step_start
         metrics.pop("mismatch/abs_logprob_diff", None)  # no engine sampled these tokens
         if on_step is not None:
             on_step(step, metrics)

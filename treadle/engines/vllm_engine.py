@@ -7,6 +7,7 @@ into the model runner with the trainer's tensors: no restart, no disk, no pickli
 
 from __future__ import annotations
 
+import logging
 import os
 
 # vLLM reads these at import time; callers may override them in the environment.
@@ -22,6 +23,17 @@ import vllm
 
 from treadle.engines import EngineSpec, SamplingParams
 from treadle.types import Completion, FinishReason
+
+
+class _QuietReload(logging.Filter):
+    """Drop vLLM's per-sync "RotaryEmbedding: Failed to load weights": the rotary layer has no
+    weights (only a cos/sin buffer, restored as is), so the warning is noise on every sync."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "RotaryEmbedding: Failed to load weights" not in record.getMessage()
+
+
+logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_QuietReload())
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
