@@ -106,6 +106,8 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_tokens: int = 32
+    stop: list[str] = field(default_factory=list)
+    """Stop strings (the end-of-turn token always stops a completion)."""
     kv_cache_gib: float = 1.0
     """vLLM CPU KV-cache size (GiB)."""
 

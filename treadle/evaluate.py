@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -42,40 +43,29 @@ def evaluate(
     tokenizer: PreTrainedTokenizerBase,
     pool: RewardPool,
     tasks: Sequence[Task],
+    params: SamplingParams,
     *,
-    temperature: float,
-    k: int,
-    max_tokens: int,
     greedy: bool = True,
 ) -> EvalResult:
-    """Sample ``k`` completions per held-out task at ``temperature`` (and a greedy one); score."""
-    sampled = score(
-        pool,
-        generate(
-            engine,
-            tokenizer,
-            tasks,
-            SamplingParams(n=k, temperature=temperature, max_tokens=max_tokens),
-        ),
-    ).groups
+    """Sample ``params.n`` completions per held-out task (and a greedy one) and score them.
+
+    Raises:
+        ValueError: ``tasks`` is empty.
+    """
+    if not tasks:
+        raise ValueError("evaluate: no held-out tasks")
+    sampled = score(pool, generate(engine, tokenizer, tasks, params)).groups
     per_prompt = [sum(r.correct for r in g.rollouts) / len(g.rollouts) for g in sampled]
     rewards = [r.reward for g in sampled for r in g.rollouts]
     greedy_acc = None
     if greedy:
-        greedy_groups = score(
-            pool,
-            generate(
-                engine,
-                tokenizer,
-                tasks,
-                SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens),
-            ),
-        ).groups
+        argmax = dataclasses.replace(params, n=1, temperature=0.0)
+        greedy_groups = score(pool, generate(engine, tokenizer, tasks, argmax)).groups
         greedy_acc = sum(g.rollouts[0].correct for g in greedy_groups) / len(greedy_groups)
     return EvalResult(
         pass_at_1=sum(per_prompt) / len(per_prompt),
         pass_at_k=sum(p > 0 for p in per_prompt) / len(per_prompt),
-        k=k,
+        k=params.n,
         greedy_accuracy=greedy_acc,
         mean_reward=sum(rewards) / len(rewards),
     )

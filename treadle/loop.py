@@ -7,6 +7,7 @@ that one wait: it would start generating step ``s+1`` before ``update`` of step 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,12 +46,7 @@ def run_rl(parts: RLParts, start_step: int, progress: Progress) -> None:
     """RL steps ``start_step .. cfg.run.steps - 1``: generate -> score -> advantages ->
     ref logprobs -> update -> sync -> log -> checkpoint -> evaluate."""
     cfg, p = parts.cfg, parts
-    params = SamplingParams(
-        n=cfg.rollout.n,
-        temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p,
-        max_tokens=cfg.rollout.max_tokens,
-    )
+    params = sampling_params(cfg)
     objective = PolicyObjective.from_config(cfg.algorithm)
     for step in range(start_step, cfg.run.steps):
         t: dict[str, float] = {}
@@ -96,18 +92,20 @@ def run_rl(parts: RLParts, start_step: int, progress: Progress) -> None:
         )
 
 
+def sampling_params(cfg: Config) -> SamplingParams:
+    """How the policy samples during training (and, with ``n`` changed, in evaluation)."""
+    r = cfg.rollout
+    return SamplingParams(
+        n=r.n, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens, stop=tuple(r.stop)
+    )
+
+
 def evaluate_policy(parts: RLParts) -> EvalResult:
-    """Held-out accuracy of the weights the engine serves now."""
+    """Held-out accuracy of the weights the engine serves now, sampled as in training."""
     cfg = parts.cfg
+    params = dataclasses.replace(sampling_params(cfg), n=cfg.eval.samples_per_prompt)
     return evaluate(
-        parts.engine,
-        parts.tokenizer,
-        parts.rewards,
-        parts.held_out,
-        temperature=cfg.rollout.temperature,
-        k=cfg.eval.samples_per_prompt,
-        max_tokens=cfg.rollout.max_tokens,
-        greedy=cfg.eval.greedy,
+        parts.engine, parts.tokenizer, parts.rewards, parts.held_out, params, greedy=cfg.eval.greedy
     )
 
 

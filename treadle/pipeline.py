@@ -171,9 +171,8 @@ def train(cfg: Config, resume: Path | None = None, console: Console | None = Non
             model_dir=str(ckpt / "model" if ckpt else start),
             dtype=cfg.model.dtype,
             seed=cfg.run.seed,
-            max_model_len=cfg.model.tiny.max_position_embeddings
-            if cfg.model.path is None
-            else 4096,
+            # Room for the model's whole context, capped to bound the KV cache it reserves.
+            max_model_len=min(model.config.max_position_embeddings, 8192),
             kv_cache_gib=cfg.rollout.kv_cache_gib,
         ),
     )
