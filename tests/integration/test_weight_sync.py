@@ -3,8 +3,10 @@
 After a real optimizer step and ``update_weights``, the engine must score tokens exactly as the
 trainer does (within fp32 noise), including on prompts whose KV blocks were cached under the old
 weights. The prompts are longer than one KV block (128 tokens on vLLM's CPU backend, 16 on GPU)
-and share a long prefix, so vLLM's prefix cache really holds old-weight blocks for them; the last
-tests prove it by showing that a sync without the cache reset is caught.
+and share a long prefix, so vLLM's prefix cache really holds old-weight blocks for them. vLLM
+does not read the prefix cache for ``prompt_logprobs`` requests, so the stale-cache check is the
+one on sampled-token logprobs of ``generate``; the third test proves it can fail by syncing
+without the cache reset.
 """
 
 from __future__ import annotations
