@@ -339,7 +339,8 @@ def _check(cfg: Config) -> None:
         "rollout.n": (cfg.rollout.n, 1),
         "rollout.prompts_per_step": (cfg.rollout.prompts_per_step, 1),
         "rollout.max_tokens": (cfg.rollout.max_tokens, 1),
-        "rollout.temperature": (cfg.rollout.temperature, 0.0),
+        "run.save_every": (cfg.run.save_every, 1),
+        "run.keep_last": (cfg.run.keep_last, 1),
         "trainer.micro_batch_tokens": (cfg.trainer.micro_batch_tokens, 16),
         "trainer.mini_batches": (cfg.trainer.mini_batches, 1),
         "data.size": (cfg.data.size, 1),
@@ -348,6 +349,8 @@ def _check(cfg: Config) -> None:
     for key, (value, least) in bounds.items():
         if value < least:
             raise UserError(f"config {key}: must be at least {least}, got {value}")
+    if cfg.rollout.temperature <= 0:
+        raise UserError("config rollout.temperature: must be > 0 (RL samples n > 1 per prompt)")
     if cfg.trainer.lr <= 0 or cfg.sft.lr <= 0:
         raise UserError("config trainer.lr / sft.lr: must be positive")
     if cfg.data.source != "reasoning_gym" and not cfg.data.path:

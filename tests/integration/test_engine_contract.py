@@ -28,26 +28,6 @@ from .tiny import (
     trainer_logprobs,
 )
 
-HF_TOP_K_BUG = (
-    "BUG treadle/engines/hf_engine.py HFEngine.generate: GenerationConfig(top_k=None) lets "
-    "transformers apply its default top_k=50, so HF samples from (and reports logprobs of) a "
-    "top-50-truncated distribution that the trainer does not compute; pass top_k=0"
-)
-
-STOP_BUGS = {
-    "HFEngine": (
-        "BUG treadle/engines/hf_engine.py HFEngine.generate ignores SamplingParams.stop "
-        "(rollout.stop): it never passes stop strings to transformers (stop_strings= with "
-        "tokenizer=), so completions run on past them"
-    ),
-    "VLLMEngine": (
-        "BUG treadle/engines/vllm_engine.py VLLMEngine.generate: vLLM drops the stop string from "
-        "Completion.text (include_stop_str_in_output defaults to False) while token_ids keep it, "
-        "so verifiers score text the trainer does not train on (rollout.stop=['</answer>'] "
-        "leaves no closing tag: every answer_tag reward is 0); pass include_stop_str_in_output=True"
-    ),
-}
-
 ENGINES = [
     "hf",
     pytest.param("vllm", marks=pytest.mark.slow),
@@ -134,7 +114,6 @@ def test_finish_reason_stop_on_end_of_turn_and_length_on_budget(
 def test_stop_string_ends_the_completion(request, engine, tokenizer_and_trainer, prompts):
     """A stop string ends the completion at the token that completes it, as STOP, and the text
     is the decoded tokens (what the verifier scores is what the trainer trains on)."""
-    request.applymarker(pytest.mark.xfail(strict=True, reason=STOP_BUGS[type(engine).__name__]))
     tokenizer, _ = tokenizer_and_trainer
     full = engine.generate(prompts[:1], SamplingParams(n=1, temperature=0.0, max_tokens=16))[0][0]
     stop = "answer>"
@@ -171,8 +150,6 @@ def test_sampled_logprobs_match_trainer(
 ):
     """Behavior logprobs are the trainer's logprobs of the same tokens at the same temperature
     (the trainer divides its logits by the sampling temperature)."""
-    if type(engine).__name__ == "HFEngine":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=HF_TOP_K_BUG))
     model = tokenizer_and_trainer[1].model
     trainer = TorchBackend(model, TrainerConfig(), total_steps=1, temperature=temperature)
     params = SamplingParams(n=4, temperature=temperature, max_tokens=12, seed=1)

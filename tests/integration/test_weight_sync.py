@@ -181,14 +181,6 @@ def test_a_sync_without_prefix_cache_reset_would_be_caught(setup, monkeypatch):
     assert completion_logprob_gap(engine.generate(prompts, PARAMS), prompts, policy) < ATOL
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG treadle/engines/vllm_engine.py VLLMEngine.update_weights: with tied embeddings, "
-        "weights that name only model.embed_tokens.weight (as model.named_parameters() does) "
-        "leave vLLM's repacked lm_head stale; only an explicit lm_head.weight entry refreshes it"
-    ),
-)
 def test_named_parameters_sync_reaches_the_tied_lm_head(setup):
     engine, policy, _, prompts, initial = setup
     restore(engine, policy, initial, version=8)

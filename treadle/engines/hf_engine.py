@@ -44,24 +44,39 @@ class HFEngine:
             do_sample=not greedy,
             temperature=None if greedy else params.temperature,
             top_p=None if greedy else params.top_p,
-            top_k=None,
+            top_k=0,  # 0 disables transformers' default top-50: sample the full distribution
             max_new_tokens=params.max_tokens,
             num_return_sequences=params.n,
             eos_token_id=sorted(self._eos),
             pad_token_id=self._pad,
             return_dict_in_generate=True,
             output_scores=True,
+            stop_strings=list(params.stop) or None,
         )
-        out = self._model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+        out = self._model.generate(
+            input_ids=ids, attention_mask=mask, generation_config=config, tokenizer=self._tokenizer
+        )
         new = out.sequences[:, width:]  # [B * n, T]
         # Scores are the processed logits (after temperature / top-p): the sampled distribution.
         logprobs = torch.stack([F.log_softmax(s.float(), -1) for s in out.scores], 1)
         picked = logprobs.gather(-1, new[..., None])[..., 0]  # [B * n, T]
-        rows = [self._completion(new[r].tolist(), picked[r].tolist()) for r in range(new.shape[0])]
+        rows = [
+            self._completion(new[r].tolist(), picked[r].tolist(), params.stop)
+            for r in range(new.shape[0])
+        ]
         return [rows[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]
 
-    def _completion(self, tokens: list[int], logprobs: list[float]) -> Completion:
+    def _completion(
+        self, tokens: list[int], logprobs: list[float], stop: Sequence[str]
+    ) -> Completion:
         end = next((t + 1 for t, tok in enumerate(tokens) if tok in self._eos), None)
+        if stop:  # the first token whose text completes a stop string ends the completion
+            for t in range(1, (end or len(tokens)) + 1):
+                if any(
+                    s in self._tokenizer.decode(tokens[:t], skip_special_tokens=True) for s in stop
+                ):
+                    end = t
+                    break
         reason = FinishReason.STOP if end is not None else FinishReason.LENGTH
         end = end or len(tokens)
         return Completion(

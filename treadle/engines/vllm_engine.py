@@ -57,6 +57,10 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",
             gpu_memory_utilization=0.3 if torch.cuda.is_available() else 0.9,
         )
+        self._tokenizer = self._llm.get_tokenizer()
+        self._tied = bool(
+            getattr(self._llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False)
+        )
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams
@@ -70,6 +74,9 @@ class VLLMEngine:
             seed=params.seed,
             logprobs=0,
             skip_special_tokens=True,
+            # Keep a matched stop string in the text: its tokens are in token_ids and trained on,
+            # and a verifier may need it (e.g. a closing </answer>).
+            include_stop_str_in_output=True,
         )
         outputs = self._llm.generate(
             [{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False
@@ -87,7 +94,9 @@ class VLLMEngine:
             logprobs=logprobs,
             finish_reason=_FINISH.get(out.finish_reason, FinishReason.ABORT),
             policy_version=self.policy_version,
-            text=out.text,
+            # Decoded from the ids, so the text is exactly what is trained on (vLLM's own text
+            # can end mid-token at a stop string).
+            text=self._tokenizer.decode(ids, skip_special_tokens=True),
         )
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
@@ -95,9 +104,14 @@ class VLLMEngine:
         # kernel format (the CPU backend pre-packs linear weights, so writing into parameters
         # would not reach the kernels; a tied lm_head is refreshed by the same pass). In this
         # process the call is direct: the tensors are not copied or pickled on the way.
+        named = dict(weights)
+        if self._tied and "lm_head.weight" not in named and "model.embed_tokens.weight" in named:
+            # vLLM re-packs the CPU lm_head only when its own name arrives; a tied model's
+            # named_parameters() lists the shared tensor once, as the embedding.
+            named["lm_head.weight"] = named["model.embed_tokens.weight"]
         self._llm.collective_rpc(
             "reload_weights",
-            kwargs={"weights_iterator": iter(list(weights)), "is_checkpoint_format": True},
+            kwargs={"weights_iterator": iter(named.items()), "is_checkpoint_format": True},
         )
         # Cached KV blocks were computed by the old weights; reusing them would silently
         # mix policies in the next rollout's logprobs.
