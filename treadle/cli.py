@@ -38,6 +38,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    import transformers
+
+    # Our own progress bars report the run; transformers' per-save/load bars only add noise.
+    transformers.utils.logging.disable_progress_bar()
     from treadle.errors import UserError
 
     try:

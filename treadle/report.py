@@ -136,7 +136,7 @@ def plot_run(
     return out_png
 
 
-_FRACTION_MARKERS = ("accuracy", "pass@", "fraction", "_frac")
+_FRACTION_MARKERS = ("accuracy", "pass@", "pass_at_", "fraction", "_frac")
 
 
 def format_summary_value(name: str, value: float | str) -> str:
@@ -144,8 +144,8 @@ def format_summary_value(name: str, value: float | str) -> str:
 
     - text is shown as is; ``int`` as an integer;
     - names ending in ``_s`` are seconds: ``12.34`` -> ``"12.3 s"``;
-    - names containing ``accuracy``, ``pass@``, ``fraction`` or ``_frac`` are fractions in
-      [0, 1] shown as percentages: ``0.4567`` -> ``"45.7%"``;
+    - names containing ``accuracy``, ``pass@``, ``pass_at_``, ``fraction`` or ``_frac`` are
+      fractions in [0, 1] shown as percentages: ``0.4567`` -> ``"45.7%"``;
     - other numbers get 4 significant digits: ``0.012345`` -> ``"0.01235"``.
     """
     if isinstance(value, str):
