@@ -21,6 +21,8 @@ from treadle.config import load_config
 from treadle.errors import UserError
 
 DEFAULT = Path(__file__).resolve().parents[1] / "recipes" / "default.yaml"
+# File data needs no worked steps and a reward that can score it.
+FILE_DATA = ["data.source=jsonl", "data.reasoning=none", "reward.functions=[{name: math_verify}]"]
 # Small reasoning-gym data so the cases that load it before failing stay fast.
 SMALL = ["rollout.engine=hf", "data.size=50", "data.eval_size=10"]
 
@@ -45,8 +47,7 @@ CASES = {
             "train",
             str(DEFAULT),
             *SMALL,
-            "data.source=jsonl",
-            "data.reasoning=none",
+            *FILE_DATA,
             "data.path={dir}/d.jsonl",
         ],
         {"d.jsonl": '{"question": "1 + 1", "answer": "2"}\n{"question": "2 + 2", answer}\n'},
@@ -62,8 +63,7 @@ CASES = {
             "train",
             str(DEFAULT),
             *SMALL,
-            "data.source=jsonl",
-            "data.reasoning=none",
+            *FILE_DATA,
             "data.path={dir}/empty.jsonl",
         ],
         {"empty.jsonl": ""},

@@ -169,7 +169,29 @@ def test_cross_field_checks_name_the_key(override, key):
 
 def test_file_source_requires_a_path():
     with pytest.raises(UserError, match=re.escape("data.path: required for data.source=jsonl")):
-        load_config(DEFAULT, ["data.source=jsonl"])
+        load_config(DEFAULT, ["data.source=jsonl", "reward.functions=[{name: math_verify}]"])
+
+
+def test_reasoning_gym_reward_on_file_data_is_rejected():
+    with pytest.raises(UserError, match="use math_verify"):
+        load_config(DEFAULT, ["data.source=jsonl", "data.path=x.jsonl", "data.reasoning=none"])
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("rollout.top_p=0.9", "rollout.top_p"),
+        ("trainer.grad_clip=-1", "trainer.grad_clip"),
+        ("trainer.lr=.nan", "trainer.lr"),
+        ("algorithm.kl_coef=-0.1", "algorithm.kl_coef"),
+        ("model.tiny.num_attention_heads=8", "head dim"),  # 128 / 8 = 16 < 32 for vLLM
+        ("model.tiny.num_key_value_heads=3", "model.tiny.num_key_value_heads"),  # 4 % 3 != 0
+        ("rollout.temperature=0", "rollout.temperature"),
+    ],
+)
+def test_values_that_would_fail_deep_in_torch_or_vllm_are_rejected(override, key):
+    with pytest.raises(UserError, match=re.escape(key)):
+        load_config(DEFAULT, [override])
 
 
 def test_resolved_config_round_trips_through_yaml(tmp_path):

@@ -129,3 +129,10 @@ def test_write_summary_is_json_in_order(tmp_path: Path) -> None:
     assert path == tmp_path / "summary.json"
     assert list(json.loads(path.read_text())) == ["z_first", "a_second", "bad"]
     assert json.loads(path.read_text()) == {"z_first": 1.5, "a_second": "text", "bad": None}
+
+
+def test_unmeasured_summary_value_shows_a_dash():
+    # eval.greedy=false leaves the greedy accuracies None; the table must not crash on them.
+    from treadle.report import format_summary_value
+
+    assert format_summary_value("greedy_accuracy_after_rl", None) == "-"

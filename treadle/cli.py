@@ -50,7 +50,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"treadle: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("treadle: interrupted; resume with --resume RUN_DIR", file=sys.stderr)
+        print(
+            "treadle: interrupted; checkpoints are intact: continue a training run with "
+            "treadle train --resume RUN_DIR",
+            file=sys.stderr,
+        )
         return 130
 
 
@@ -65,8 +69,15 @@ def _run(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.command == "train" and args.resume is not None:
         recipe = args.resume / "config.yaml"
-        if args.recipe:  # `train RECIPE ... --resume RUN`: the run's own config wins
-            overrides = [o for o in [args.recipe, *overrides] if "=" in o]
+        if not recipe.is_file():
+            raise UserError(f"--resume {args.resume}: not a treadle run directory (no config.yaml)")
+        if args.recipe and "=" not in args.recipe:
+            raise UserError(
+                "train: give a recipe or --resume RUN_DIR, not both (a resumed run uses its "
+                "own config.yaml; overrides such as run.steps=80 still apply)"
+            )
+        if args.recipe:  # argparse took the first override for the recipe
+            overrides = [args.recipe, *overrides]
     if recipe is None:
         raise UserError("train: pass a recipe, e.g. treadle train recipes/default.yaml")
     cfg = load_config(recipe, overrides)

@@ -45,7 +45,8 @@ class ModelConfig:
     """Local Hugging Face model folder (weights + tokenizer). None builds ``tiny``."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Dtype of the trained weights (and of the engine)."""
+    """Dtype the engine serves in; the trainer keeps fp32 master weights (for bf16 compute in
+    training use ``trainer.bf16_autocast``)."""
 
 
 @dataclass
@@ -130,6 +131,7 @@ class TrainerConfig:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.99)
     grad_clip: float = 1.0
+    """Max global grad norm; 0 turns clipping off (as ``max_grad_norm=0`` in transformers)."""
     warmup_steps: int = 0
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
     micro_batch_tokens: int = 512
@@ -332,6 +334,22 @@ def _name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
+def _check_model(cfg: Config) -> None:
+    """Geometry of the built tiny model, which would otherwise fail deep inside torch or vLLM."""
+    if cfg.model.path is not None:
+        return
+    t = cfg.model.tiny
+    if t.num_attention_heads < 1 or t.hidden_size % t.num_attention_heads:
+        raise UserError("config model.tiny.hidden_size: must be a multiple of num_attention_heads")
+    if t.num_key_value_heads < 1 or t.num_attention_heads % t.num_key_value_heads:
+        raise UserError("config model.tiny.num_key_value_heads: must divide num_attention_heads")
+    if cfg.rollout.engine == "vllm" and t.hidden_size // t.num_attention_heads < 32:
+        raise UserError(
+            "config model.tiny.num_attention_heads: vLLM's CPU attention needs a head dim "
+            "(hidden_size / num_attention_heads) of at least 32"
+        )
+
+
 def _check(cfg: Config) -> None:
     """Cross-field checks that types alone cannot express."""
     bounds = {
@@ -345,14 +363,42 @@ def _check(cfg: Config) -> None:
         "trainer.mini_batches": (cfg.trainer.mini_batches, 1),
         "data.size": (cfg.data.size, 1),
         "eval.samples_per_prompt": (cfg.eval.samples_per_prompt, 1),
+        "eval.every": (cfg.eval.every, 0),
+        "data.eval_size": (cfg.data.eval_size, 1),
+        "sft.steps": (cfg.sft.steps, 0),
+        "sft.batch_size": (cfg.sft.batch_size, 1),
+        "algorithm.kl_coef": (cfg.algorithm.kl_coef, 0.0),
+        "algorithm.clip_eps_low": (cfg.algorithm.clip_eps_low, 0.0),
+        "algorithm.clip_eps_high": (cfg.algorithm.clip_eps_high, 0.0),
+        "trainer.grad_clip": (cfg.trainer.grad_clip, 0.0),
+        "trainer.weight_decay": (cfg.trainer.weight_decay, 0.0),
+        "trainer.warmup_steps": (cfg.trainer.warmup_steps, 0),
     }
     for key, (value, least) in bounds.items():
         if value < least:
             raise UserError(f"config {key}: must be at least {least}, got {value}")
     if cfg.rollout.temperature <= 0:
         raise UserError("config rollout.temperature: must be > 0 (RL samples n > 1 per prompt)")
-    if cfg.trainer.lr <= 0 or cfg.sft.lr <= 0:
+    if not (cfg.trainer.lr > 0 and cfg.sft.lr > 0):  # also rejects nan
         raise UserError("config trainer.lr / sft.lr: must be positive")
+    if cfg.algorithm.clip_eps_low >= 1:
+        raise UserError(
+            "config algorithm.clip_eps_low: must be below 1 (the ratio floor is 1 - eps)"
+        )
+    if cfg.rollout.top_p != 1.0:
+        # The engines report logprobs of the top-p-renormalised distribution; the trainer does
+        # not re-apply the nucleus cut, so the PPO ratio would be biased.
+        raise UserError(
+            "config rollout.top_p: only 1.0 is supported (the trainer does not apply top-p)"
+        )
+    _check_model(cfg)
+    if cfg.data.source != "reasoning_gym" and any(
+        f.name == "reasoning_gym" for f in cfg.reward.functions
+    ):
+        raise UserError(
+            "config reward.functions: reasoning_gym scores only data.source=reasoning_gym tasks; "
+            "for file data use math_verify (e.g. reward.functions='[{name: math_verify}]')"
+        )
     if cfg.data.source != "reasoning_gym" and not cfg.data.path:
         raise UserError(f"config data.path: required for data.source={cfg.data.source}")
     if cfg.data.reasoning != "none" and cfg.data.source != "reasoning_gym":

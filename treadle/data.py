@@ -132,7 +132,8 @@ def render_demonstration(task: Task, template: str, answer: str | None = None) -
 
 def _read_rows(path: Path, source: str) -> list[tuple[dict[str, Any], str]]:
     if not path.is_file():
-        raise UserError(f"data.path {path}: file not found")
+        what = "a directory, not a file" if path.is_dir() else "file not found"
+        raise UserError(f"data.path {path}: {what}")
     if source == "parquet":
         import pyarrow.parquet as pq
 
@@ -185,7 +186,9 @@ def _file_task(cfg: DataConfig, row: dict[str, Any], where: str, index: int) -> 
             raise UserError(
                 f"{where}: answer does not match data.answer_pattern {cfg.answer_pattern!r}"
             )
-        answer = m.group(1).strip().replace(",", "")
+        answer = m.group(1).strip()
+        if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", answer):  # "1,000" -> "1000"
+            answer = answer.replace(",", "")
     return Task(
         task_id=f"{Path(cfg.path or '').stem}/{index}",
         messages=_messages(cfg, str(row[cfg.question_field])),

@@ -102,6 +102,11 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype))
     except (OSError, ValueError) as e:
         raise UserError(f"model.path {folder}: cannot load model or tokenizer: {e}") from None
+    if tokenizer.chat_template is None:
+        raise UserError(
+            f"model.path {folder}: the tokenizer has no chat template; add one "
+            "(chat_template.jinja or tokenizer_config.json) so prompts can be rendered"
+        )
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib.util
 import logging
 import os
 import random
@@ -30,7 +31,14 @@ from transformers import AutoTokenizer
 from treadle.backends.torch_backend import TorchBackend
 from treadle.checkpoint import latest_checkpoint, load_trainer_state, write_json_atomic
 from treadle.config import Config, to_dict
-from treadle.data import DataPosition, Dataset, TaskSampler, load_dataset, render_demonstration
+from treadle.data import (
+    DataPosition,
+    Dataset,
+    TaskSampler,
+    load_dataset,
+    render_demonstration,
+    render_prompt,
+)
 from treadle.engines import EngineSpec, build_engine
 from treadle.errors import UserError
 from treadle.loop import RLParts, evaluate_policy, run_rl
@@ -43,6 +51,7 @@ from treadle.models import (
 )
 from treadle.observe import MetricsLogger, Progress
 from treadle.report import plot_run, print_summary
+from treadle.rewards.base import build_reward_function
 from treadle.rewards.pool import RewardPool
 from treadle.sft import demonstration_samples, run_sft
 
@@ -129,6 +138,7 @@ def warm_up(cfg: Config, data: Dataset, start: Path, run_dir: Path, console: Con
     )
     backend = sft_backend(cfg, model, cfg.sft.steps)
     metrics = MetricsLogger(run_dir / "sft")
+    metrics.truncate_after(0)  # an interrupted warm-up restarts from its beginning
     console.print(f"SFT warm-up: {cfg.sft.steps} steps")
     with Progress(cfg.sft.steps, console=console) as bar:
 
@@ -148,23 +158,66 @@ def warm_up(cfg: Config, data: Dataset, start: Path, run_dir: Path, console: Con
     return atomic_save(model, tokenizer, folder)
 
 
+def check_inputs(cfg: Config, data: Dataset) -> None:
+    """What can be checked before a run directory exists and minutes of SFT are spent.
+
+    Raises:
+        UserError: no held-out prompts, a missing model folder, a bad reward function, or an
+            engine whose package is not installed.
+    """
+    if not data.held_out:
+        raise UserError("data.eval_size: no held-out prompts left after removing trained-on ones")
+    if cfg.model.path is not None:
+        require_model_folder(cfg.model.path)
+    for i, spec in enumerate(cfg.reward.functions):
+        try:
+            build_reward_function(spec.name, **spec.params)
+        except UserError as e:
+            raise UserError(f"reward.functions[{i}]: {e}") from None
+    if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise UserError(
+            "rollout.engine vllm: the vllm package is not installed; install treadle[vllm] "
+            "(scripts/install.sh does) or set rollout.engine=hf"
+        )
+
+
+def check_context(tokenizer, data: Dataset, max_tokens: int, max_model_len: int) -> None:
+    """Every prompt plus ``rollout.max_tokens`` must fit the model's context.
+
+    Raises:
+        UserError: naming the longest prompt's length and the limit.
+    """
+    longest = max(len(render_prompt(tokenizer, t)) for t in (*data.train, *data.held_out))
+    if longest + max_tokens > max_model_len:
+        raise UserError(
+            f"rollout.max_tokens {max_tokens} + the longest prompt ({longest} tokens) exceed the "
+            f"model's context of {max_model_len} tokens; shorten the prompts or max_tokens"
+        )
+
+
 def train(cfg: Config, resume: Path | None = None, console: Console | None = None) -> dict:
     """The whole job. Returns the summary written to ``summary.json``."""
     console = console or Console()
     started = time.perf_counter()
     torch.set_num_threads(cfg.run.threads)
     seed_everything(cfg.run.seed)
-    data = load_dataset(cfg.data)  # bad input fails here, before a run directory exists
-    if not data.held_out:
-        raise UserError("data.eval_size: no held-out prompts left after removing trained-on ones")
-    if cfg.model.path is not None:
-        require_model_folder(cfg.model.path)
+    data = load_dataset(cfg.data)
+    check_inputs(cfg, data)  # bad input fails here, before a run directory exists
     run_dir = prepare_run_dir(cfg, resume)
+    if resume is not None and (run_dir / "summary.json").exists():
+        summary = _load_json(run_dir / "summary.json")
+        console.print(f"{run_dir} is finished; its summary:")
+        print_summary(console, summary)
+        return summary
     start = base_model(cfg, data, run_dir)
     if cfg.sft.steps > 0:
         start = warm_up(cfg, data, start, run_dir, console)
     ckpt = latest_checkpoint(run_dir)
-    model, tokenizer = load_model(ckpt / "model" if ckpt else start, cfg.model.dtype)
+    # The trainer keeps fp32 master weights whatever dtype the engine serves in.
+    model, tokenizer = load_model(ckpt / "model" if ckpt else start, "float32")
+    model.to("cuda" if torch.cuda.is_available() else "cpu")
+    max_model_len = min(model.config.max_position_embeddings, 8192)
+    check_context(tokenizer, data, cfg.rollout.max_tokens, max_model_len)
     engine = build_engine(
         cfg.rollout.engine,
         EngineSpec(
@@ -172,7 +225,7 @@ def train(cfg: Config, resume: Path | None = None, console: Console | None = Non
             dtype=cfg.model.dtype,
             seed=cfg.run.seed,
             # Room for the model's whole context, capped to bound the KV cache it reserves.
-            max_model_len=min(model.config.max_position_embeddings, 8192),
+            max_model_len=max_model_len,
             kv_cache_gib=cfg.rollout.kv_cache_gib,
         ),
     )
@@ -181,7 +234,8 @@ def train(cfg: Config, resume: Path | None = None, console: Console | None = Non
     )
     reference = None
     if cfg.algorithm.kl_coef > 0:
-        ref_model, _ = load_model(start, cfg.model.dtype)
+        ref_model, _ = load_model(start, "float32")
+        ref_model.to(model.device)
         reference = TorchBackend(
             ref_model, cfg.trainer, 1, cfg.rollout.temperature, trainable=False
         )
@@ -282,7 +336,6 @@ def sft_only(cfg: Config, console: Console | None = None) -> Path:
     torch.set_num_threads(cfg.run.threads)
     seed_everything(cfg.run.seed)
     data = load_dataset(cfg.data)
-    if cfg.model.path is not None:
-        require_model_folder(cfg.model.path)
+    check_inputs(cfg, data)
     run_dir = prepare_run_dir(cfg, None)
     return warm_up(cfg, data, base_model(cfg, data, run_dir), run_dir, console or Console())

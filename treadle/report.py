@@ -29,7 +29,7 @@ EVAL_METRICS: tuple[tuple[str, str], ...] = (
 )
 """Held-out accuracy metrics drawn in the second panel, with their legend labels."""
 
-Summary = Mapping[str, float | str]
+Summary = Mapping[str, float | str | None]
 """Final results of a run: name -> number or text (see :func:`format_summary_value`)."""
 
 
@@ -139,15 +139,17 @@ def plot_run(
 _FRACTION_MARKERS = ("accuracy", "pass@", "pass_at_", "fraction", "_frac")
 
 
-def format_summary_value(name: str, value: float | str) -> str:
+def format_summary_value(name: str, value: float | str | None) -> str:
     """Format one summary entry for display, choosing the unit from the name.
 
-    - text is shown as is; ``int`` as an integer;
+    - ``None`` (not measured) as ``-``; text as is; ``int`` as an integer;
     - names ending in ``_s`` are seconds: ``12.34`` -> ``"12.3 s"``;
     - names containing ``accuracy``, ``pass@``, ``pass_at_``, ``fraction`` or ``_frac`` are
       fractions in [0, 1] shown as percentages: ``0.4567`` -> ``"45.7%"``;
     - other numbers get 4 significant digits: ``0.012345`` -> ``"0.01235"``.
     """
+    if value is None:
+        return "-"
     if isinstance(value, str):
         return value
     if isinstance(value, int) and not isinstance(value, bool):

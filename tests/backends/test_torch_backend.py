@@ -268,3 +268,19 @@ def test_lr_metric_is_the_lr_the_step_used(tiny_qwen2):
     )
     metrics = b.train_step([sample([1, 2], [3, 4])], SFTObjective())
     assert metrics["lr"] == pytest.approx(5e-3)  # warmup step 0: 1e-2 * (0 + 1) / 2
+
+
+def test_grad_clip_zero_means_no_clipping(tiny_qwen2):
+    # max_norm 0 would scale every gradient to 0 and Adam would not move: 0 must mean "off",
+    # so the step equals the one with a clip too large to ever bite.
+    updates = []
+    for clip in (0.0, NO_CLIP):
+        model = tiny_qwen2(0)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        backend(model, lr=1e-3, grad_clip=clip).train_step(
+            policy_samples(model), PolicyObjective(0.2, 0.2, 0.0)
+        )
+        updates.append({k: v - before[k] for k, v in model.state_dict().items()})
+    assert all(u.abs().sum() > 0 for u in updates[0].values())
+    for k, u in updates[0].items():
+        torch.testing.assert_close(u, updates[1][k], rtol=0, atol=1e-7)

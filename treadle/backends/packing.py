@@ -7,6 +7,7 @@ no token attends across sequences and no padding token is ever computed.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,6 +29,19 @@ class MicroBatch:
     behavior_logprobs: torch.Tensor  # [N]
     advantages: torch.Tensor  # [N]
     ref_logprobs: torch.Tensor | None  # [N], None without a reference model
+
+    def to(self, device: torch.device) -> MicroBatch:
+        """The same micro-batch with its tensors on ``device``."""
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        return dataclasses.replace(
+            self,
+            input_ids=move(self.input_ids),
+            position_ids=move(self.position_ids),
+            loss_mask=move(self.loss_mask),
+            behavior_logprobs=move(self.behavior_logprobs),
+            advantages=move(self.advantages),
+            ref_logprobs=move(self.ref_logprobs),
+        )
 
     @property
     def num_tokens(self) -> int:

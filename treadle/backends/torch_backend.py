@@ -75,21 +75,21 @@ class TorchBackend:
 
     def _token_logprobs(self, mb: MicroBatch) -> torch.Tensor:
         """``[N]`` logprob of each token given the tokens before it in its own sequence."""
-        ids = mb.input_ids.to(self.device)
+        ids = mb.input_ids
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16_autocast):
             logits = self.model(
-                input_ids=ids, position_ids=mb.position_ids.to(self.device), use_cache=False
+                input_ids=ids, position_ids=mb.position_ids, use_cache=False
             ).logits[0]
         logits = logits[:-1].float() / self.temperature
         lp = -F.cross_entropy(logits, ids[0, 1:], reduction="none")
         lp = torch.cat([lp.new_zeros(1), lp])
         # The first token of each sequence has no context of its own: define its logprob as 0.
-        is_start = mb.position_ids[0].to(self.device) == 0
+        is_start = mb.position_ids[0] == 0
         return torch.where(is_start, torch.zeros_like(lp), lp)
 
     def _micro_batches(self, samples: Sequence[TrainSample]) -> list[MicroBatch]:
         plan = plan_micro_batches([len(s) for s in samples], self.cfg.micro_batch_tokens)
-        return [pack(samples, idx) for idx in plan]
+        return [pack(samples, idx).to(self.device) for idx in plan]
 
     @torch.no_grad()
     def compute_logprobs(self, samples: Sequence[TrainSample]) -> list[list[float]]:
@@ -142,7 +142,8 @@ class TorchBackend:
                 weighted[name] = weighted.get(name, 0.0) + v * share
             gap = (lp.detach() - mb.behavior_logprobs).abs() * mb.loss_mask
             mismatch += float(gap.sum()) / num_loss_tokens
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")  # 0: no clip
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this step applies
         self.optimizer.step()
         self.scheduler.step()

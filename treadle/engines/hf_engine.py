@@ -44,7 +44,7 @@ class HFEngine:
             do_sample=not greedy,
             temperature=None if greedy else params.temperature,
             top_p=None if greedy else params.top_p,
-            top_k=0,  # 0 disables transformers' default top-50: sample the full distribution
+            top_k=None if greedy else 0,  # 0: no default top-50 cut; sample the full distribution
             max_new_tokens=params.max_tokens,
             num_return_sequences=params.n,
             eos_token_id=sorted(self._eos),
