@@ -204,11 +204,11 @@ def train(cfg: Config, resume: Path | None = None, console: Console | None = Non
     data = load_dataset(cfg.data)
     check_inputs(cfg, data)  # bad input fails here, before a run directory exists
     run_dir = prepare_run_dir(cfg, resume)
-    if resume is not None and (run_dir / "summary.json").exists():
-        summary = _load_json(run_dir / "summary.json")
-        console.print(f"{run_dir} is finished; its summary:")
-        print_summary(console, summary)
-        return summary
+    finished = _load_json(run_dir / "summary.json")
+    if finished.get("rl_steps") == cfg.run.steps:  # nothing left to do (a longer run goes on)
+        console.print(f"{run_dir} has finished its {cfg.run.steps} steps; its summary:")
+        print_summary(console, finished)
+        return finished
     start = base_model(cfg, data, run_dir)
     if cfg.sft.steps > 0:
         start = warm_up(cfg, data, start, run_dir, console)

@@ -87,3 +87,11 @@ def test_resumed_run_equals_an_uninterrupted_one(runs):
     pb = dict(mb.named_parameters())
     for name, p in ma.named_parameters():
         torch.testing.assert_close(p, pb[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_resuming_a_finished_run_changes_nothing(runs):
+    resumed, _, _ = runs
+    rows_before = (resumed / "metrics.jsonl").read_text()
+    summary = run(resumed.parent, "resumed", steps=3, resume=resumed)
+    assert summary == json.loads((resumed / "summary.json").read_text())
+    assert (resumed / "metrics.jsonl").read_text() == rows_before
