@@ -85,7 +85,9 @@ def _run(args: argparse.Namespace) -> int:
         from treadle.pipeline import sft_only
 
         folder = sft_only(cfg, console)
-        console.print(f"SFT checkpoint: {folder} (start RL from it with model.path={folder})")
+        console.print(
+            f"SFT checkpoint: {folder}; start RL from it with model.path={folder} sft.steps=0"
+        )
         return 0
     from treadle.pipeline import train
 

@@ -2,10 +2,12 @@
 
 Run directory layout (``run.output_dir/run.name``)::
 
-    config.yaml        the resolved config
+    config.yaml        the resolved config (what --resume reads)
     base_model/        the built tiny model + tokenizer (when model.path is unset)
+    sft/               the SFT warm-up's metrics.jsonl and TensorBoard events
     sft_model/         the SFT warm-up checkpoint (Hugging Face format)
-    checkpoints/       RL checkpoints (step_NNNNNN/, latest)
+    before_rl.json     held-out accuracy before RL (kept for --resume)
+    checkpoints/       RL checkpoints (step_NNNNNN/, latest; the last run.keep_last kept)
     final_model/       the policy after RL (Hugging Face format)
     metrics.jsonl, tensorboard/, samples/, plot.png, summary.json
 """
@@ -259,6 +261,7 @@ def train(cfg: Config, resume: Path | None = None, console: Console | None = Non
     try:
         summary = _load_json(run_dir / "before_rl.json")
         if not summary:
+            console.print(f"evaluating on {len(data.held_out)} held-out prompts before RL")
             before = evaluate_policy(parts)
             metrics.log(0, before.metrics())
             summary = {
@@ -272,6 +275,7 @@ def train(cfg: Config, resume: Path | None = None, console: Console | None = Non
         with Progress(cfg.run.steps, console=console, start_step=state.get("step", 0)) as bar:
             run_rl(parts, state.get("step", 0), bar)
         rl_seconds = time.perf_counter() - rl_start
+        console.print(f"evaluating on {len(data.held_out)} held-out prompts after RL")
         after = evaluate_policy(parts)
         metrics.log(cfg.run.steps, after.metrics())
         atomic_save(policy.model, tokenizer, run_dir / "final_model")
@@ -284,6 +288,7 @@ def train(cfg: Config, resume: Path | None = None, console: Console | None = Non
             "rl_wall_time_s": rl_seconds,
         }
         if cfg.eval.control_sft and cfg.sft.steps > 0:
+            console.print(f"control: {rl_seconds:.0f} s of extra SFT from sft_model instead of RL")
             summary |= control_run(parts, data, run_dir, rl_seconds)
     finally:
         parts.rewards.close()

@@ -128,6 +128,7 @@ def plot_run(
     os.close(fd)
     try:
         fig.savefig(tmp_name, format="png", dpi=120)
+        os.chmod(tmp_name, 0o644)  # mkstemp makes it 0600; a plot is for everyone to read
         os.replace(tmp_name, out_png)
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
