@@ -13,7 +13,6 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
     PreTrainedTokenizerFast,
-    Qwen2Config,
     Qwen2ForCausalLM,
 )
 
@@ -25,6 +24,7 @@ from treadle.checkpoint import (
     read_checkpoint_state,
     require_latest_checkpoint,
     save_checkpoint,
+    save_model_atomic,
     write_json_atomic,
 )
 from treadle.errors import UserError
@@ -39,19 +39,6 @@ def _tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>"
     )
-
-
-def _model() -> Qwen2ForCausalLM:
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
-    return Qwen2ForCausalLM(config)
 
 
 def _optimizer_and_scheduler(
@@ -74,9 +61,9 @@ def _train_step(model, optimizer, scheduler) -> None:
 
 
 @pytest.fixture
-def trained():
+def trained(tiny_qwen2):
     """A tiny model, tokenizer, optimizer and scheduler after one optimizer step."""
-    model = _model()
+    model = tiny_qwen2(0)
     optimizer, scheduler = _optimizer_and_scheduler(model)
     _train_step(model, optimizer, scheduler)
     return model, _tokenizer(), optimizer, scheduler
@@ -281,3 +268,31 @@ def test_write_json_atomic_replaces_whole_files(tmp_path: Path) -> None:
     with pytest.raises(TypeError):
         write_json_atomic(path, {"path": Path("x")})
     assert json.loads(path.read_text())["nan"] is None  # the failed write changed nothing
+
+
+def test_model_folder_is_replaced_whole(tmp_path: Path, trained) -> None:
+    # The run's sft_model/ and final_model/ are written this way: a second save replaces the
+    # first without leaving temporary folders, and the result loads.
+    model, tokenizer, _, _ = trained
+    folder = tmp_path / "final_model"
+    save_model_atomic(model, tokenizer, folder)
+    with torch.no_grad():
+        model.model.norm.weight.add_(1.0)
+    save_model_atomic(model, tokenizer, folder)
+    assert [p.name for p in tmp_path.iterdir()] == ["final_model"]
+    reloaded = Qwen2ForCausalLM.from_pretrained(folder)
+    torch.testing.assert_close(reloaded.model.norm.weight, model.model.norm.weight)
+
+
+def test_crash_while_saving_a_model_folder_keeps_the_old_one(
+    tmp_path: Path, trained, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, tokenizer, _, _ = trained
+    folder = tmp_path / "final_model"
+    save_model_atomic(model, tokenizer, folder)
+    before = sorted(p.name for p in folder.iterdir())
+    monkeypatch.setattr(tokenizer, "save_pretrained", lambda *a, **k: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        save_model_atomic(model, tokenizer, folder)
+    assert [p.name for p in tmp_path.iterdir()] == ["final_model"]
+    assert sorted(p.name for p in folder.iterdir()) == before

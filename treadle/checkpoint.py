@@ -301,7 +301,8 @@ def _install(tmp_dir: Path, final_dir: Path) -> None:
     old_aside: Path | None = None
     if final_dir.exists():
         # os.replace cannot overwrite a non-empty directory: move the old one aside first.
-        _point_latest_away_from(ckpt_root, final_dir.name)
+        if (ckpt_root / LATEST_FILENAME).is_file():
+            _point_latest_away_from(ckpt_root, final_dir.name)
         old_aside = ckpt_root / f"{_TMP_PREFIX}old_{final_dir.name}"
         if old_aside.exists():
             shutil.rmtree(old_aside)
@@ -354,6 +355,28 @@ def _write_parts(
     torch.save(trainer_state, tmp_dir / TRAINER_STATE_FILENAME)
     (tmp_dir / STATE_FILENAME).write_text(state_text, encoding="utf-8")
     _fsync_tree(tmp_dir)
+
+
+def save_model_atomic(model: PretrainedSaver, tokenizer: PretrainedSaver, folder: Path) -> Path:
+    """Write a Hugging Face model folder (weights + tokenizer) so it is never half-written.
+
+    Everything goes into a temporary sibling, is fsynced, and then replaces ``folder`` the way
+    a checkpoint directory is installed (an existing folder is swapped out, not deleted first).
+    """
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = folder.with_name(f"{_TMP_PREFIX}{folder.name}.{os.getpid()}")
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    tmp_dir.mkdir()
+    try:
+        model.save_pretrained(tmp_dir)
+        tokenizer.save_pretrained(tmp_dir)
+        _fsync_tree(tmp_dir)
+        _install(tmp_dir, folder)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    return folder
 
 
 def save_checkpoint(

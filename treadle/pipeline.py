@@ -17,10 +17,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib.util
+import json
 import logging
-import os
 import random
-import shutil
 import time
 from pathlib import Path
 
@@ -31,7 +30,12 @@ from rich.console import Console
 from transformers import AutoTokenizer
 
 from treadle.backends.torch_backend import TorchBackend
-from treadle.checkpoint import latest_checkpoint, load_trainer_state, write_json_atomic
+from treadle.checkpoint import (
+    latest_checkpoint,
+    load_trainer_state,
+    save_model_atomic,
+    write_json_atomic,
+)
 from treadle.config import Config, to_dict
 from treadle.data import (
     DataPosition,
@@ -49,7 +53,6 @@ from treadle.models import (
     build_tokenizer,
     load_model,
     require_model_folder,
-    save_model,
 )
 from treadle.observe import MetricsLogger, Progress
 from treadle.report import plot_run, print_summary
@@ -91,7 +94,7 @@ def base_model(cfg: Config, data: Dataset, run_dir: Path) -> Path:
     if not (folder / "config.json").exists():
         tokenizer = tiny_tokenizer(cfg, data)
         model = build_tiny_model(cfg.model.tiny, tokenizer, cfg.run.seed)
-        atomic_save(model, tokenizer, folder)
+        save_model_atomic(model, tokenizer, folder)
     return folder
 
 
@@ -106,16 +109,6 @@ def tiny_tokenizer(cfg: Config, data: Dataset):
     for template in (cfg.data.answer_template, cfg.sft.noise.loose_template):
         corpus += [render_demonstration(t, template) for t in data.train]
     return build_tokenizer(corpus, cfg.model.tiny.tokenizer_vocab_size)
-
-
-def atomic_save(model, tokenizer, folder: Path) -> Path:
-    """Write a Hugging Face folder via a temporary sibling, so it is never half-written."""
-    tmp = folder.with_name(f".tmp_{folder.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_model(model, tokenizer, tmp)
-    shutil.rmtree(folder, ignore_errors=True)
-    os.replace(tmp, folder)
-    return folder
 
 
 def sft_backend(cfg: Config, model, steps: int) -> TorchBackend:
@@ -157,7 +150,7 @@ def warm_up(cfg: Config, data: Dataset, start: Path, run_dir: Path, console: Con
             on_step=on_step,
         )
     metrics.close()
-    return atomic_save(model, tokenizer, folder)
+    return save_model_atomic(model, tokenizer, folder)
 
 
 def check_inputs(cfg: Config, data: Dataset) -> None:
@@ -278,7 +271,7 @@ def train(cfg: Config, resume: Path | None = None, console: Console | None = Non
         console.print(f"evaluating on {len(data.held_out)} held-out prompts after RL")
         after = evaluate_policy(parts)
         metrics.log(cfg.run.steps, after.metrics())
-        atomic_save(policy.model, tokenizer, run_dir / "final_model")
+        save_model_atomic(policy.model, tokenizer, run_dir / "final_model")
         summary |= {
             "accuracy_after_rl": after.pass_at_1,
             "greedy_accuracy_after_rl": after.greedy_accuracy,
@@ -329,8 +322,6 @@ def control_run(parts: RLParts, data: Dataset, run_dir: Path, seconds: float) ->
 
 
 def _load_json(path: Path) -> dict:
-    import json
-
     return json.loads(path.read_text()) if path.exists() else {}
 
 

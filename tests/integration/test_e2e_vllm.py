@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from .runs import is_finite_number, metric_rows, run_python, step_rows, write_recipe
-from .tiny import ATOL, skip_without_vllm
+from .tiny import ATOL, TINY_RECIPE_MODEL, skip_without_vllm
 
 pytestmark = pytest.mark.slow
 
@@ -26,16 +26,7 @@ SUMMARY_ACCURACIES = (
 
 RECIPE = {
     "run": {"name": "e2e", "seed": 0, "steps": 2, "save_every": 1},
-    "model": {
-        "tiny": {
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "tokenizer_vocab_size": 300,
-        }
-    },
+    "model": {"tiny": {**TINY_RECIPE_MODEL, "tokenizer_vocab_size": 300}},
     "data": {
         "source": "reasoning_gym",
         "task": "chain_sum",

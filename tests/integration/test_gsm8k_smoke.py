@@ -14,7 +14,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from .runs import is_finite_number, run_python, step_rows, write_recipe
-from .tiny import vllm_import_error
+from .tiny import TINY_RECIPE_MODEL, vllm_import_error
 
 SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 """``../shared/data`` beside the checkout: real public data that the published project lacks."""
@@ -37,16 +37,7 @@ def smoke(tmp_path_factory):
     engine = "vllm" if vllm_import_error() is None else "hf"
     recipe = {
         "run": {"name": "gsm8k", "output_dir": str(root / "runs"), "steps": 2, "save_every": 2},
-        "model": {
-            "tiny": {
-                "hidden_size": 64,
-                "intermediate_size": 128,
-                "num_hidden_layers": 1,
-                "num_attention_heads": 2,
-                "num_key_value_heads": 1,
-                "tokenizer_path": str(QWEN3),
-            }
-        },
+        "model": {"tiny": {**TINY_RECIPE_MODEL, "tokenizer_path": str(QWEN3)}},
         "data": {
             "source": "jsonl",
             "path": str(GSM8K),

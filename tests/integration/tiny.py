@@ -36,6 +36,16 @@ TINY = TinyModelConfig(
 CORPUS = [f"What is {a} + {b}? <answer>{a + b}</answer>" for a in range(10) for b in range(10)]
 
 
+# The smallest model the vLLM CPU backend runs (head dim 32), as a recipe's model.tiny section.
+TINY_RECIPE_MODEL = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+}
+
+
 def vllm_import_error() -> str | None:
     """None when treadle's vLLM engine imports, else a skip reason that says why not."""
     try:
