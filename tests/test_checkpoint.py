@@ -22,7 +22,6 @@ from treadle.checkpoint import (
     list_checkpoints,
     load_trainer_state,
     read_checkpoint_state,
-    require_latest_checkpoint,
     save_checkpoint,
     save_model_atomic,
     write_json_atomic,
@@ -213,13 +212,6 @@ def test_bad_state_writes_nothing(tmp_path: Path, trained) -> None:
     with pytest.raises(ValueError, match="keep_last"):
         save_checkpoint(tmp_path, 1, *trained, STATE, keep_last=0)
     assert latest_checkpoint(tmp_path) is None
-
-
-def test_no_checkpoint_is_a_user_error_naming_the_run(tmp_path: Path) -> None:
-    assert latest_checkpoint(tmp_path) is None
-    with pytest.raises(UserError, match="start without --resume") as info:
-        require_latest_checkpoint(tmp_path)
-    assert str(tmp_path) in str(info.value)
 
 
 def test_latest_naming_a_missing_directory_is_a_user_error(tmp_path: Path) -> None:

@@ -252,21 +252,6 @@ def latest_checkpoint(run_dir: str | os.PathLike[str]) -> Path | None:
     return found[-1][1] if found else None
 
 
-def require_latest_checkpoint(run_dir: str | os.PathLike[str]) -> Path:
-    """Return :func:`latest_checkpoint`, failing with a user-facing message when there is none.
-
-    Raises:
-        UserError: the run directory has no checkpoint, or ``latest`` is broken.
-    """
-    found = latest_checkpoint(run_dir)
-    if found is None:
-        raise UserError(
-            f"run directory {run_dir} has no checkpoint (no {CHECKPOINTS_DIRNAME}/step_* "
-            f"directory); start without --resume, or pass the run directory that has one"
-        )
-    return found
-
-
 def _remove_leftovers(ckpt_root: Path) -> None:
     """Delete ``.tmp_*`` entries a crashed save left behind."""
     for entry in ckpt_root.iterdir():

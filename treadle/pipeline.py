@@ -55,7 +55,7 @@ from treadle.models import (
     require_model_folder,
 )
 from treadle.observe import MetricsLogger, Progress
-from treadle.report import plot_run, print_summary
+from treadle.report import plot_run, print_summary, write_summary
 from treadle.rewards.base import build_reward_function
 from treadle.rewards.pool import RewardPool
 from treadle.sft import demonstration_samples, run_sft
@@ -250,7 +250,6 @@ def train(cfg: Config, resume: Path | None = None, console: Console | None = Non
         data.held_out,
         metrics,
     )
-    summary_path = run_dir / "summary.json"
     try:
         summary = _load_json(run_dir / "before_rl.json")
         if not summary:
@@ -287,7 +286,7 @@ def train(cfg: Config, resume: Path | None = None, console: Console | None = Non
         parts.rewards.close()
         metrics.close()
     summary["wall_time_s"] = time.perf_counter() - started
-    write_json_atomic(summary_path, summary)
+    write_summary(run_dir, summary)
     plot_run(run_dir / "metrics.jsonl", run_dir / "plot.png")
     print_summary(console, summary)
     return summary
