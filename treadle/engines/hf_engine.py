@@ -72,9 +72,8 @@ class HFEngine:
         end = next((t + 1 for t, tok in enumerate(tokens) if tok in self._eos), None)
         if stop:  # the first token whose text completes a stop string ends the completion
             for t in range(1, (end or len(tokens)) + 1):
-                if any(
-                    s in self._tokenizer.decode(tokens[:t], skip_special_tokens=True) for s in stop
-                ):
+                text = self._tokenizer.decode(tokens[:t], skip_special_tokens=True)
+                if any(s in text for s in stop):
                     end = t
                     break
         reason = FinishReason.STOP if end is not None else FinishReason.LENGTH
