@@ -183,7 +183,7 @@ def test_reasoning_gym_reward_on_file_data_is_rejected():
         ("rollout.top_p=0.9", "rollout.top_p"),
         ("trainer.grad_clip=-1", "trainer.grad_clip"),
         ("trainer.lr=.nan", "trainer.lr"),
-        ("algorithm.kl_coef=-0.1", "algorithm.kl_coef"),
+        ("algorithm.kl.coef=-0.1", "algorithm.kl.coef"),
         ("model.tiny.num_attention_heads=8", "head dim"),  # 128 / 8 = 16 < 32 for vLLM
         ("model.tiny.num_key_value_heads=3", "model.tiny.num_key_value_heads"),  # 4 % 3 != 0
         ("rollout.temperature=0", "rollout.temperature"),

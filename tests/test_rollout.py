@@ -9,7 +9,14 @@ import pytest
 
 from treadle.config import AlgorithmConfig
 from treadle.rewards.base import Score
-from treadle.rollout import Generated, build_samples, score
+from treadle.rollout import (
+    Generated,
+    assign_advantages,
+    build_samples,
+    filter_groups,
+    outcome_rewards,
+    score,
+)
 from treadle.types import Completion, FinishReason, Message, Rollout, RolloutGroup, Task
 
 END_OF_TURN = 2  # the engine's end-of-turn token id in these fakes
@@ -37,6 +44,13 @@ def group(task_id: str, prompt: Sequence[int], rewards: Sequence[float]) -> Roll
     return RolloutGroup(task(task_id), tuple(prompt), rollouts)
 
 
+def build(groups, cfg: AlgorithmConfig, max_tokens: int = 32):
+    """build_samples, then the configured advantages, as the loop runs them."""
+    samples, metrics = build_samples(groups, cfg)
+    rewards, reward_metrics = outcome_rewards(groups, cfg, max_tokens)
+    return samples, metrics | reward_metrics | assign_advantages(samples, rewards, cfg)
+
+
 def test_sample_is_prompt_plus_completion_with_end_of_turn_trained():
     g = RolloutGroup(
         task("A"),
@@ -46,7 +60,7 @@ def test_sample_is_prompt_plus_completion_with_end_of_turn_trained():
             Rollout(completion([14, END_OF_TURN], version=7), 0.0, False),
         ),
     )
-    samples, metrics = build_samples([g], AlgorithmConfig(std_normalize=False))
+    samples, metrics = build([g], AlgorithmConfig(advantage="dr_grpo"))
     s = samples[0]
     assert s.token_ids == [5, 6, 7, 8, 11, 12, 13, END_OF_TURN]  # the completion tokens unchanged
     # Exactly the 4 completion tokens are trained, the final end-of-turn token included.
@@ -105,7 +119,7 @@ def completion_advantages(samples) -> list[tuple[str, float]]:
 
 
 def test_group_advantages_land_on_the_right_samples():
-    samples, metrics = build_samples(interleaved_groups(), AlgorithmConfig(std_normalize=False))
+    samples, metrics = build(interleaved_groups(), AlgorithmConfig(advantage="dr_grpo"))
     # A: mean 2/3 -> 1 - 2/3 = 1/3, 0 - 2/3 = -2/3; B: mean 1/2 -> +-1/2. In input order.
     assert completion_advantages(samples) == [
         ("A", pytest.approx(1 / 3)),
@@ -121,7 +135,7 @@ def test_group_advantages_land_on_the_right_samples():
 
 
 def test_group_advantages_with_std_normalisation():
-    samples, _ = build_samples(interleaved_groups(), AlgorithmConfig(std_normalize=True))
+    samples, _ = build(interleaved_groups(), AlgorithmConfig(advantage="grpo"))
     # A: deviations (1/3, -2/3, 1/3), unbiased var (1/9 + 4/9 + 1/9) / 2 = 1/3, std 0.57735:
     #   1/3 / 0.57735 = 0.57735, -2/3 / 0.57735 = -1.15470.
     # B: deviations +-1/2, unbiased var 4 * 1/4 / 3 = 1/3, std 0.57735: +-0.5 / 0.57735 = +-0.86603.
@@ -172,3 +186,85 @@ def test_score_keeps_each_reward_with_its_completion():
     assert scored.groups[1].prompt_token_ids == (2, 3)
     assert scored.groups[0].rollouts[1].completion is right
     assert (scored.failures, scored.timeouts) == (1, 2)
+
+
+def test_e_overlong_filter_masks_truncated_samples_out_entirely():
+    g = RolloutGroup(
+        task("A"),
+        (5, 6),
+        (
+            Rollout(completion([11, END_OF_TURN]), 1.0, True),
+            Rollout(completion([12, 13, 14], FinishReason.LENGTH), 0.0, False),
+        ),
+    )
+    samples, metrics = build([g], AlgorithmConfig(advantage="dr_grpo", overlong_filter=True))
+    assert samples[0].loss_mask == [False, False, True, True]
+    assert samples[1].loss_mask == [False] * 5  # truncated: not one token trained
+    assert set(samples[1].advantages) == {0.0}
+    assert metrics["filter/overlong_samples"] == 1.0
+    # Without the filter the truncated completion is trained like any other.
+    samples, _ = build([g], AlgorithmConfig(advantage="dr_grpo"))
+    assert samples[1].loss_mask == [False, False, True, True, True]
+
+
+def test_e_soft_overlong_penalty_lowers_the_reward_before_advantages():
+    # max_tokens 20, cache 5: lengths 14 (free), 17 (-0.4), 20 (-1.0); all rewards 1
+    # -> rewards [1, 0.6, 0]; Dr. GRPO mean 0.5333 -> A = [0.4667, 0.0667, -0.5333]
+    rollouts = tuple(
+        Rollout(completion([7] * n, FinishReason.STOP), 1.0, True) for n in (14, 17, 20)
+    )
+    cfg = AlgorithmConfig(advantage="dr_grpo", overlong_cache=5)
+    samples, metrics = build([RolloutGroup(task("A"), (1,), rollouts)], cfg, max_tokens=20)
+    assert [s.advantages[-1] for s in samples] == pytest.approx(
+        [0.46667, 0.06667, -0.53333], abs=1e-4
+    )
+    assert metrics["reward/overlong_penalty"] == pytest.approx(-1.4 / 3)
+
+
+def test_kl_in_the_reward_uses_the_sampling_logprobs_and_the_reference():
+    # One prompt, two samples, rewards [1, 1]. k1 KL in the reward, coef 0.5:
+    # sample 0's two trained tokens: engine logprobs [-0.1, -0.2], reference [-0.1, -1.2]
+    #   -> k1 = [0, 1.0] -> token rewards [0, -0.5] -> R_0 = 1 - 0.5 = 0.5
+    # sample 1: reference = engine -> k1 = 0 -> R_1 = 1; Dr. GRPO mean 0.75 -> A = [-0.25, 0.25]
+    g = RolloutGroup(
+        task("A"),
+        (5,),
+        (
+            Rollout(completion([11, END_OF_TURN]), 1.0, True),
+            Rollout(completion([12, END_OF_TURN]), 1.0, True),
+        ),
+    )
+    cfg = AlgorithmConfig(advantage="dr_grpo")
+    cfg.kl.coef, cfg.kl.placement, cfg.kl.estimator = 0.5, "reward", "k1"
+    samples, _ = build_samples([g], cfg)
+    samples[0].ref_logprobs = [0.0, -0.1, -1.2]
+    samples[1].ref_logprobs = [0.0, -0.1, -0.2]
+    rewards, _ = outcome_rewards([g], cfg, 32)
+    metrics = assign_advantages(samples, rewards, cfg)
+    assert samples[0].advantages == [0.0, pytest.approx(-0.25), pytest.approx(-0.25)]
+    assert samples[1].advantages == [0.0, pytest.approx(0.25), pytest.approx(0.25)]
+    assert metrics["kl/k1"] == pytest.approx(0.25)  # (0 + 1 + 0 + 0) / 4 trained tokens
+
+
+def test_gae_through_assign_advantages_writes_returns():
+    g = RolloutGroup(task("A"), (5,), (Rollout(completion([11, END_OF_TURN]), 1.0, True),))
+    cfg = AlgorithmConfig(advantage="gae", lam=1.0)
+    samples, _ = build_samples([g], cfg)
+    samples[0].values = [0.0, 0.25, 0.5]  # index 0 is the prompt token: untrained
+    rewards, _ = outcome_rewards([g], cfg, 32)
+    assign_advantages(samples, rewards, cfg)
+    # gamma = lam = 1: A_t = R - V_t = [1 - 0.25, 1 - 0.5] = [0.75, 0.5]; returns = A + V = [1, 1]
+    assert samples[0].returns == [0.0, 1.0, 1.0]
+    # whitened over the 2 trained tokens: mean 0.625, unbiased std 0.17678 -> [+0.7071, -0.7071]
+    assert samples[0].advantages == [
+        0.0,
+        pytest.approx(0.70710, abs=1e-4),
+        pytest.approx(-0.70710, abs=1e-4),
+    ]
+
+
+def test_filter_groups_drops_equal_reward_groups_only():
+    groups = [group("A", [1], [1.0, 1.0]), group("B", [2], [1.0, 0.0]), group("C", [3], [0.0])]
+    kept, metrics = filter_groups(groups)
+    assert [g.task.task_id for g in kept] == ["B", "C"]  # C: one sample, no variance estimate
+    assert metrics["filter/dropped_groups"] == 1.0

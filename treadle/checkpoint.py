@@ -29,6 +29,7 @@ import random
 import re
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -44,6 +45,8 @@ LATEST_FILENAME = "latest"
 MODEL_DIRNAME = "model"
 TRAINER_STATE_FILENAME = "trainer_state.pt"
 STATE_FILENAME = "state.json"
+CRITIC_DIRNAME = "critic"
+CRITIC_STATE_FILENAME = "critic_state.pt"
 _TMP_PREFIX = ".tmp_"
 _STEP_DIR_RE = re.compile(r"^step_(\d{6,})$")
 
@@ -55,6 +58,15 @@ class PretrainedSaver(Protocol):
     """What a Hugging Face model or tokenizer offers for saving (``save_pretrained``)."""
 
     def save_pretrained(self, save_directory: str | os.PathLike[str]) -> Any: ...
+
+
+@dataclass(frozen=True)
+class CriticParts:
+    """A critic's model and optimizer state, checkpointed beside the policy."""
+
+    model: PretrainedSaver
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -328,6 +340,7 @@ def _write_parts(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None,
     state_text: str,
+    critic: CriticParts | None = None,
 ) -> None:
     """Write every file of a checkpoint into ``tmp_dir`` and fsync them all."""
     model.save_pretrained(tmp_dir / MODEL_DIRNAME)  # transformers 5 always writes safetensors
@@ -338,6 +351,13 @@ def _write_parts(
         "rng": capture_rng_state(),
     }
     torch.save(trainer_state, tmp_dir / TRAINER_STATE_FILENAME)
+    if critic is not None:
+        critic.model.save_pretrained(tmp_dir / CRITIC_DIRNAME)
+        critic_state = {
+            "optimizer": critic.optimizer.state_dict(),
+            "scheduler": critic.scheduler.state_dict() if critic.scheduler is not None else None,
+        }
+        torch.save(critic_state, tmp_dir / CRITIC_STATE_FILENAME)
     (tmp_dir / STATE_FILENAME).write_text(state_text, encoding="utf-8")
     _fsync_tree(tmp_dir)
 
@@ -373,6 +393,7 @@ def save_checkpoint(
     scheduler: torch.optim.lr_scheduler.LRScheduler | None,
     state: JsonState,
     keep_last: int | None = None,
+    critic: CriticParts | None = None,
 ) -> Path:
     """Write an atomic checkpoint of a run at ``step`` and point ``RUN/checkpoints/latest`` at it.
 
@@ -387,6 +408,8 @@ def save_checkpoint(
             ``state.json`` together with ``"step": step``.
         keep_last: keep only this many highest-step checkpoints, deleting older ones after the
             new one is in place; None keeps all.
+        critic: a PPO critic, saved as ``critic/`` (Hugging Face format) and
+            ``critic_state.pt`` (its optimizer and scheduler) in the same atomic directory.
 
     Returns:
         The checkpoint directory ``RUN/checkpoints/step_{step:06d}``.
@@ -416,7 +439,7 @@ def save_checkpoint(
     tmp_dir = ckpt_root / f"{_TMP_PREFIX}{name}.{os.getpid()}"  # mkdir, not mkdtemp: not 0700
     tmp_dir.mkdir()
     try:
-        _write_parts(tmp_dir, model, tokenizer, optimizer, scheduler, state_text)
+        _write_parts(tmp_dir, model, tokenizer, optimizer, scheduler, state_text, critic)
         final_dir = ckpt_root / name
         _install(tmp_dir, final_dir)
     except BaseException:
@@ -508,3 +531,29 @@ def load_trainer_state(
         ) from e
     restore_rng_state(trainer_state["rng"])
     return state
+
+
+def load_critic_state(
+    ckpt_dir: str | os.PathLike[str],
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+) -> None:
+    """Restore a critic's optimizer and scheduler state saved by :func:`save_checkpoint`
+    (the critic's weights load from ``ckpt_dir / "critic"``).
+
+    Raises:
+        UserError: the checkpoint holds no critic or its state does not fit.
+    """
+    path = Path(ckpt_dir) / CRITIC_STATE_FILENAME
+    if not path.is_file():
+        raise UserError(
+            f"checkpoint {ckpt_dir} holds no critic ({path.name} is missing): it was saved by a "
+            "run without algorithm.advantage=gae; resume with that run's config"
+        )
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        optimizer.load_state_dict(state["optimizer"])
+        if scheduler is not None and state["scheduler"] is not None:
+            scheduler.load_state_dict(state["scheduler"])
+    except Exception as e:  # corrupt file or a state of another shape
+        raise UserError(f"critic state {path} cannot be restored ({type(e).__name__}: {e})") from e

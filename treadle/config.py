@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import yaml
 
+from treadle.algorithms.advantages import GROUP_BASELINES
 from treadle.errors import UserError
 from treadle.rewards.pool import RewardConfig, RewardSpec
 
@@ -114,15 +115,68 @@ class RolloutConfig:
 
 
 @dataclass
+class KLConfig:
+    """KL to a frozen reference (the starting policy). ``coef`` 0 loads no reference model."""
+
+    coef: float = 0.0
+    estimator: Literal["k1", "k2", "k3", "low_var_k3"] = "k3"
+    """Per-token estimator of KL(policy || reference); see ALGORITHMS.md for each one."""
+    placement: Literal["loss", "reward"] = "loss"
+    """``loss``: ``coef * KL`` added to each token's loss (GRPO). ``reward``: ``-coef * KL`` of
+    the sampling policy added to each token's reward before advantages (InstructGPT PPO,
+    REINFORCE++, RLOO)."""
+
+
+@dataclass
+class CriticConfig:
+    """The value model of PPO (``algorithm.advantage=gae``): the policy's architecture and
+    starting weights with a one-output value head instead of the LM head."""
+
+    lr: float = 1.0e-4
+    value_clip: float = 0.2
+    """Clip of the value change per update around the old value (0: unclipped)."""
+
+
+@dataclass
 class AlgorithmConfig:
-    advantage: Literal["grpo"] = "grpo"
-    std_normalize: bool = True
-    """GRPO divides by the group's reward std (Dr. GRPO turns this off)."""
+    advantage: Literal[
+        "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "gae"
+    ] = "grpo"
+    """Advantage estimator (``gae`` trains a critic; ``remax`` samples a greedy baseline)."""
+    policy_loss: Literal["ppo", "gspo", "vanilla"] = "ppo"
+    """``ppo``: clipped token ratio (DAPO's clip-higher when clip_eps_high > clip_eps_low);
+    ``gspo``: clipped sequence ratio; ``vanilla``: unclipped policy gradient."""
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2
-    kl_coef: float = 0.0
-    """Weight of the k3 KL to the frozen reference, as a loss term (0: no reference model)."""
-    loss_agg: Literal["token-mean"] = "token-mean"
+    dual_clip: float = 3.0
+    """Dual-clip bound c (> 1) on negative-advantage tokens' loss; 0 turns it off."""
+    loss_agg: Literal[
+        "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+    ] = "token-mean"
+    """How per-token losses become the step's loss (``-norm`` divides by rollout.max_tokens)."""
+    kl: KLConfig = field(default_factory=KLConfig)
+    entropy_coef: float = 0.0
+    """Entropy bonus weight (the loss subtracts ``coef * entropy``); entropy is always logged."""
+    gamma: float = 1.0
+    """Per-token discount (GAE, REINFORCE++)."""
+    lam: float = 0.95
+    """GAE lambda."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal, sample more prompts to refill the batch."""
+    max_sampling_rounds: int = 3
+    """Dynamic sampling's cap on generation rounds per step; then the step trains on what it
+    has (logged as ``filter/kept_groups``)."""
+    overlong_filter: bool = False
+    """DAPO: truncated completions (hit rollout.max_tokens) are not trained on."""
+    overlong_cache: int = 0
+    """DAPO soft overlong punishment: the last this-many tokens of rollout.max_tokens cost up to
+    -1 reward, linearly (0: off)."""
+    importance_sampling: Literal["none", "tis_token", "tis_seq", "mis_token", "mis_seq"] = "none"
+    """Correction for the engine/trainer mismatch; anything but ``none`` recomputes the old
+    logprobs with the trainer before the update."""
+    is_threshold: float = 2.0
+    """C of the correction: TIS truncates weights at C; MIS drops weights outside [1/C, C]."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
 
 
 @dataclass
@@ -367,7 +421,14 @@ def _check(cfg: Config) -> None:
         "data.eval_size": (cfg.data.eval_size, 1),
         "sft.steps": (cfg.sft.steps, 0),
         "sft.batch_size": (cfg.sft.batch_size, 1),
-        "algorithm.kl_coef": (cfg.algorithm.kl_coef, 0.0),
+        "algorithm.kl.coef": (cfg.algorithm.kl.coef, 0.0),
+        "algorithm.entropy_coef": (cfg.algorithm.entropy_coef, 0.0),
+        "algorithm.dual_clip": (cfg.algorithm.dual_clip, 0.0),
+        "algorithm.max_sampling_rounds": (cfg.algorithm.max_sampling_rounds, 1),
+        "algorithm.overlong_cache": (cfg.algorithm.overlong_cache, 0),
+        "algorithm.critic.value_clip": (cfg.algorithm.critic.value_clip, 0.0),
+        "algorithm.gamma": (cfg.algorithm.gamma, 0.0),
+        "algorithm.lam": (cfg.algorithm.lam, 0.0),
         "algorithm.clip_eps_low": (cfg.algorithm.clip_eps_low, 0.0),
         "algorithm.clip_eps_high": (cfg.algorithm.clip_eps_high, 0.0),
         "trainer.grad_clip": (cfg.trainer.grad_clip, 0.0),
@@ -403,8 +464,7 @@ def _check(cfg: Config) -> None:
         raise UserError(f"config data.path: required for data.source={cfg.data.source}")
     if cfg.data.reasoning != "none" and cfg.data.source != "reasoning_gym":
         raise UserError("config data.reasoning: chain_steps needs data.source=reasoning_gym")
-    if cfg.algorithm.advantage == "grpo" and cfg.rollout.n < 2:
-        raise UserError("config rollout.n: GRPO needs at least 2 samples per prompt (a group)")
+    _check_algorithm(cfg)
     if not cfg.reward.functions:
         raise UserError("config reward.functions: list at least one reward function")
     for key, template in (
@@ -421,3 +481,26 @@ def _check(cfg: Config) -> None:
             raise UserError(
                 f"config {key}: only {{answer}} and {{reasoning}} may appear, got {sorted(fields)}"
             )
+
+
+def _check_algorithm(cfg: Config) -> None:
+    a = cfg.algorithm
+    if a.advantage in GROUP_BASELINES and cfg.rollout.n < 2:
+        raise UserError(
+            f"config rollout.n: algorithm.advantage={a.advantage} takes its baseline from the "
+            f"other samples of the prompt and needs rollout.n >= 2 (got {cfg.rollout.n}); "
+            "with one sample per prompt use reinforce_pp, remax or gae"
+        )
+    if 0 < a.dual_clip <= 1:
+        raise UserError("config algorithm.dual_clip: must be above 1 (or 0 for off)")
+    if a.gamma > 1 or a.lam > 1:
+        raise UserError("config algorithm.gamma / algorithm.lam: must be in [0, 1]")
+    if a.overlong_cache > cfg.rollout.max_tokens:
+        raise UserError(
+            f"config algorithm.overlong_cache: must be at most rollout.max_tokens "
+            f"({cfg.rollout.max_tokens}), got {a.overlong_cache}"
+        )
+    if a.is_threshold <= 1:
+        raise UserError("config algorithm.is_threshold: must be above 1")
+    if not a.critic.lr > 0:
+        raise UserError("config algorithm.critic.lr: must be positive")

@@ -11,18 +11,26 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from transformers import PreTrainedTokenizerBase
 
-from treadle.algorithms.objectives import PolicyObjective
+from treadle.algorithms.objectives import PolicyObjective, ValueObjective
 from treadle.backends.torch_backend import TorchBackend
-from treadle.checkpoint import save_checkpoint
+from treadle.checkpoint import CriticParts, save_checkpoint
 from treadle.config import Config
 from treadle.data import TaskSampler
 from treadle.engines import InferenceEngine, SamplingParams
 from treadle.evaluate import EvalResult, evaluate
 from treadle.observe import MetricsLogger, Progress, SampleRecord, timed, write_samples
 from treadle.rewards.pool import RewardPool
-from treadle.rollout import build_samples, generate, score
+from treadle.rollout import (
+    assign_advantages,
+    build_samples,
+    filter_groups,
+    generate,
+    outcome_rewards,
+    score,
+)
 from treadle.types import RolloutGroup, Task
 
 
@@ -37,42 +45,63 @@ class RLParts:
     rewards: RewardPool
     policy: TorchBackend
     reference: TorchBackend | None
+    """Frozen starting policy, present when ``algorithm.kl.coef > 0``."""
+    critic: TorchBackend | None
+    """Value model, present when ``algorithm.advantage == "gae"`` (PPO)."""
     sampler: TaskSampler
     held_out: tuple[Task, ...]
     metrics: MetricsLogger
 
 
 def run_rl(parts: RLParts, start_step: int, progress: Progress) -> None:
-    """RL steps ``start_step .. cfg.run.steps - 1``: generate -> score -> advantages ->
-    ref logprobs -> update -> sync -> log -> checkpoint -> evaluate."""
-    cfg, p = parts.cfg, parts
+    """RL steps ``start_step .. cfg.run.steps - 1``: generate -> score -> filter -> old/ref
+    logprobs and values -> advantages -> update (policy, critic) -> sync -> log -> save -> eval."""
+    cfg, p, algo = parts.cfg, parts, parts.cfg.algorithm
     params = sampling_params(cfg)
-    objective = PolicyObjective.from_config(cfg.algorithm)
+    objective = PolicyObjective.from_config(algo, cfg.rollout.max_tokens)
     for step in range(start_step, cfg.run.steps):
         t: dict[str, float] = {}
         with timed(t, "step"):
-            tasks = p.sampler.next_batch(cfg.rollout.prompts_per_step)
-            with timed(t, "generate"):
-                generated = generate(p.engine, p.tokenizer, tasks, params)
-            with timed(t, "reward"):
-                scored = score(p.rewards, generated)
-            with timed(t, "advantages"):
-                samples, adv_metrics = build_samples(scored.groups, cfg.algorithm)
+            # generate -> score -> filter; dynamic sampling repeats it until the batch is full
+            batch = collect_rollouts(p, params, t)
+            samples, sample_metrics = build_samples(batch.groups, algo)
+            rewards, reward_metrics = outcome_rewards(batch.groups, algo, cfg.rollout.max_tokens)
+            baselines = None
+            if algo.advantage == "remax":  # ReMax's baseline: the greedy completion's reward
+                with timed(t, "baseline"):
+                    baselines = greedy_baselines(p, batch.groups, params)
+            if algo.importance_sampling != "none":
+                with timed(t, "old_logprobs"):
+                    for s, lp in zip(samples, p.policy.compute_logprobs(samples), strict=True):
+                        s.old_logprobs = lp
             if p.reference is not None:
                 with timed(t, "ref_logprobs"):
                     for s, ref in zip(samples, p.reference.compute_logprobs(samples), strict=True):
                         s.ref_logprobs = ref
+            if p.critic is not None:
+                with timed(t, "values"):
+                    for s, v in zip(samples, p.critic.compute_values(samples), strict=True):
+                        s.values = v
+            with timed(t, "advantages"):
+                adv_metrics = assign_advantages(samples, rewards, algo, baselines)
             with timed(t, "update"):
                 update_metrics = p.policy.train_step(samples, objective)
+            if p.critic is not None:
+                with timed(t, "critic_update"):
+                    critic_metrics = p.critic.train_step(
+                        samples, ValueObjective(algo.critic.value_clip)
+                    )
+                update_metrics |= {k: v for k, v in critic_metrics.items() if "/" in k}
             with timed(t, "sync"):  # the engine serves the new weights before the next rollout
                 p.engine.update_weights(p.policy.named_weights(), version=step + 1)
         metrics = {
-            **rollout_metrics(scored.groups),
+            **rollout_metrics(batch.groups),
+            **batch.metrics,
+            **sample_metrics,
+            **reward_metrics,
             **adv_metrics,
             **update_metrics,
             **t,
-            "reward/failures": float(scored.failures),
-            "reward/timeouts": float(scored.timeouts),
         }
         done = step + 1
         if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.run.steps:
@@ -80,7 +109,7 @@ def run_rl(parts: RLParts, start_step: int, progress: Progress) -> None:
                 metrics.update(evaluate_policy(parts).metrics())
         p.metrics.log(done, metrics)
         write_samples(
-            p.run_dir, done, sample_records(scored.groups, samples, cfg.run.samples_to_log)
+            p.run_dir, done, sample_records(batch.groups, samples, cfg.run.samples_to_log)
         )
         if done % cfg.run.save_every == 0 or done == cfg.run.steps:
             save_state(parts, done)
@@ -90,6 +119,61 @@ def run_rl(parts: RLParts, start_step: int, progress: Progress) -> None:
             accuracy=metrics["reward/accuracy"],
             step_time_s=t["time/step_s"],
         )
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The scored groups one RL step trains on."""
+
+    groups: list[RolloutGroup]
+    metrics: dict[str, float]
+    """Reward failures/timeouts, and dynamic sampling's rounds and dropped groups."""
+
+
+def collect_rollouts(parts: RLParts, params: SamplingParams, t: dict[str, float]) -> Batch:
+    """Generate and score ``rollout.prompts_per_step`` prompts' groups. With
+    ``algorithm.dynamic_sampling`` (DAPO), groups whose rewards are all equal are dropped and
+    more prompts are sampled, at most ``algorithm.max_sampling_rounds`` rounds; the batch is then
+    cut to ``prompts_per_step`` groups, or trains on fewer if the rounds ran out."""
+    cfg, p = parts.cfg, parts
+    want = cfg.rollout.prompts_per_step
+    kept: list[RolloutGroup] = []
+    failures = timeouts = dropped = rounds = 0
+    while len(kept) < want and rounds < cfg.algorithm.max_sampling_rounds:
+        rounds += 1
+        tasks = p.sampler.next_batch(want)
+        with timed(t, "generate"):
+            generated = generate(p.engine, p.tokenizer, tasks, params)
+        with timed(t, "reward"):
+            scored = score(p.rewards, generated)
+        failures, timeouts = failures + scored.failures, timeouts + scored.timeouts
+        groups = scored.groups
+        if not cfg.algorithm.dynamic_sampling:
+            kept = groups
+            break
+        with timed(t, "filter"):
+            groups, filtered = filter_groups(groups)
+        dropped += int(filtered["filter/dropped_groups"])
+        kept += groups
+    metrics = {"reward/failures": float(failures), "reward/timeouts": float(timeouts)}
+    if cfg.algorithm.dynamic_sampling:
+        metrics |= {
+            "filter/dropped_groups": float(dropped),
+            "filter/rounds": float(rounds),
+            "filter/kept_groups": float(min(len(kept), want)),
+        }
+    return Batch(kept[:want], metrics)
+
+
+def greedy_baselines(
+    parts: RLParts, groups: list[RolloutGroup], params: SamplingParams
+) -> torch.Tensor:
+    """``[B]`` ReMax baseline: the reward of each prompt's greedy completion, per sample."""
+    argmax = dataclasses.replace(params, n=1, temperature=0.0)
+    generated = generate(parts.engine, parts.tokenizer, [g.task for g in groups], argmax)
+    greedy = score(parts.rewards, generated).groups
+    rewards, _ = outcome_rewards(greedy, parts.cfg.algorithm, parts.cfg.rollout.max_tokens)
+    return torch.cat([rewards[i].repeat(len(g.rollouts)) for i, g in enumerate(groups)])
 
 
 def sampling_params(cfg: Config) -> SamplingParams:
@@ -124,10 +208,14 @@ def save_state(parts: RLParts, step: int) -> Path:
             "data_position": {"epoch": pos.epoch, "offset": pos.offset},
         },
         keep_last=parts.cfg.run.keep_last,
+        critic=None
+        if parts.critic is None
+        else CriticParts(parts.critic.model, parts.critic.optimizer, parts.critic.scheduler),
     )
 
 
 def rollout_metrics(groups: list[RolloutGroup]) -> dict[str, float]:
+    """Mean reward and accuracy of the batch's rollouts (0 for an empty batch)."""
     rollouts = [r for g in groups for r in g.rollouts]
     n = max(len(rollouts), 1)
     return {

@@ -15,6 +15,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    AutoModelForTokenClassification,
     AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
@@ -110,6 +111,23 @@ def load_model(
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
+
+
+def load_critic(path: str | Path) -> PreTrainedModel:
+    """A critic for PPO: the model in ``path`` (a policy or a saved critic) with a one-output
+    value head (``AutoModelForTokenClassification``, ``num_labels=1``, no dropout) in fp32.
+    Loading a policy folder keeps its transformer weights and initialises the value head.
+
+    Raises:
+        UserError: the folder does not exist or holds no loadable model.
+    """
+    folder = require_model_folder(path)
+    try:
+        return AutoModelForTokenClassification.from_pretrained(
+            folder, num_labels=1, classifier_dropout=0.0, dtype=torch.float32
+        )
+    except (OSError, ValueError) as e:
+        raise UserError(f"critic from {folder}: cannot load the model: {e}") from None
 
 
 def require_model_folder(path: str | Path) -> Path:

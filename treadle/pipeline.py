@@ -31,7 +31,9 @@ from transformers import AutoTokenizer
 
 from treadle.backends.torch_backend import TorchBackend
 from treadle.checkpoint import (
+    CRITIC_DIRNAME,
     latest_checkpoint,
+    load_critic_state,
     load_trainer_state,
     save_model_atomic,
     write_json_atomic,
@@ -51,6 +53,7 @@ from treadle.loop import RLParts, evaluate_policy, run_rl
 from treadle.models import (
     build_tiny_model,
     build_tokenizer,
+    load_critic,
     load_model,
     require_model_folder,
 )
@@ -228,12 +231,13 @@ def train(cfg: Config, resume: Path | None = None, console: Console | None = Non
         model, cfg.trainer, cfg.run.steps * cfg.trainer.mini_batches, cfg.rollout.temperature
     )
     reference = None
-    if cfg.algorithm.kl_coef > 0:
+    if cfg.algorithm.kl.coef > 0:
         ref_model, _ = load_model(start, "float32")
         ref_model.to(model.device)
         reference = TorchBackend(
             ref_model, cfg.trainer, 1, cfg.rollout.temperature, trainable=False
         )
+    critic = build_critic(cfg, start, ckpt, model.device)
     state = load_trainer_state(ckpt, policy.optimizer, policy.scheduler) if ckpt else {}
     position = DataPosition(**state["data_position"]) if state else None
     metrics = MetricsLogger(run_dir)
@@ -246,6 +250,7 @@ def train(cfg: Config, resume: Path | None = None, console: Console | None = Non
         RewardPool.from_config(cfg.reward),
         policy,
         reference,
+        critic,
         TaskSampler(data.train, cfg.run.seed, position),
         data.held_out,
         metrics,
@@ -263,7 +268,7 @@ def train(cfg: Config, resume: Path | None = None, console: Console | None = Non
             }
             write_json_atomic(run_dir / "before_rl.json", summary)
         rl_start = time.perf_counter()
-        console.print(f"GRPO: {cfg.run.steps} steps")
+        console.print(f"RL ({describe(cfg.algorithm)}): {cfg.run.steps} steps")
         with Progress(cfg.run.steps, console=console, start_step=state.get("step", 0)) as bar:
             run_rl(parts, state.get("step", 0), bar)
         rl_seconds = time.perf_counter() - rl_start
@@ -290,6 +295,26 @@ def train(cfg: Config, resume: Path | None = None, console: Console | None = Non
     plot_run(run_dir / "metrics.jsonl", run_dir / "plot.png")
     print_summary(console, summary)
     return summary
+
+
+def build_critic(cfg: Config, start: Path, ckpt: Path | None, device) -> TorchBackend | None:
+    """PPO's critic (``algorithm.advantage=gae``): from the checkpoint being resumed, else the
+    starting policy's weights with a fresh value head. None for critic-free estimators."""
+    if cfg.algorithm.advantage != "gae":
+        return None
+    critic_model = load_critic(ckpt / CRITIC_DIRNAME if ckpt else start).to(device)
+    trainer = dataclasses.replace(cfg.trainer, lr=cfg.algorithm.critic.lr)
+    critic = TorchBackend(
+        critic_model, trainer, cfg.run.steps * cfg.trainer.mini_batches, head="value"
+    )
+    if ckpt:
+        load_critic_state(ckpt, critic.optimizer, critic.scheduler)
+    return critic
+
+
+def describe(algo) -> str:
+    """A short name of the configured algorithm for the console, e.g. ``gae + ppo``."""
+    return f"{algo.advantage} advantages, {algo.policy_loss} loss, {algo.loss_agg}"
 
 
 def control_run(parts: RLParts, data: Dataset, run_dir: Path, seconds: float) -> dict:

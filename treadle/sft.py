@@ -86,7 +86,8 @@ def run_sft(
         step_start = time.perf_counter()
         metrics = backend.train_step(batch, objective)
         metrics["time/step_s"] = time.perf_counter() - step_start
-        metrics.pop("mismatch/abs_logprob_diff", None)  # no engine sampled these tokens
+        for name in [k for k in metrics if k.startswith("mismatch/")]:
+            del metrics[name]  # no engine sampled these tokens
         if on_step is not None:
             on_step(step, metrics)
     return steps

@@ -109,6 +109,13 @@ class TrainSample:
     """Id of the prompt group the sample belongs to (``Task.task_id``)."""
     ref_logprobs: list[float] = field(default_factory=list)
     """``[L]`` logprobs under the frozen reference model, or empty when there is no KL term."""
+    old_logprobs: list[float] = field(default_factory=list)
+    """``[L]`` logprobs the trainer recomputed before the update (the PPO ratio's denominator
+    when importance-sampling correction is on), or empty: the ratio then uses the engine's."""
+    values: list[float] = field(default_factory=list)
+    """``[L]`` critic value of the state before each token (PPO with a critic), or empty."""
+    returns: list[float] = field(default_factory=list)
+    """``[L]`` value targets (GAE advantage + value), or empty without a critic."""
 
     def __len__(self) -> int:
         return len(self.token_ids)

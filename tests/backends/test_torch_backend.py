@@ -9,16 +9,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from treadle.algorithms.losses import ppo_clip_loss
+from treadle.algorithms.aggregation import StepTotals, token_mean
+from treadle.algorithms.losses import PolicyLossParams, ppo_clip
 from treadle.algorithms.objectives import PolicyObjective, SFTObjective
-from treadle.backends.packing import MicroBatch
+from treadle.backends.packing import MicroBatch, TokenOutputs
 from treadle.backends.torch_backend import TorchBackend, lr_lambda
-from treadle.config import TrainerConfig
+from treadle.config import AlgorithmConfig, TrainerConfig
 from treadle.types import TrainSample
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 NO_CLIP = 1e6  # grad_clip so large that clipping never rescales the gradient
+PPO = PolicyObjective.from_config(AlgorithmConfig(), max_tokens=32)  # token-mean PPO clip
 
 
 def sample(
@@ -77,11 +79,20 @@ def test_compute_logprobs_is_independent_of_the_micro_batch_budget(tiny_qwen2):
     torch.testing.assert_close(torch.tensor(one[1]), torch.tensor(split[1]), atol=1e-5, rtol=0)
 
 
-def advantage_as_loss(logprobs: torch.Tensor, batch: MicroBatch):
-    """Per-token loss = the token's advantage, exactly (``0 * logprobs`` only adds a graph)."""
-    per_token = batch.advantages + 0.0 * logprobs
-    m = batch.loss_mask.float()
-    return per_token, {"obj/mean": float((per_token.detach() * m).sum() / m.sum())}
+class AdvantageAsLoss:
+    """Per-token loss = the token's advantage, exactly (``0 * logprobs`` only adds a graph),
+    token-mean over the step."""
+
+    entropy_grad = False
+
+    def __call__(self, out: TokenOutputs, batch: MicroBatch, totals: StepTotals):
+        per_token = batch.advantages + 0.0 * out.logprobs
+        m = batch.loss_mask.float()
+        loss = token_mean(per_token, batch.loss_mask, batch.segments, totals)
+        return loss, {"obj/mean": float((per_token.detach() * m).sum() / m.sum())}
+
+
+advantage_as_loss = AdvantageAsLoss()
 
 
 @pytest.mark.parametrize(("budget", "micro_batches"), [(16, 2), (4096, 1)])
@@ -128,8 +139,13 @@ def reference_grads(model, samples: list[TrainSample]) -> dict[str, torch.Tensor
     for s in samples:
         lp = manual_logprobs(model, s.token_ids)
         mask = torch.tensor(s.loss_mask)
-        per_token, _ = ppo_clip_loss(
-            lp, torch.tensor(s.behavior_logprobs), torch.tensor(s.advantages), mask
+        per_token, _ = ppo_clip(
+            lp,
+            torch.tensor(s.behavior_logprobs),
+            torch.tensor(s.advantages),
+            mask,
+            torch.zeros(len(s), dtype=torch.long),
+            PolicyLossParams(0.2, 0.2, 3.0),
         )
         ((per_token * mask).sum() / n).backward()
     grads = {k: p.grad.clone() for k, p in model.named_parameters()}
@@ -138,7 +154,7 @@ def reference_grads(model, samples: list[TrainSample]) -> dict[str, torch.Tensor
 
 
 def test_split_micro_batches_give_the_single_batch_gradient(tiny_qwen2):
-    objective = PolicyObjective(clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.0)
+    objective = PPO
     samples = policy_samples(tiny_qwen2(0))
     expected = reference_grads(tiny_qwen2(0), samples)
 
@@ -163,7 +179,7 @@ def test_split_micro_batches_give_the_single_batch_gradient(tiny_qwen2):
 def test_a_policy_step_changes_every_parameter_tensor(tiny_qwen2):
     model = tiny_qwen2(0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    objective = PolicyObjective(0.2, 0.2, 0.0)
+    objective = PPO
     metrics = backend(model, lr=1e-3).train_step(policy_samples(model), objective)
     assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
     unchanged = [k for k, v in model.state_dict().items() if torch.equal(v, before[k])]
@@ -277,9 +293,7 @@ def test_grad_clip_zero_means_no_clipping(tiny_qwen2):
     for clip in (0.0, NO_CLIP):
         model = tiny_qwen2(0)
         before = {k: v.clone() for k, v in model.state_dict().items()}
-        backend(model, lr=1e-3, grad_clip=clip).train_step(
-            policy_samples(model), PolicyObjective(0.2, 0.2, 0.0)
-        )
+        backend(model, lr=1e-3, grad_clip=clip).train_step(policy_samples(model), PPO)
         updates.append({k: v - before[k] for k, v in model.state_dict().items()})
     assert all(u.abs().sum() > 0 for u in updates[0].values())
     for k, u in updates[0].items():

@@ -21,7 +21,7 @@ from treadle.backends.torch_backend import TorchBackend
 from treadle.config import AlgorithmConfig, TrainerConfig
 from treadle.engines import EngineSpec, SamplingParams, build_engine
 from treadle.models import load_model
-from treadle.rollout import build_samples
+from treadle.rollout import assign_advantages, build_samples, outcome_rewards
 from treadle.types import Rollout, RolloutGroup
 
 from .tiny import (
@@ -96,8 +96,10 @@ def rl_update(policy, questions, prompts, generated) -> dict[str, float]:
         for i, (q, p, cs) in enumerate(zip(questions, prompts, generated, strict=True))
     ]
     samples, _ = build_samples(groups, AlgorithmConfig())
+    rewards, _ = outcome_rewards(groups, AlgorithmConfig(), max_tokens=32)
+    assign_advantages(samples, rewards, AlgorithmConfig())
     assert all(any(a != 0.0 for a in s.advantages) for s in samples)
-    return policy.train_step(samples, PolicyObjective.from_config(AlgorithmConfig()))
+    return policy.train_step(samples, PolicyObjective.from_config(AlgorithmConfig(), max_tokens=32))
 
 
 def test_engine_serves_the_trained_weights_after_sync(setup):

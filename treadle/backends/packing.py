@@ -29,6 +29,9 @@ class MicroBatch:
     behavior_logprobs: torch.Tensor  # [N]
     advantages: torch.Tensor  # [N]
     ref_logprobs: torch.Tensor | None  # [N], None without a reference model
+    old_logprobs: torch.Tensor | None  # [N], None unless the trainer recomputed them
+    values: torch.Tensor | None  # [N] critic values before the update, None without a critic
+    returns: torch.Tensor | None  # [N] value targets, None without a critic
 
     def to(self, device: torch.device) -> MicroBatch:
         """The same micro-batch with its tensors on ``device``."""
@@ -41,11 +44,42 @@ class MicroBatch:
             behavior_logprobs=move(self.behavior_logprobs),
             advantages=move(self.advantages),
             ref_logprobs=move(self.ref_logprobs),
+            old_logprobs=move(self.old_logprobs),
+            values=move(self.values),
+            returns=move(self.returns),
         )
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[1])
+
+    @property
+    def segments(self) -> torch.Tensor:
+        """``[N]`` index (0 .. S-1) of the packed sample each token belongs to."""
+        lens = torch.tensor(self.seq_lens, device=self.input_ids.device)
+        return torch.repeat_interleave(torch.arange(len(self.seq_lens), device=lens.device), lens)
+
+    @property
+    def num_trained_sequences(self) -> int:
+        """Packed samples with at least one trained token."""
+        return int(
+            (
+                torch.zeros(len(self.seq_lens)).index_add_(
+                    0, self.segments.cpu(), self.loss_mask.float().cpu()
+                )
+                > 0
+            ).sum()
+        )
+
+
+@dataclass
+class TokenOutputs:
+    """What a forward pass over a micro-batch yields per token ``[N]``; a policy fills
+    ``logprobs`` and ``entropy``, a critic fills ``values``."""
+
+    logprobs: torch.Tensor | None  # [N] logprob (nats) of each token given its prefix
+    entropy: torch.Tensor | None  # [N] entropy (nats) of the distribution that token came from
+    values: torch.Tensor | None  # [N] critic value of the state before each token
 
 
 def plan_micro_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
@@ -71,7 +105,10 @@ def pack(samples: Sequence[TrainSample], index: list[int]) -> MicroBatch:
     """Concatenate ``samples[i] for i in index`` into one padding-free row."""
     chosen = [samples[i] for i in index]
     cat = lambda xs, dtype: torch.tensor([v for s in chosen for v in xs(s)], dtype=dtype)  # noqa: E731
-    has_ref = all(s.ref_logprobs for s in chosen)
+
+    def optional(xs):  # a per-token array that every chosen sample carries, else None
+        return cat(xs, torch.float32) if all(xs(s) for s in chosen) else None
+
     return MicroBatch(
         sample_index=list(index),
         seq_lens=[len(s) for s in chosen],
@@ -80,7 +117,10 @@ def pack(samples: Sequence[TrainSample], index: list[int]) -> MicroBatch:
         loss_mask=cat(lambda s: s.loss_mask, torch.bool),
         behavior_logprobs=cat(lambda s: s.behavior_logprobs, torch.float32),
         advantages=cat(lambda s: s.advantages, torch.float32),
-        ref_logprobs=cat(lambda s: s.ref_logprobs, torch.float32) if has_ref else None,
+        ref_logprobs=optional(lambda s: s.ref_logprobs),
+        old_logprobs=optional(lambda s: s.old_logprobs),
+        values=optional(lambda s: s.values),
+        returns=optional(lambda s: s.returns),
     )
 
 

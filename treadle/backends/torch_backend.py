@@ -10,14 +10,17 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator, Sequence
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from treadle.algorithms.losses import token_mean
+from treadle.algorithms.aggregation import StepTotals
+from treadle.algorithms.correction import mismatch_metrics
+from treadle.algorithms.losses import token_entropy
 from treadle.algorithms.objectives import Objective
-from treadle.backends.packing import MicroBatch, pack, plan_micro_batches, unpack
+from treadle.backends.packing import MicroBatch, TokenOutputs, pack, plan_micro_batches, unpack
 from treadle.config import TrainerConfig
 from treadle.types import TrainSample
 
@@ -39,14 +42,17 @@ def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
 
 
 class TorchBackend:
-    """Trains a Hugging Face causal LM in this process.
+    """Trains a Hugging Face model in this process: a causal-LM policy (``head="lm"``) or a
+    critic (``head="value"``: a token-classification model with one output, the value).
 
     Args:
-        model: the policy (trainable) or the frozen reference (``trainable=False``).
+        model: the policy (trainable) or the frozen reference (``trainable=False``), or the
+            critic.
         cfg: trainer section of the config.
         total_steps: optimizer steps planned (for the LR schedule).
         temperature: sampling temperature; logits are divided by it so trainer logprobs are
             those of the distribution the engine sampled from.
+        head: ``"lm"`` (logprobs and entropy per token) or ``"value"`` (values per token).
     """
 
     def __init__(
@@ -56,9 +62,11 @@ class TorchBackend:
         total_steps: int,
         temperature: float = 1.0,
         trainable: bool = True,
+        head: Literal["lm", "value"] = "lm",
     ):
         self.model = model
         self.cfg = cfg
+        self.head = head
         self.temperature = temperature if temperature > 0 else 1.0
         self.device = next(model.parameters()).device
         self.optimizer: torch.optim.Optimizer | None = None
@@ -73,38 +81,58 @@ class TorchBackend:
         else:
             model.requires_grad_(False)
 
-    def _token_logprobs(self, mb: MicroBatch) -> torch.Tensor:
-        """``[N]`` logprob of each token given the tokens before it in its own sequence."""
+    def forward(self, mb: MicroBatch, entropy_grad: bool = False) -> TokenOutputs:
+        """Per-token outputs ``[N]`` of a packed micro-batch, each token given the tokens before
+        it in its own sequence. Position 0 of every sequence (no context) gets 0."""
         ids = mb.input_ids
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16_autocast):
             logits = self.model(
                 input_ids=ids, position_ids=mb.position_ids, use_cache=False
             ).logits[0]
-        logits = logits[:-1].float() / self.temperature
-        lp = -F.cross_entropy(logits, ids[0, 1:], reduction="none")
-        lp = torch.cat([lp.new_zeros(1), lp])
-        # The first token of each sequence has no context of its own: define its logprob as 0.
         is_start = mb.position_ids[0] == 0
-        return torch.where(is_start, torch.zeros_like(lp), lp)
+
+        def shift(x: torch.Tensor) -> torch.Tensor:  # output at t-1 belongs to token t
+            x = torch.cat([x.new_zeros(1), x[:-1]])
+            return torch.where(is_start, torch.zeros_like(x), x)
+
+        if self.head == "value":
+            return TokenOutputs(None, None, shift(logits[:, 0].float()))
+        logits = logits.float() / self.temperature
+        lp = -F.cross_entropy(logits[:-1], ids[0, 1:], reduction="none")
+        lp = torch.cat([lp.new_zeros(1), lp])
+        lp = torch.where(is_start, torch.zeros_like(lp), lp)
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = shift(token_entropy(logits))
+        return TokenOutputs(lp, entropy, None)
 
     def _micro_batches(self, samples: Sequence[TrainSample]) -> list[MicroBatch]:
         plan = plan_micro_batches([len(s) for s in samples], self.cfg.micro_batch_tokens)
         return [pack(samples, idx).to(self.device) for idx in plan]
 
     @torch.no_grad()
-    def compute_logprobs(self, samples: Sequence[TrainSample]) -> list[list[float]]:
+    def _compute(self, samples: Sequence[TrainSample], values: bool) -> list[list[float]]:
         self.model.eval()
         out: list[list[float]] = [[] for _ in samples]
         for mb in self._micro_batches(samples):
-            for i, values in zip(
-                mb.sample_index, unpack(self._token_logprobs(mb), mb.seq_lens), strict=True
-            ):
-                out[i] = values
+            outputs = self.forward(mb)
+            flat = outputs.values if values else outputs.logprobs
+            for i, v in zip(mb.sample_index, unpack(flat, mb.seq_lens), strict=True):
+                out[i] = v
         return out
+
+    def compute_logprobs(self, samples: Sequence[TrainSample]) -> list[list[float]]:
+        """Per-token logprobs ``[L]`` (nats) of each sample under the current weights (policy)."""
+        assert self.head == "lm", "compute_logprobs needs head='lm'"
+        return self._compute(samples, values=False)
+
+    def compute_values(self, samples: Sequence[TrainSample]) -> list[list[float]]:
+        """Per-token values ``[L]`` of each sample under the current weights (critic)."""
+        assert self.head == "value", "compute_values needs head='value'"
+        return self._compute(samples, values=True)
 
     def train_step(self, samples: Sequence[TrainSample], objective: Objective) -> dict[str, float]:
         """Split ``samples`` into ``cfg.mini_batches`` optimizer steps, each accumulated over
-        packed micro-batches with a token-mean over all of that optimizer step's loss tokens."""
+        packed micro-batches with the objective's aggregation over that optimizer step."""
         assert self.optimizer is not None and self.scheduler is not None, "frozen backend"
         self.model.train()
         t0 = time.perf_counter()
@@ -118,7 +146,7 @@ class TorchBackend:
             for name, v in stats.items():
                 totals[name] = totals.get(name, 0.0) + v / len(steps)
         if steps:  # measured before any update of this call: the old policy vs the engine
-            totals["mismatch/abs_logprob_diff"] = steps[0]["mismatch/abs_logprob_diff"]
+            totals |= {k: v for k, v in steps[0].items() if k.startswith("mismatch/")}
         tokens = sum(len(s) for s in samples)
         totals["perf/tokens_per_s"] = tokens / max(time.perf_counter() - t0, 1e-9)
         totals["perf/tokens"] = float(tokens)
@@ -127,35 +155,35 @@ class TorchBackend:
     def _optimizer_step(
         self, samples: Sequence[TrainSample], objective: Objective
     ) -> dict[str, float]:
-        num_loss_tokens = sum(sum(s.loss_mask) for s in samples)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_sum, weighted, mismatch = 0.0, {}, 0.0
         micro = self._micro_batches(samples)
+        step = StepTotals(
+            tokens=sum(sum(s.loss_mask) for s in samples),
+            sequences=sum(any(s.loss_mask) for s in samples),
+        )
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum, weighted = 0.0, {}
         for mb in micro:
-            lp = self._token_logprobs(mb)
-            per_token, metrics = objective(lp, mb)
-            loss = token_mean(per_token, mb.loss_mask, float(num_loss_tokens))
+            out = self.forward(mb, entropy_grad=objective.entropy_grad)
+            loss, metrics = objective(out, mb, step)
             loss.backward()
             loss_sum += loss.item()
-            share = float(mb.loss_mask.sum()) / num_loss_tokens
+            if out.logprobs is not None:
+                metrics |= mismatch_metrics(out.logprobs, mb.behavior_logprobs, mb.loss_mask)
+            share = float(mb.loss_mask.sum()) / step.tokens
             for name, v in metrics.items():
                 weighted[name] = weighted.get(name, 0.0) + v * share
-            gap = (lp.detach() - mb.behavior_logprobs).abs() * mb.loss_mask
-            mismatch += float(gap.sum()) / num_loss_tokens
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")  # 0: no clip
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this step applies
         self.optimizer.step()
         self.scheduler.step()
-        stats = {
+        return {
             "loss": loss_sum,
             "grad_norm": float(grad_norm),
             "lr": lr,
             "perf/micro_batches": float(len(micro)),
             **weighted,
         }
-        stats["mismatch/abs_logprob_diff"] = mismatch
-        return stats
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in self.model.state_dict().items():

@@ -1,0 +1,102 @@
+"""Rollout/train mismatch: how far the engine's logprobs are from the trainer's, and the
+importance-sampling corrections for it.
+
+The engine (vLLM) and the trainer compute the same policy with different kernels, so the
+behavior logprobs ``mu`` the engine reports differ from the trainer's ``pi_old`` even at equal
+weights. Truncated importance sampling (TIS; Yao et al., "Your efficient RL framework secretly
+brings you off-policy RL training", 2025, https://fengyao.notion.site/off-policy-rl) weights each
+token's loss by ``min(pi_old / mu, C)``; masked importance sampling (MIS; Liu et al., "When speed
+kills stability", 2025, https://yingru.notion.site/When-Speed-Kills-Stability) drops tokens or
+sequences whose ratio leaves ``[1/C, C]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from treadle.algorithms.losses import LOG_RATIO_CLAMP, masked_mean, segment_sum
+
+ISWeights = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
+    tuple[torch.Tensor, dict[str, float]],
+]
+"""``(old_logprobs, behavior_logprobs, mask, segments, threshold) -> (weights [N], metrics)``;
+weights carry no gradient and multiply the per-token policy loss."""
+
+
+def _token_log_w(old, behavior, mask):
+    return ((old - behavior) * mask).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def _seq_log_w(old, behavior, mask, segments):
+    log_w = segment_sum((old - behavior) * mask, segments)  # log prod_t pi_old / mu
+    return log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)[segments]
+
+
+def _report(w: torch.Tensor, raw: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    return {
+        "is/weight_mean": masked_mean(w, mask),
+        "is/raw_weight_mean": masked_mean(raw, mask),
+        "is/modified_fraction": masked_mean((w != raw).float(), mask),
+    }
+
+
+def tis_token(old, behavior, mask, segments, threshold):
+    """Token-level TIS: ``w_t = min(pi_old_t / mu_t, C)``."""
+    raw = torch.exp(_token_log_w(old, behavior, mask)).detach()
+    w = raw.clamp(max=threshold)
+    return w, _report(w, raw, mask)
+
+
+def tis_seq(old, behavior, mask, segments, threshold):
+    """Sequence-level TIS: ``w_i = min(prod_t pi_old_t / mu_t, C)`` on every token of sample i."""
+    raw = torch.exp(_seq_log_w(old, behavior, mask, segments)).detach()
+    w = raw.clamp(max=threshold)
+    return w, _report(w, raw, mask)
+
+
+def mis_token(old, behavior, mask, segments, threshold):
+    """Token-level MIS: ``w_t = pi_old_t / mu_t`` inside ``[1/C, C]``, else 0 (token dropped;
+    it stays in the aggregation's denominator)."""
+    raw = torch.exp(_token_log_w(old, behavior, mask)).detach()
+    w = torch.where((raw >= 1 / threshold) & (raw <= threshold), raw, torch.zeros_like(raw))
+    return w, _report(w, raw, mask)
+
+
+def mis_seq(old, behavior, mask, segments, threshold):
+    """Sequence-level MIS: the sequence ratio ``prod_t pi_old_t / mu_t`` inside ``[1/C, C]``
+    keeps the sample with that weight, else the whole sample gets weight 0."""
+    raw = torch.exp(_seq_log_w(old, behavior, mask, segments)).detach()
+    w = torch.where((raw >= 1 / threshold) & (raw <= threshold), raw, torch.zeros_like(raw))
+    return w, _report(w, raw, mask)
+
+
+IS_CORRECTIONS: dict[str, ISWeights] = {
+    "tis_token": tis_token,
+    "tis_seq": tis_seq,
+    "mis_token": mis_token,
+    "mis_seq": mis_seq,
+}
+"""``algorithm.importance_sampling`` names (besides ``none``)."""
+
+
+def mismatch_metrics(
+    trainer_logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
+    """How far the engine's sampled-token logprobs are from the trainer's at the same weights.
+
+    ``mismatch/abs_logprob_diff`` = mean ``|logp_trainer - logp_engine|`` (nats);
+    ``mismatch/kl_k1`` = mean ``logp_engine - logp_trainer``, an unbiased estimate of
+    KL(engine || trainer) since the tokens were sampled by the engine;
+    ``mismatch/kl_k3`` = mean ``r - 1 - log r`` with ``r = p_trainer / p_engine`` (same KL,
+    lower variance, >= 0). All over trained tokens ``[N]``.
+    """
+    diff = (behavior_logprobs - trainer_logprobs).detach()
+    log_r = (-diff).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return {
+        "mismatch/abs_logprob_diff": masked_mean(diff.abs(), mask),
+        "mismatch/kl_k1": masked_mean(diff, mask),
+        "mismatch/kl_k3": masked_mean(torch.exp(log_r) - 1 - log_r, mask),
+    }
