@@ -91,7 +91,11 @@ def run_rl(parts: RLParts, start_step: int, progress: Progress) -> None:
                     critic_metrics = p.critic.train_step(
                         samples, ValueObjective(algo.critic.value_clip)
                     )
-                update_metrics |= {k: v for k, v in critic_metrics.items() if "/" in k}
+                update_metrics |= {
+                    k if k.startswith("critic/") else f"critic/{k}": v
+                    for k, v in critic_metrics.items()
+                    if k.startswith("critic/") or k in ("loss", "grad_norm")
+                }
             with timed(t, "sync"):  # the engine serves the new weights before the next rollout
                 p.engine.update_weights(p.policy.named_weights(), version=step + 1)
         metrics = {

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoModelForTokenClassification,
     AutoTokenizer,
@@ -123,8 +124,10 @@ def load_critic(path: str | Path) -> PreTrainedModel:
     """
     folder = require_model_folder(path)
     try:
+        config = AutoConfig.from_pretrained(folder, num_labels=1)
+        config.classifier_dropout = 0.0  # a value model regresses: no dropout on its head
         return AutoModelForTokenClassification.from_pretrained(
-            folder, num_labels=1, classifier_dropout=0.0, dtype=torch.float32
+            folder, config=config, dtype=torch.float32
         )
     except (OSError, ValueError) as e:
         raise UserError(f"critic from {folder}: cannot load the model: {e}") from None

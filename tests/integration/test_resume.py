@@ -13,32 +13,8 @@ from transformers import AutoModelForCausalLM
 from treadle.config import load_config
 from treadle.pipeline import train
 
+from .runs import TINY_RUN as OVERRIDES
 from .runs import is_finite_number, metric_rows, step_rows
-
-OVERRIDES = [
-    "run.seed=0",
-    "run.save_every=1",
-    "model.tiny.hidden_size=64",
-    "model.tiny.intermediate_size=128",
-    "model.tiny.num_hidden_layers=1",
-    "model.tiny.num_attention_heads=2",
-    "model.tiny.num_key_value_heads=1",
-    "model.tiny.tokenizer_vocab_size=300",
-    "data.task=chain_sum",
-    "data.task_params={min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}",
-    "data.size=100",
-    "data.eval_size=4",
-    "rollout.engine=hf",
-    "rollout.prompts_per_step=4",
-    "rollout.n=4",
-    "rollout.max_tokens=8",
-    "eval.samples_per_prompt=2",
-    "trainer.lr=1e-3",
-    # The verifier alone scores a random model 0 everywhere; a small reward for any digit
-    # varies within groups, so each step really updates the weights.
-    "reward.functions=[{name: reasoning_gym}, {name: format, weight: 0.1, "
-    "params: {pattern: '.*[0-9].*'}}]",
-]
 
 
 def run(output_dir, name: str, steps: int, resume=None) -> dict:
