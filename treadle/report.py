@@ -123,6 +123,34 @@ def plot_run(
         rows, title if title is not None else f"treadle run {metrics_path.parent.name}"
     )
 
+    return _save_figure(fig, out_png)
+
+
+def plot_comparison(runs: Mapping[str, str | os.PathLike[str]], out_png) -> Path:
+    """Held-out pass@1 against RL step, one line per run, into a PNG (written atomically).
+
+    Args:
+        runs: label -> ``RUN/metrics.jsonl``.
+        out_png: where to write the PNG.
+    Raises:
+        UserError: a metrics file does not exist.
+    """
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.add_subplot()
+    for label, path in runs.items():
+        steps, values = _series(read_metrics(Path(path)), "eval/pass@1")
+        ax.plot(steps, values, marker="o", label=label)
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("held-out pass@1")
+    ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title("algorithms on the default task, same budget")
+    fig.tight_layout()
+    return _save_figure(fig, Path(out_png))
+
+
+def _save_figure(fig: Figure, out_png: Path) -> Path:
     out_png.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=".tmp_", suffix=".png", dir=out_png.parent)
     os.close(fd)

@@ -298,3 +298,77 @@ def test_grad_clip_zero_means_no_clipping(tiny_qwen2):
     assert all(u.abs().sum() > 0 for u in updates[0].values())
     for k, u in updates[0].items():
         torch.testing.assert_close(u, updates[1][k], rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_e_a_fully_masked_sample_changes_neither_loss_nor_gradient(tiny_qwen2, loss_agg):
+    # Overlong filtering leaves a truncated sample with an all-False loss mask. Adding such a
+    # sample (with a large advantage that would dominate if counted) must not change the
+    # loss or the gradient, in any aggregation (its tokens and its sequence are not counted).
+    objective = PolicyObjective.from_config(AlgorithmConfig(loss_agg=loss_agg), max_tokens=32)
+    model = tiny_qwen2(0)
+    kept = policy_samples(model)
+    filtered = sample([1, 2, 3], [4, 5, 6, 7], advantage=50.0)
+    filtered.loss_mask = [False] * len(filtered)
+    losses, grads = [], []
+    for batch in (kept, [*kept, filtered]):
+        b = backend(tiny_qwen2(0), grad_clip=NO_CLIP, lr=1e-3)
+        losses.append(b.train_step(batch, objective)["loss"])
+        grads.append({k: p.grad.clone() for k, p in b.model.named_parameters()})
+    assert losses[1] == pytest.approx(losses[0], abs=1e-7)
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, atol=1e-7, rtol=0)
+
+
+def test_entropy_metric_is_the_mean_next_token_entropy_over_trained_tokens(tiny_qwen2):
+    model = tiny_qwen2(0)
+    s = sample([1, 2, 3], [4, 5])
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([s.token_ids]), use_cache=False).logits[0]
+        # token t is predicted from logits[t - 1]: trained tokens 3 and 4 use logits 2 and 3
+        h = torch.distributions.Categorical(logits=logits[2:4]).entropy()
+    objective = PolicyObjective.from_config(AlgorithmConfig(), max_tokens=32)
+    metrics = backend(model, lr=1e-9).train_step([s], objective)
+    assert metrics["entropy/mean"] == pytest.approx(h.mean().item(), rel=1e-5)
+
+
+def test_entropy_bonus_enters_the_loss(tiny_qwen2):
+    s = sample([1, 2, 3], [4, 5], advantage=0.0)  # zero advantage: the loss is the bonus alone
+    cfg = AlgorithmConfig(entropy_coef=0.5)
+    metrics = backend(tiny_qwen2(0)).train_step(
+        [s], PolicyObjective.from_config(cfg, max_tokens=32)
+    )
+    # token-mean of -0.5 * H_t = -0.5 * mean entropy (the metric is taken before the update)
+    assert metrics["loss"] == pytest.approx(-0.5 * metrics["entropy/mean"], rel=1e-5)
+    assert metrics["grad_norm"] > 0
+
+
+def test_importance_sampling_needs_recomputed_old_logprobs(tiny_qwen2):
+    cfg = AlgorithmConfig(importance_sampling="tis_token")
+    objective = PolicyObjective.from_config(cfg, max_tokens=32)
+    with pytest.raises(ValueError, match="old logprobs"):
+        backend(tiny_qwen2(0)).train_step([sample([1], [2, 3], 1.0)], objective)
+
+
+def test_value_head_outputs_are_aligned_like_logprobs():
+    from transformers import Qwen2Config, Qwen2ForTokenClassification
+
+    config = Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_labels=1,
+        classifier_dropout=0.0,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForTokenClassification(config).float()
+    critic = TorchBackend(model, TrainerConfig(), total_steps=1, head="value")
+    ids = [1, 2, 3, 4]
+    (values,) = critic.compute_values([sample(ids[:2], ids[2:])])
+    with torch.no_grad():
+        raw = model(input_ids=torch.tensor([ids])).logits[0, :, 0]
+    # value of the state before token t = the head's output at position t - 1; 0 at t = 0
+    assert values == pytest.approx([0.0, *raw[:-1].tolist()], abs=1e-6)
