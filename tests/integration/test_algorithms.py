@@ -85,3 +85,27 @@ def test_recipe_runs_three_steps_and_trains(recipe, tmp_path, one_torch_thread):
         assert all("filter/kept_groups" in r for r in rows.values())
     if recipe == "remax":
         assert all(r["time/baseline_s"] > 0 for r in rows.values())
+
+
+def test_ppo_resume_restores_the_critic(tmp_path, one_torch_thread):
+    """A PPO run stopped after 2 steps and resumed to 3 equals 3 uninterrupted steps: the
+    critic's weights and optimizer state come back from the checkpoint."""
+    base = [*TINY_RUN, *FAST, f"run.output_dir={tmp_path}"]
+    recipe = REPO / "recipes" / "ppo.yaml"
+
+    def run(name: str, steps: int, resume=None):
+        overrides = [*base, f"run.name={name}", f"run.steps={steps}"]
+        train(load_config(recipe, overrides), resume=resume, console=Console(file=io.StringIO()))
+
+    run("resumed", 2)
+    run("resumed", 3, resume=tmp_path / "resumed")
+    run("straight", 3)
+    a = weights(tmp_path / "resumed" / "checkpoints" / "step_000003" / "critic")
+    b = weights(tmp_path / "straight" / "checkpoints" / "step_000003" / "critic")
+    for name, tensor in a.items():
+        torch.testing.assert_close(tensor, b[name], rtol=0, atol=1e-6, msg=name)
+    rows = [
+        {r["step"]: r for r in metric_rows(tmp_path / run_name) if "loss" in r}[3]
+        for run_name in ("resumed", "straight")
+    ]
+    assert rows[0]["critic/value_loss"] == pytest.approx(rows[1]["critic/value_loss"], abs=1e-6)
