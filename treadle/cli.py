@@ -2,6 +2,7 @@
 
     treadle train RECIPE [section.key=value ...] [--resume RUN_DIR]
     treadle sft RECIPE [section.key=value ...]
+    treadle dpo RECIPE [section.key=value ...]
 
 Bad input prints one line on stderr and exits with code 2, without a traceback.
 """
@@ -32,6 +33,11 @@ def _parser() -> argparse.ArgumentParser:
     sft = sub.add_parser("sft", help="supervised fine-tuning only; writes RUN/sft_model")
     sft.add_argument("recipe")
     sft.add_argument("overrides", nargs="*")
+    dpo = sub.add_parser(
+        "dpo", help="DPO on preference pairs against the starting model; writes RUN/dpo_model"
+    )
+    dpo.add_argument("recipe")
+    dpo.add_argument("overrides", nargs="*")
     return parser
 
 
@@ -88,6 +94,12 @@ def _run(args: argparse.Namespace) -> int:
         console.print(
             f"SFT checkpoint: {folder}; start RL from it with model.path={folder} sft.steps=0"
         )
+        return 0
+    if args.command == "dpo":
+        from treadle.dpo import run_dpo
+
+        folder = run_dpo(cfg, console)
+        console.print(f"DPO model: {folder} (held-out summary: dpo_summary.json beside it)")
         return 0
     from treadle.pipeline import train
 

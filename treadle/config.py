@@ -100,6 +100,31 @@ class SFTConfig:
 
 
 @dataclass
+class DPOConfig:
+    """Direct Preference Optimization (``treadle dpo``) on pairs of a preferred (chosen) and a
+    dispreferred (rejected) response to one prompt, against the starting model as reference."""
+
+    path: str | None = None
+    """jsonl of preference pairs, one JSON object per line. None synthesises pairs from the
+    reasoning-gym data: the gold demonstration (``data.answer_template``) is chosen, the same
+    with an answer off by 1 to 3 is rejected."""
+    prompt_field: str = "prompt"
+    """Field of the prompt: a string (one user message) or a list of ``{role, content}``."""
+    chosen_field: str = "chosen"
+    """Field of the preferred response text."""
+    rejected_field: str = "rejected"
+    """Field of the dispreferred response text."""
+    beta: float = 0.1
+    """Strength of the implicit KL constraint to the reference (beta of arXiv:2305.18290 eq. 7)."""
+    steps: int = 100
+    """Optimizer steps."""
+    batch_size: int = 16
+    """Preference pairs per optimizer step."""
+    lr: float = 1e-5
+    """Learning rate of the policy (the rest of the optimizer comes from ``trainer``)."""
+
+
+@dataclass
 class RolloutConfig:
     engine: Literal["vllm", "hf"] = "vllm"
     prompts_per_step: int = 64
@@ -235,28 +260,20 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     """Load a YAML recipe, apply ``a.b.c=value`` overrides, validate, and build the tree.
 
+    A recipe may start from another: ``base: default.yaml`` (relative to the recipe) loads that
+    one first and lays this recipe's keys over it.
+
     Raises:
         UserError: missing/unparsable recipe, unknown key (with a "did you mean"), wrong type,
             or a malformed override.
     """
-    raw: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise UserError(
-                f"recipe {p} does not exist; pass a YAML file such as recipes/default.yaml"
-            )
-        try:
-            raw = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise UserError(f"recipe {p} is not valid YAML: {e}") from None
-        if not isinstance(raw, dict):
-            raise UserError(f"recipe {p} must be a mapping of sections (run:, model:, ...)")
+    raw: dict[str, Any] = _read_recipe(Path(path), ()) if path is not None else {}
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
@@ -265,6 +282,40 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     cfg = _build(Config, raw, "")
     _check(cfg)
     return cfg
+
+
+def _read_recipe(p: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
+    """A recipe's raw mapping, with its ``base:`` recipe (a path relative to it) merged under it:
+    the recipe's own values win, sections merge key by key, lists are replaced whole."""
+    if not p.is_file():
+        where = f" (the base of {seen[-1]})" if seen else ""
+        raise UserError(
+            f"recipe {p}{where} does not exist; pass a YAML file such as recipes/default.yaml"
+        )
+    if p.resolve() in seen:
+        raise UserError(f"recipe {p}: its base: chain loops back to itself")
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise UserError(f"recipe {p} is not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"recipe {p} must be a mapping of sections (run:, model:, ...)")
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    if not isinstance(base, str):
+        raise UserError(f"recipe {p}: base must be a recipe path, got {base!r}")
+    return _merge(_read_recipe(p.parent / base, (*seen, p.resolve())), raw)
+
+
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:
@@ -434,6 +485,8 @@ def _check(cfg: Config) -> None:
         "trainer.grad_clip": (cfg.trainer.grad_clip, 0.0),
         "trainer.weight_decay": (cfg.trainer.weight_decay, 0.0),
         "trainer.warmup_steps": (cfg.trainer.warmup_steps, 0),
+        "dpo.steps": (cfg.dpo.steps, 1),
+        "dpo.batch_size": (cfg.dpo.batch_size, 1),
     }
     for key, (value, least) in bounds.items():
         if value < least:
@@ -442,6 +495,9 @@ def _check(cfg: Config) -> None:
         raise UserError("config rollout.temperature: must be > 0 (RL samples n > 1 per prompt)")
     if not (cfg.trainer.lr > 0 and cfg.sft.lr > 0):  # also rejects nan
         raise UserError("config trainer.lr / sft.lr: must be positive")
+    for key, value in (("dpo.lr", cfg.dpo.lr), ("dpo.beta", cfg.dpo.beta)):
+        if not value > 0:  # also rejects nan
+            raise UserError(f"config {key}: must be positive (e.g. 1e-5 and 0.1), got {value}")
     if cfg.algorithm.clip_eps_low >= 1:
         raise UserError(
             "config algorithm.clip_eps_low: must be below 1 (the ratio floor is 1 - eps)"

@@ -37,7 +37,7 @@ def load_dataset(cfg: DataConfig) -> Dataset:
     if cfg.source == "reasoning_gym":
         train, held_out = _reasoning_gym(cfg)
     else:
-        rows = _read_rows(Path(cfg.path or ""), cfg.source)
+        rows = read_rows(Path(cfg.path or ""), cfg.source)
         tasks = [_file_task(cfg, row, where, i) for i, (row, where) in enumerate(rows)]
         if len(tasks) <= cfg.eval_size:
             raise UserError(
@@ -130,25 +130,30 @@ def render_demonstration(task: Task, template: str, answer: str | None = None) -
     )
 
 
-def _read_rows(path: Path, source: str) -> list[tuple[dict[str, Any], str]]:
+def read_rows(path: Path, source: str, key: str = "data.path") -> list[tuple[dict[str, Any], str]]:
+    """The JSON objects of a jsonl file (or the rows of a parquet file), each with where it came
+    from (``file:line``) for error messages.
+
+    Raises:
+        UserError: naming ``key`` (the config key that gave the path) for a missing or unreadable
+            file, and ``file:line`` for a malformed line.
+    """
     if not path.is_file():
         what = "a directory, not a file" if path.is_dir() else "file not found"
-        raise UserError(f"data.path {path}: {what}")
+        raise UserError(f"{key} {path}: {what}")
     if source == "parquet":
         import pyarrow.parquet as pq
 
         try:
             table = pq.read_table(path)
         except Exception as e:  # pyarrow raises several types for a bad file
-            raise UserError(f"data.path {path}: not a readable parquet file: {e}") from None
+            raise UserError(f"{key} {path}: not a readable parquet file: {e}") from None
         return [(row, f"{path} row {i}") for i, row in enumerate(table.to_pylist())]
     rows = []
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise UserError(
-            f"data.path {path}: not UTF-8 text ({e.reason} at byte {e.start})"
-        ) from None
+        raise UserError(f"{key} {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     for lineno, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue

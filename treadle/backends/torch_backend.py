@@ -172,18 +172,24 @@ class TorchBackend:
             share = float(mb.loss_mask.sum()) / step.tokens
             for name, v in metrics.items():
                 weighted[name] = weighted.get(name, 0.0) + v * share
-        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")  # 0: no clip
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step applies
-        self.optimizer.step()
-        self.scheduler.step()
+        grad_norm, lr = self.apply_gradients()
         return {
             "loss": loss_sum,
-            "grad_norm": float(grad_norm),
+            "grad_norm": grad_norm,
             "lr": lr,
             "perf/micro_batches": float(len(micro)),
             **weighted,
         }
+
+    def apply_gradients(self) -> tuple[float, float]:
+        """Clip the accumulated gradients to ``cfg.grad_clip`` (0: no clipping), take one
+        optimizer and LR-schedule step; returns the pre-clip grad norm and the LR applied."""
+        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step applies
+        self.optimizer.step()
+        self.scheduler.step()
+        return float(grad_norm), lr
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in self.model.state_dict().items():
