@@ -231,3 +231,40 @@ def test_string_override_that_looks_like_yaml_flow_syntax(key, text):
     for part in rest:
         node = node[part]
     assert node == text
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("algorithm.clip_eps_low=.nan", "algorithm.clip_eps_low"),
+        ("algorithm.gamma=.nan", "algorithm.gamma"),
+        ("algorithm.kl.coef=.nan", "algorithm.kl.coef"),
+        ("algorithm.is_threshold=.nan", "algorithm.is_threshold"),
+        ("algorithm.critic.value_clip=.inf", "algorithm.critic.value_clip"),
+        ("dpo.beta=.inf", "dpo.beta"),
+    ],
+)
+def test_nan_and_inf_are_refused_by_name(override, key):
+    with pytest.raises(UserError, match=key.replace(".", r"\.")):
+        load_config(None, [override])
+
+
+def test_k1_is_refused_as_a_kl_loss_term():
+    with pytest.raises(UserError, match="k1 as a loss term"):
+        load_config(None, ["algorithm.kl.coef=0.1", "algorithm.kl.estimator=k1"])
+    cfg = load_config(None, ["algorithm.kl.coef=0.1", "algorithm.kl.estimator=k1",
+                             "algorithm.kl.placement=reward"])  # fmt: skip
+    assert cfg.algorithm.kl.placement == "reward"
+
+
+def test_dynamic_sampling_needs_a_group_baseline():
+    with pytest.raises(UserError, match="dynamic_sampling"):
+        load_config(None, ["algorithm.dynamic_sampling=true", "algorithm.advantage=reinforce_pp"])
+
+
+def test_group_baselines_refuse_one_sample_per_prompt():
+    for advantage in ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"):
+        with pytest.raises(UserError, match=r"rollout\.n"):
+            load_config(None, [f"algorithm.advantage={advantage}", "rollout.n=1"])
+    for advantage in ("reinforce_pp", "remax", "gae"):
+        assert load_config(None, [f"algorithm.advantage={advantage}", "rollout.n=1"]).rollout.n == 1

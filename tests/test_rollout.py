@@ -268,3 +268,18 @@ def test_filter_groups_drops_equal_reward_groups_only():
     kept, metrics = filter_groups(groups)
     assert [g.task.task_id for g in kept] == ["B", "C"]  # C: one sample, no variance estimate
     assert metrics["filter/dropped_groups"] == 1.0
+
+
+def test_entropy_proxy_metric_sums_each_completions_engine_logprobs():
+    # completions of 4 and 2 tokens with logprobs -0.1..-0.4 and -0.1, -0.2 (see completion()):
+    # proxies 1.0 and 0.3 -> mean 0.65; the shorter one's padding never enters
+    g = RolloutGroup(
+        task("A"),
+        (5,),
+        (
+            Rollout(completion([11, 12, 13, END_OF_TURN]), 1.0, True),
+            Rollout(completion([14, END_OF_TURN]), 0.0, False),
+        ),
+    )
+    _, metrics = build_samples([g], AlgorithmConfig())
+    assert metrics["rollout/entropy_proxy"] == pytest.approx(0.65)

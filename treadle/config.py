@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import string
 import types
 import typing
@@ -173,8 +174,8 @@ class AlgorithmConfig:
     ``gspo``: clipped sequence ratio; ``vanilla``: unclipped policy gradient."""
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2
-    dual_clip: float = 3.0
-    """Dual-clip bound c (> 1) on negative-advantage tokens' loss; 0 turns it off."""
+    dual_clip: float = 0.0
+    """Dual-clip bound c (> 1) on negative-advantage tokens' loss (verl uses 3); 0: off."""
     loss_agg: Literal[
         "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
     ] = "token-mean"
@@ -489,8 +490,8 @@ def _check(cfg: Config) -> None:
         "dpo.batch_size": (cfg.dpo.batch_size, 1),
     }
     for key, (value, least) in bounds.items():
-        if value < least:
-            raise UserError(f"config {key}: must be at least {least}, got {value}")
+        if not (math.isfinite(value) and value >= least):  # also rejects nan and inf
+            raise UserError(f"config {key}: must be at least {least} (and finite), got {value}")
     if cfg.rollout.temperature <= 0:
         raise UserError("config rollout.temperature: must be > 0 (RL samples n > 1 per prompt)")
     if not (cfg.trainer.lr > 0 and cfg.sft.lr > 0):  # also rejects nan
@@ -546,6 +547,27 @@ def _check_algorithm(cfg: Config) -> None:
             f"config rollout.n: algorithm.advantage={a.advantage} takes its baseline from the "
             f"other samples of the prompt and needs rollout.n >= 2 (got {cfg.rollout.n}); "
             "with one sample per prompt use reinforce_pp, remax or gae"
+        )
+    for key, value in (
+        ("algorithm.is_threshold", a.is_threshold),
+        ("algorithm.critic.lr", a.critic.lr),
+        ("rollout.temperature", cfg.rollout.temperature),
+        ("dpo.beta", cfg.dpo.beta),
+        ("dpo.lr", cfg.dpo.lr),
+    ):
+        if not math.isfinite(value):
+            raise UserError(f"config {key}: must be a finite number, got {value}")
+    if a.kl.coef > 0 and a.kl.placement == "loss" and a.kl.estimator == "k1":
+        raise UserError(
+            "config algorithm.kl.estimator: k1 as a loss term has zero expected gradient (its "
+            "gradient is the score function); use k2 or k3 as a loss, or "
+            "algorithm.kl.placement=reward for k1"
+        )
+    if a.dynamic_sampling and a.advantage not in GROUP_BASELINES:
+        raise UserError(
+            f"config algorithm.dynamic_sampling: drops groups whose rewards are all equal, which "
+            f"only carry no signal under a group baseline ({', '.join(sorted(GROUP_BASELINES))}); "
+            f"algorithm.advantage={a.advantage} still learns from them"
         )
     if 0 < a.dual_clip <= 1:
         raise UserError("config algorithm.dual_clip: must be above 1 (or 0 for off)")

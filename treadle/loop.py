@@ -91,10 +91,10 @@ def run_rl(parts: RLParts, start_step: int, progress: Progress) -> None:
                     critic_metrics = p.critic.train_step(
                         samples, ValueObjective(algo.critic.value_clip)
                     )
-                update_metrics |= {
+                update_metrics |= {  # the critic's own loss, grad norm and lr under critic/
                     k if k.startswith("critic/") else f"critic/{k}": v
                     for k, v in critic_metrics.items()
-                    if k.startswith("critic/") or k in ("loss", "grad_norm")
+                    if not k.startswith(("perf/", "mismatch/"))
                 }
             with timed(t, "sync"):  # the engine serves the new weights before the next rollout
                 p.engine.update_weights(p.policy.named_weights(), version=step + 1)
@@ -173,6 +173,8 @@ def greedy_baselines(
     parts: RLParts, groups: list[RolloutGroup], params: SamplingParams
 ) -> torch.Tensor:
     """``[B]`` ReMax baseline: the reward of each prompt's greedy completion, per sample."""
+    if not groups:  # dynamic sampling kept nothing this step
+        return torch.zeros(0, dtype=torch.float64)
     argmax = dataclasses.replace(params, n=1, temperature=0.0)
     generated = generate(parts.engine, parts.tokenizer, [g.task for g in groups], argmax)
     greedy = score(parts.rewards, generated).groups

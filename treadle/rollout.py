@@ -14,7 +14,7 @@ from treadle.algorithms.advantages import (
     AdvantageParams,
     group_index,
 )
-from treadle.algorithms.losses import KL_ESTIMATORS
+from treadle.algorithms.losses import KL_ESTIMATORS, sequence_entropy_proxy
 from treadle.algorithms.shaping import soft_overlong_penalty, varied_groups
 from treadle.config import AlgorithmConfig
 from treadle.data import render_prompt
@@ -123,9 +123,14 @@ def build_samples(
     completions = [r.completion for g in groups for r in g.rollouts]
     n = max(len(completions), 1)
     truncated = sum(c.finish_reason == FinishReason.LENGTH for c in completions)
+    width = max((len(c.logprobs) for c in completions), default=0)
+    engine_logprobs = _padded([c.logprobs for c in completions], width)
+    sampled = _padded([[True] * len(c.logprobs) for c in completions], width, torch.bool)
     metrics = {
         "rollout/truncated_fraction": truncated / n,
         "rollout/mean_length": sum(len(c.token_ids) for c in completions) / n,
+        # -sum_t logp of each completion under the engine: a sampled estimate of its entropy
+        "rollout/entropy_proxy": float(sequence_entropy_proxy(engine_logprobs, sampled).sum()) / n,
     }
     if cfg.overlong_filter:
         metrics["filter/overlong_samples"] = float(truncated)

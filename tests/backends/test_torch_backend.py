@@ -166,6 +166,9 @@ def test_split_micro_batches_give_the_single_batch_gradient(tiny_qwen2):
     assert m_small["perf/micro_batches"] == 3 and m_big["perf/micro_batches"] == 1
     assert 0 < m_small["clip/fraction"] < 1  # both branches of the clipped surrogate are used
     assert m_small["loss"] == pytest.approx(m_big["loss"], abs=1e-6)
+    # A maximum is reduced as a maximum, not token-weighted, whatever the packing.
+    assert m_small["ratio/max"] == pytest.approx(m_big["ratio/max"], rel=1e-6)
+    assert m_big["ratio/max"] > m_big["ratio/mean"]
     assert m_small["grad_norm"] == pytest.approx(m_big["grad_norm"], rel=1e-5)
 
     # The optimizer step left the accumulated gradient on the parameters (zeroed at step start).
@@ -300,12 +303,25 @@ def test_grad_clip_zero_means_no_clipping(tiny_qwen2):
         torch.testing.assert_close(u, updates[1][k], rtol=0, atol=1e-7)
 
 
-@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
-def test_e_a_fully_masked_sample_changes_neither_loss_nor_gradient(tiny_qwen2, loss_agg):
+@pytest.mark.parametrize(
+    ("policy_loss", "loss_agg"),
+    [
+        ("ppo", "token-mean"),
+        ("ppo", "seq-mean-token-mean"),
+        ("ppo", "seq-mean-token-sum"),
+        ("ppo", "seq-mean-token-sum-norm"),
+        ("gspo", "seq-mean-token-mean"),
+        ("vanilla", "seq-mean-token-sum"),
+    ],
+)
+def test_e_a_fully_masked_sample_changes_neither_loss_nor_gradient(
+    tiny_qwen2, policy_loss, loss_agg
+):
     # Overlong filtering leaves a truncated sample with an all-False loss mask. Adding such a
     # sample (with a large advantage that would dominate if counted) must not change the
     # loss or the gradient, in any aggregation (its tokens and its sequence are not counted).
-    objective = PolicyObjective.from_config(AlgorithmConfig(loss_agg=loss_agg), max_tokens=32)
+    cfg = AlgorithmConfig(policy_loss=policy_loss, loss_agg=loss_agg)
+    objective = PolicyObjective.from_config(cfg, max_tokens=32)
     model = tiny_qwen2(0)
     kept = policy_samples(model)
     filtered = sample([1, 2, 3], [4, 5, 6, 7], advantage=50.0)

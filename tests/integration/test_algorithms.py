@@ -49,10 +49,29 @@ def changed_fraction(before: dict, after: dict) -> tuple[float, list[str]]:
     return 1 - len(same) / len(before), same
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+# Options that no recipe turns on, run through the loop on top of a recipe.
+VARIANTS = {
+    "grpo": [],
+    "tis_entropy_k2": [  # trainer-recomputed old logprobs, TIS, entropy bonus, k2 KL loss
+        "algorithm.importance_sampling=tis_seq",
+        "algorithm.entropy_coef=0.01",
+        "algorithm.kl.estimator=k2",
+    ],
+    "mis_low_var_k3": [
+        "algorithm.importance_sampling=mis_token",
+        "algorithm.kl.estimator=low_var_k3",
+        "algorithm.dual_clip=0",
+    ],
+}
+
+
+@pytest.mark.parametrize("recipe", RECIPES + [v for v in VARIANTS if v != "grpo"])
 def test_recipe_runs_three_steps_and_trains(recipe, tmp_path, one_torch_thread):
     overrides = [*TINY_RUN, *FAST, f"run.output_dir={tmp_path}", "algorithm.max_sampling_rounds=2"]
-    cfg = load_config(REPO / "recipes" / f"{recipe}.yaml", overrides)
+    if recipe in VARIANTS:
+        overrides += [*VARIANTS[recipe], f"run.name={recipe}"]
+    file = "grpo" if recipe in VARIANTS else recipe
+    cfg = load_config(REPO / "recipes" / f"{file}.yaml", overrides)
     train(cfg, console=Console(file=io.StringIO()))
     run_dir = tmp_path / recipe
 
@@ -83,6 +102,8 @@ def test_recipe_runs_three_steps_and_trains(recipe, tmp_path, one_torch_thread):
         assert all(r["critic/grad_norm"] > 0 for r in rows.values())
     if recipe == "dapo":
         assert all("filter/kept_groups" in r for r in rows.values())
+    if recipe in VARIANTS and recipe != "grpo":
+        assert all("is/weight_mean" in r for r in rows.values())
     if recipe == "remax":
         assert all(r["time/baseline_s"] > 0 for r in rows.values())
 

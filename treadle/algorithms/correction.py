@@ -94,6 +94,7 @@ def mismatch_metrics(
     lower variance, >= 0). All over trained tokens ``[N]``.
     """
     diff = (behavior_logprobs - trainer_logprobs).detach()
+    diff = torch.where(mask, diff, torch.zeros_like(diff))  # masked positions may hold anything
     log_r = (-diff).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return {
         "mismatch/abs_logprob_diff": masked_mean(diff.abs(), mask),

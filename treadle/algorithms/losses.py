@@ -24,7 +24,7 @@ class PolicyLossParams:
     """Ratio floor is ``1 - clip_eps_low``."""
     clip_eps_high: float = 0.2
     """Ratio ceiling is ``1 + clip_eps_high`` (DAPO's clip-higher raises it above the floor)."""
-    dual_clip: float = 3.0
+    dual_clip: float = 0.0
     """Dual-clip constant ``c > 1`` bounding the loss of negative-advantage tokens at ``-c*A``
     (Ye et al., arXiv:1912.09729, eq. 6); 0 turns it off."""
 
@@ -37,9 +37,16 @@ PolicyLoss = Callable[
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
-    """Mean of ``x`` over ``mask`` (0.0 when nothing is masked in)."""
-    m = mask.to(x.dtype)
-    return float((x.detach() * m).sum() / m.sum().clamp(min=1))
+    """Mean of ``x`` over ``mask`` (0.0 when nothing is masked in); masked-out values, even nan,
+    never enter."""
+    x = x.detach()
+    kept = torch.where(mask, x, torch.zeros_like(x))
+    return float(kept.sum() / mask.sum().clamp(min=1))
+
+
+def masked_max(x: torch.Tensor, mask: torch.Tensor) -> float:
+    """Max of ``x`` over ``mask`` (0.0 when nothing is masked in)."""
+    return float(x.detach()[mask].max()) if mask.any() else 0.0
 
 
 def segment_sum(x: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
@@ -61,7 +68,7 @@ def _clipped_surrogate(
         loss = torch.where(advantages < 0, torch.minimum(loss, bound), loss)
     metrics = {
         "ratio/mean": masked_mean(ratio, mask),
-        "ratio/max": float((ratio.detach() * mask).max()) if mask.any() else 0.0,
+        "ratio/max": masked_max(ratio, mask),
         "clip/fraction": masked_mean((clipped > unclipped).float(), mask),
         "clip/low_fraction": masked_mean(((ratio < 1 - p.clip_eps_low) & (advantages < 0)), mask),
         "clip/high_fraction": masked_mean(((ratio > 1 + p.clip_eps_high) & (advantages > 0)), mask),
@@ -149,18 +156,22 @@ POLICY_LOSSES: dict[str, PolicyLoss] = {"ppo": ppo_clip, "gspo": gspo, "vanilla"
 
 
 def kl_k1(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """``k1 = logp - ref = -log r``: unbiased, high variance, can be negative; unclamped."""
+    """``k1 = logp - ref = -log r``: unbiased, high variance, can be negative; unclamped. Its
+    gradient is the score function, 0 in expectation, so it is a reward penalty only (the config
+    refuses it as a loss term)."""
     return logprobs - ref_logprobs
 
 
 def kl_k2(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """``k2 = (log r)^2 / 2``: biased, low variance, >= 0; unclamped (its gradient is that of
-    the reverse KL, which is why verl calls it ``mse``)."""
+    """``k2 = (log r)^2 / 2``: biased, low variance, >= 0; unclamped. As a loss term its expected
+    gradient (tokens sampled from the policy) is exactly that of KL(policy || reference); verl
+    calls it ``mse``."""
     return 0.5 * (ref_logprobs - logprobs) ** 2
 
 
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """``k3 = r - 1 - log r``: unbiased, >= 0 (GRPO's KL, arXiv:2402.03300, eq. 4).
+    """``k3 = r - 1 - log r``: unbiased, >= 0 (GRPO's KL, arXiv:2402.03300, eq. 4). As a loss
+    term its gradient is that of KL(reference || policy) in expectation, not of the reverse KL.
 
     ``log r`` is clamped to [-20, 20] so a token the reference finds far likelier gives at most
     ``e^20 - 21`` instead of inf.

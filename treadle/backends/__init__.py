@@ -21,8 +21,14 @@ class TrainingBackend(Protocol):
         index 0 (no context) is 0.0."""
         ...
 
+    def compute_values(self, samples: Sequence[TrainSample]) -> list[list[float]]:
+        """Per-token values ``[L]`` of each sample (a critic: the value of the state before each
+        token; index 0 is 0.0)."""
+        ...
+
     def train_step(self, samples: Sequence[TrainSample], objective: Objective) -> dict[str, float]:
-        """One RL/SFT step over ``samples`` (one or more optimizer steps); returns metrics."""
+        """One RL/SFT/critic step over ``samples`` (one or more optimizer steps, each the sum of
+        the objective's micro-batch shares); returns metrics."""
         ...
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -142,10 +142,15 @@ class TorchBackend:
             self._optimizer_step(c, objective) for c in chunks if any(any(s.loss_mask) for s in c)
         ]
         totals: dict[str, float] = {}
-        for stats in steps:  # mean over the optimizer steps taken
+        for stats in steps:  # mean over the optimizer steps taken (a maximum stays a maximum)
             for name, v in stats.items():
-                totals[name] = totals.get(name, 0.0) + v / len(steps)
-        if steps:  # measured before any update of this call: the old policy vs the engine
+                if name.endswith("/max"):
+                    totals[name] = max(totals.get(name, v), v)
+                else:
+                    totals[name] = totals.get(name, 0.0) + v / len(steps)
+        # Measured in the first optimizer step, before any update of this call: the old policy
+        # vs the engine, over that step's samples (with k mini-batches, a 1/k share).
+        if steps:
             totals |= {k: v for k, v in steps[0].items() if k.startswith("mismatch/")}
         tokens = sum(len(s) for s in samples)
         totals["perf/tokens_per_s"] = tokens / max(time.perf_counter() - t0, 1e-9)
@@ -170,8 +175,11 @@ class TorchBackend:
             if out.logprobs is not None:
                 metrics |= mismatch_metrics(out.logprobs, mb.behavior_logprobs, mb.loss_mask)
             share = float(mb.loss_mask.sum()) / step.tokens
-            for name, v in metrics.items():
-                weighted[name] = weighted.get(name, 0.0) + v * share
+            for name, v in metrics.items():  # token-weighted means; maxima over micro-batches
+                if name.endswith("/max"):
+                    weighted[name] = max(weighted.get(name, v), v)
+                else:
+                    weighted[name] = weighted.get(name, 0.0) + v * share
         grad_norm, lr = self.apply_gradients()
         return {
             "loss": loss_sum,
