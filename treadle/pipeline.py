@@ -258,6 +258,9 @@ def train(cfg: Config, resume: Path | None = None, console: Console | None = Non
     try:
         summary = _load_json(run_dir / "before_rl.json")
         if not summary:
+            # Sampling draws from the global RNG: re-seed so the starting evaluation does not
+            # depend on what was built before it (a critic's fresh head consumes random numbers).
+            seed_everything(cfg.run.seed)
             console.print(f"evaluating on {len(data.held_out)} held-out prompts before RL")
             before = evaluate_policy(parts)
             metrics.log(0, before.metrics())
