@@ -545,7 +545,7 @@ def _check_algorithm(cfg: Config) -> None:
     if a.advantage in GROUP_BASELINES and cfg.rollout.n < 2:
         raise UserError(
             f"config rollout.n: algorithm.advantage={a.advantage} takes its baseline from the "
-            f"other samples of the prompt and needs rollout.n >= 2 (got {cfg.rollout.n}); "
+            f"samples of each prompt (its group) and needs rollout.n >= 2 (got {cfg.rollout.n}); "
             "with one sample per prompt use reinforce_pp, remax or gae"
         )
     for key, value in (

@@ -297,6 +297,7 @@ def train(cfg: Config, resume: Path | None = None, console: Console | None = Non
     write_summary(run_dir, summary)
     plot_run(run_dir / "metrics.jsonl", run_dir / "plot.png")
     print_summary(console, summary)
+    console.print(f"run directory: {run_dir} (metrics.jsonl, plot.png, final_model/, ...)")
     return summary
 
 
