@@ -20,7 +20,8 @@ def test_unknown_name_lists_the_valid_names() -> None:
     with pytest.raises(UserError) as info:
         build_reward_function("math_verifier")
     assert str(info.value) == (
-        "unknown reward function 'math_verifier'; valid names: format, math_verify, reasoning_gym"
+        "unknown reward function 'math_verifier'; valid names: "
+        "code, format, math_verify, reasoning_gym"
     )
 
 

@@ -9,7 +9,8 @@ from collections.abc import Callable
 import pytest
 
 from treadle.rewards.base import REWARD_FUNCTIONS, RewardFunction, Score, build_reward_function
-from treadle.types import Task
+from treadle.rewards.code import code_payload
+from treadle.types import Message, Task
 
 from .fake_rewards import ScriptedReward
 
@@ -20,18 +21,29 @@ BUILDERS: dict[str, Callable[[], RewardFunction]] = {
 RESPONSES = ["<answer>-14282</answer>", "<answer>7</answer>", "no answer here", "", "<answer>"]
 
 
+CODE_TASK = Task(
+    "code/0",
+    (Message("user", "Write f(x) = x + 1."),),
+    "",
+    "code",
+    code_payload("", ["assert f(1) == 2", "assert f(-1) == 0"]),
+)
+
+
 @pytest.mark.parametrize("name", sorted(BUILDERS))
 def test_contract(name: str, chain_sum_task: Task) -> None:
-    # chain_sum_task suits every function: gold "-14282" for math, a real rg payload.
+    # chain_sum_task suits every answer checker: gold "-14282" for math, a real rg payload;
+    # the code reward gets a code task (its payload holds tests).
+    task = CODE_TASK if name == "code" else chain_sum_task
     reward = BUILDERS[name]()
     assert isinstance(reward.name, str) and reward.name
     clone = pickle.loads(pickle.dumps(reward))  # the pool sends instances to workers
-    for response in RESPONSES:
-        score = reward.score(chain_sum_task, response)
+    for response in [*RESPONSES, "def f(x):\n    return x + 1"]:
+        score = reward.score(task, response)
         assert isinstance(score, Score)
         assert isinstance(score.reward, float) and math.isfinite(score.reward)
         assert isinstance(score.correct, bool)
-        assert clone.score(chain_sum_task, response) == score  # deterministic, survives pickling
+        assert clone.score(task, response) == score  # deterministic, survives pickling
 
 
 @pytest.mark.parametrize("name", ["math_verify", "reasoning_gym"])

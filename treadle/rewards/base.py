@@ -51,6 +51,7 @@ REWARD_FUNCTIONS: dict[str, str] = {
     "math_verify": "treadle.rewards.math_verify:MathVerifyReward",
     "reasoning_gym": "treadle.rewards.reasoning_gym:ReasoningGymReward",
     "format": "treadle.rewards.format:FormatReward",
+    "code": "treadle.rewards.code:CodeReward",
 }
 """Config name -> ``"module:Class"`` of each built-in reward function, imported on first use."""
 

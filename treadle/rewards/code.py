@@ -1,0 +1,91 @@
+"""A reward for model-written Python: run it against the task's tests in the sandbox.
+
+The task's ``payload`` is a JSON object (see :func:`code_payload`)::
+
+    {"prefix": "...", "tests": ["assert f(1) == 2", ...]}
+
+``prefix`` goes before the model's code (HumanEval's function signature and docstring, MBPP's
+test imports); each entry of ``tests`` is one test, passed when it raises nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+
+from treadle.errors import UserError
+from treadle.rewards.base import Score
+from treadle.rewards.sandbox import SandboxLimits, run_tests
+from treadle.types import Task
+
+_FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
+
+
+def extract_code(response: str) -> str:
+    """The last fenced code block of ``response`` (```python or bare ```), else the whole text."""
+    blocks = _FENCE.findall(response)
+    return blocks[-1] if blocks else response
+
+
+def code_payload(prefix: str, tests: Sequence[str]) -> str:
+    """The ``Task.payload`` of a code task."""
+    return json.dumps({"prefix": prefix, "tests": list(tests)})
+
+
+def humaneval_payload(row: dict) -> str:
+    """HumanEval: the prompt (signature + docstring) as prefix, one test calling ``check``."""
+    return code_payload(row["prompt"], [f"{row['test']}\ncheck({row['entry_point']})"])
+
+
+def mbpp_payload(test_imports: Sequence[str], test_list: Sequence[str]) -> str:
+    """MBPP: the test imports as prefix, each assert of the test list as one test."""
+    return code_payload("\n".join(test_imports), list(test_list))
+
+
+class CodeReward:
+    """Reward = fraction of the task's tests passed (``mode="fraction"``) or 1.0 only when all
+    pass (``mode="all"``); ``correct`` is whether all passed. A program the sandbox stops (time,
+    memory, output, a refused operation) fails the tests it did not finish.
+
+    Args:
+        mode: ``fraction`` or ``all``.
+        timeout_s: wall-clock limit of one run (seconds); CPU time is limited to the same.
+        memory_mb: address-space limit (MiB).
+
+    Raises:
+        UserError: a bad mode or limit (at construction).
+    """
+
+    name = "code"
+
+    def __init__(self, mode: str = "fraction", timeout_s: str = "10", memory_mb: str = "1024"):
+        if mode not in ("fraction", "all"):
+            raise UserError(f"code reward: mode must be fraction or all, got {mode!r}")
+        try:
+            wall, memory = float(timeout_s), int(memory_mb)
+        except ValueError:
+            raise UserError(
+                f"code reward: timeout_s and memory_mb must be numbers, got {timeout_s!r}, "
+                f"{memory_mb!r}"
+            ) from None
+        if not (wall > 0 and memory >= 64):
+            raise UserError("code reward: timeout_s must be > 0 and memory_mb at least 64")
+        self.mode = mode
+        self.limits = SandboxLimits(wall_s=wall, cpu_s=max(1, int(wall)), memory_mb=memory)
+
+    def score(self, task: Task, response: str) -> Score:
+        """Run the response's code against ``task.payload``'s tests.
+
+        Raises:
+            ValueError: the task's payload is not a code payload (a data bug, not the model's).
+        """
+        try:
+            payload = json.loads(task.payload)
+            prefix, tests = payload["prefix"], payload["tests"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"task {task.task_id}: payload is not a code payload ({e})") from e
+        result = run_tests(f"{prefix}\n{extract_code(response)}", tests, self.limits)
+        all_passed = bool(result.passed) and all(result.passed)
+        reward = result.fraction if self.mode == "fraction" else float(all_passed)
+        return Score(reward=reward, correct=all_passed)
