@@ -32,6 +32,7 @@ class Batch:
     scores: list[Score]
     failures: int = 0
     timeouts: int = 0
+    cached: int = 0
 
 
 class ConstantPool:

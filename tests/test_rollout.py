@@ -149,6 +149,7 @@ class FakeBatch:
     scores: list[Score]
     failures: int
     timeouts: int
+    cached: int = 0
 
 
 class FakePool:

@@ -142,7 +142,7 @@ def collect_rollouts(parts: RLParts, params: SamplingParams, t: dict[str, float]
     cfg, p = parts.cfg, parts
     want = cfg.rollout.prompts_per_step
     kept: list[RolloutGroup] = []
-    failures = timeouts = dropped = rounds = 0
+    failures = timeouts = cached = dropped = rounds = 0
     while len(kept) < want and rounds < cfg.algorithm.max_sampling_rounds:
         rounds += 1
         tasks = p.sampler.next_batch(want)
@@ -151,6 +151,7 @@ def collect_rollouts(parts: RLParts, params: SamplingParams, t: dict[str, float]
         with timed(t, "reward"):
             scored = score(p.rewards, generated)
         failures, timeouts = failures + scored.failures, timeouts + scored.timeouts
+        cached += scored.cached
         groups = scored.groups
         if not cfg.algorithm.dynamic_sampling:
             kept = groups
@@ -159,7 +160,11 @@ def collect_rollouts(parts: RLParts, params: SamplingParams, t: dict[str, float]
             groups, filtered = filter_groups(groups)
         dropped += int(filtered["filter/dropped_groups"])
         kept += groups
-    metrics = {"reward/failures": float(failures), "reward/timeouts": float(timeouts)}
+    metrics = {
+        "reward/failures": float(failures),
+        "reward/timeouts": float(timeouts),
+        "reward/cached": float(cached),
+    }
     if cfg.algorithm.dynamic_sampling:
         metrics |= {
             "filter/dropped_groups": float(dropped),

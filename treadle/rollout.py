@@ -51,6 +51,8 @@ class Scored:
     """Reward-function calls that raised (scored with the fallback)."""
     timeouts: int
     """Reward-function calls that ran past their timeout (scored with the fallback)."""
+    cached: int = 0
+    """Completions scored by reusing an identical (task, completion) pair's score."""
 
 
 def score(pool: RewardPool, generated: Sequence[Generated]) -> Scored:
@@ -65,7 +67,7 @@ def score(pool: RewardPool, generated: Sequence[Generated]) -> Scored:
             s = next(scores)
             rollouts.append(Rollout(c, s.reward, s.correct))
         groups.append(RolloutGroup(g.task, g.prompt_token_ids, tuple(rollouts)))
-    return Scored(groups, batch.failures, batch.timeouts)
+    return Scored(groups, batch.failures, batch.timeouts, batch.cached)
 
 
 def filter_groups(groups: list[RolloutGroup]) -> tuple[list[RolloutGroup], dict[str, float]]:

@@ -125,7 +125,8 @@ def test_unpicklable_function_fails_at_construction() -> None:
 def test_a_dead_worker_gives_the_fallback(chain_sum_task: Task) -> None:
     pool = RewardPool([(ScriptedReward(), 1.0)], timeout_s=5.0, fallback=FALLBACK, workers=1)
     with pool:
-        result = pool.score([(chain_sum_task, s) for s in ("PID", "CRASH", "PID")])
+        # "PID " differs from "PID": identical pairs would be scored once (the cache)
+        result = pool.score([(chain_sum_task, s) for s in ("PID", "CRASH", "PID ")])
     first_pid, crashed, second_pid = result.scores
     assert crashed == Score(FALLBACK, False)
     assert second_pid.reward != first_pid.reward  # a new worker took over
@@ -169,3 +170,36 @@ class PhantomReward:
     def score(self, task, response):
         return Score(reward=1.0, correct=True)
 """
+
+
+class CountingReward:
+    """Reward = length of the response; counts its calls (in-process pool only)."""
+
+    name = "counting"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def score(self, task, response):
+        self.calls += 1
+        return Score(float(len(response)), True)
+
+
+def test_identical_pairs_are_scored_once(chain_sum_task):
+    counting = CountingReward()
+    other = Task("other", chain_sum_task.messages, "1", "math")
+    with RewardPool([(counting, 1.0)], workers=0) as pool:
+        batch = pool.score(
+            [(chain_sum_task, "ab"), (chain_sum_task, "ab"), (other, "ab"), (chain_sum_task, "c")]
+        )
+    # 3 distinct (task, response) pairs of 4: 3 calls, 1 cached; scores back in input order
+    assert counting.calls == 3 and batch.cached == 1
+    assert [s.reward for s in batch.scores] == [2.0, 2.0, 2.0, 1.0]
+
+
+def test_caching_keeps_scores_with_their_samples_across_workers(chain_sum_task):
+    samples = [(chain_sum_task, r) for r in ["<answer>-14282</answer>", "<answer>7</answer>"] * 3]
+    with RewardPool([(ReasoningGymReward(), 1.0)], workers=2) as pool:
+        batch = pool.score(samples)
+    assert batch.cached == 4
+    assert [s.reward for s in batch.scores] == [1.0, 0.0] * 3

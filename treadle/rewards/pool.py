@@ -75,6 +75,8 @@ class BatchScores:
     """Calls that ran past ``timeout_s`` and were killed; each got the fallback."""
     seconds: float
     """Wall-clock time of the whole batch, in seconds."""
+    cached: int = 0
+    """Samples that reused the score of an identical (task, response) pair in the batch."""
 
 
 @dataclass(frozen=True)
@@ -164,7 +166,7 @@ class RewardPool:
         return cls(functions, timeout_s=cfg.timeout_s, fallback=cfg.fallback, workers=cfg.workers)
 
     def score(self, samples: Sequence[tuple[Task, str]]) -> BatchScores:
-        """Score every ``(task, response)`` pair with every function.
+        """Score every ``(task, response)`` pair with every function; identical pairs once.
 
         All calls are scheduled at once and then collected, so the batch takes about
         ``calls * call time / workers`` seconds, plus at most ``timeout_s`` (and up to 3 s more
@@ -178,13 +180,18 @@ class RewardPool:
             raise RuntimeError("RewardPool.score called after close()")
         start = time.perf_counter()
         fns = [fn for fn, _ in self.functions]
+        # Identical (task, response) pairs, e.g. the same short answer sampled twice in a group,
+        # are scored once: the functions are deterministic (their contract).
+        slot: dict[tuple[Task, str], int] = {}
+        index = [slot.setdefault((task, response), len(slot)) for task, response in samples]
+        unique = list(slot)
         if self._workers is None:
-            outcomes = [[_call(fn, task, response) for fn in fns] for task, response in samples]
+            outcomes = [[_call(fn, task, response) for fn in fns] for task, response in unique]
         else:
-            outcomes = self._workers.run(fns, samples, self.timeout_s)
+            outcomes = self._workers.run(fns, unique, self.timeout_s)
         scores: list[Score] = []
         failures = timeouts = 0
-        for (task, _), row in zip(samples, outcomes, strict=True):
+        for (task, _), row in zip(unique, outcomes, strict=True):
             for fn, outcome in zip(fns, row, strict=True):
                 if isinstance(outcome, _CallError):
                     failures += 1
@@ -202,7 +209,13 @@ class RewardPool:
                     )
             scores.append(self._combine(row))
         seconds = time.perf_counter() - start
-        return BatchScores(scores=scores, failures=failures, timeouts=timeouts, seconds=seconds)
+        return BatchScores(
+            scores=[scores[i] for i in index],
+            failures=failures,
+            timeouts=timeouts,
+            seconds=seconds,
+            cached=len(samples) - len(unique),
+        )
 
     def close(self) -> None:
         """Stop the workers (a running call is killed). Safe to call twice."""
