@@ -108,3 +108,21 @@ def test_without_dynamic_sampling_flat_groups_are_kept():
     batch = collect_rollouts(p, PARAMS, {})
     assert len(batch.groups) == 4 and p.engine.calls == 1
     assert "filter/rounds" not in batch.metrics
+
+
+def test_rollout_metrics_per_domain():
+    from treadle.loop import rollout_metrics
+    from treadle.types import Rollout, RolloutGroup
+
+    def group(task_id, domain, rewards):
+        c = Completion((7,), (-0.5,), FinishReason.STOP, 0, "x")
+        rollouts = tuple(Rollout(c, r, r > 0) for r in rewards)
+        return RolloutGroup(Task(task_id, (Message("user", "q"),), "1", domain), (1,), rollouts)
+
+    m = rollout_metrics([group("a", "math", [1.0, 0.0]), group("b", "code", [0.5, 0.5, 0.0, 0.0])])
+    # math: rewards 1, 0 -> mean 0.5, accuracy 1/2; code: mean 0.25, accuracy 2/4;
+    # overall: (1 + 0 + 0.5 + 0.5) / 6 = 0.3333
+    assert m["domain/math/reward"] == 0.5 and m["domain/math/accuracy"] == 0.5
+    assert m["domain/code/reward"] == 0.25 and m["domain/code/accuracy"] == 0.5
+    assert m["domain/code/samples"] == 4.0
+    assert abs(m["reward/mean"] - 2 / 6) < 1e-12

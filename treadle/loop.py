@@ -226,13 +226,22 @@ def save_state(parts: RLParts, step: int) -> Path:
 
 
 def rollout_metrics(groups: list[RolloutGroup]) -> dict[str, float]:
-    """Mean reward and accuracy of the batch's rollouts (0 for an empty batch)."""
+    """Mean reward and accuracy of the batch's rollouts (0 for an empty batch), overall and per
+    task domain."""
     rollouts = [r for g in groups for r in g.rollouts]
     n = max(len(rollouts), 1)
-    return {
+    out = {
         "reward/mean": sum(r.reward for r in rollouts) / n,
         "reward/accuracy": sum(r.correct for r in rollouts) / n,
     }
+    by_domain: dict[str, list] = {}
+    for g in groups:
+        by_domain.setdefault(g.task.domain, []).extend(g.rollouts)
+    for domain, rs in sorted(by_domain.items()):  # per data domain (math, code, ...)
+        out[f"domain/{domain}/reward"] = sum(r.reward for r in rs) / len(rs)
+        out[f"domain/{domain}/accuracy"] = sum(r.correct for r in rs) / len(rs)
+        out[f"domain/{domain}/samples"] = float(len(rs))
+    return out
 
 
 def sample_records(groups: list[RolloutGroup], samples, limit: int) -> list[SampleRecord]:

@@ -172,6 +172,13 @@ def check_inputs(cfg: Config, data: Dataset) -> None:
             build_reward_function(spec.name, **spec.params)
         except UserError as e:
             raise UserError(f"reward.functions[{i}]: {e}") from None
+    domains = {t.domain for t in (*data.train, *data.held_out)}
+    for domain in sorted(domains):
+        if not any(not s.domains or domain in s.domains for s in cfg.reward.functions):
+            raise UserError(
+                f"reward.functions: no function scores the data's domain {domain!r}; add it to "
+                "a function's domains list, or leave that list empty (every domain)"
+            )
     if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise UserError(
             "rollout.engine vllm: the vllm package is not installed; install treadle[vllm] "

@@ -203,3 +203,34 @@ def test_caching_keeps_scores_with_their_samples_across_workers(chain_sum_task):
         batch = pool.score(samples)
     assert batch.cached == 4
     assert [s.reward for s in batch.scores] == [1.0, 0.0] * 3
+
+
+def test_functions_score_only_their_domains(chain_sum_task):
+    math_fn, code_fn = CountingReward(), CountingReward()
+    code_task = Task("c", chain_sum_task.messages, "", "code")
+    with RewardPool(
+        [(math_fn, 1.0), (code_fn, 10.0)], workers=0, domains=[["rg"], ["code"]]
+    ) as pool:
+        batch = pool.score([(chain_sum_task, "abc"), (code_task, "de")])
+    # chain_sum_task's domain is "rg": only the first function (weight 1 x len 3);
+    # the code task: only the code function (weight 10 x len 2)
+    assert [s.reward for s in batch.scores] == [3.0, 20.0]
+    assert (math_fn.calls, code_fn.calls) == (1, 1)
+
+
+def test_a_domain_without_a_function_is_a_clear_error(chain_sum_task):
+    other = Task("o", chain_sum_task.messages, "", "poetry")
+    with (
+        RewardPool([(CountingReward(), 1.0)], workers=0, domains=[["math"]]) as pool,
+        pytest.raises(ValueError, match="no reward function scores domain 'poetry'"),
+    ):
+        pool.score([(other, "x")])
+
+
+def test_routing_through_worker_processes(chain_sum_task):
+    code_task = Task("c", chain_sum_task.messages, "", "code")
+    functions = [(ReasoningGymReward(), 1.0), (ScriptedReward(reward=0.5), 1.0)]
+    with RewardPool(functions, workers=2, domains=[["rg"], ["code"]]) as pool:
+        batch = pool.score([(chain_sum_task, "<answer>-14282</answer>"), (code_task, "ok")])
+    assert [s.reward for s in batch.scores] == [1.0, 0.5]
+    assert (batch.failures, batch.timeouts) == (0, 0)

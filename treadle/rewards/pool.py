@@ -47,6 +47,9 @@ class RewardSpec:
     """Multiplier of this function's reward in the total (unitless)."""
     params: dict[str, str] = field(default_factory=dict)
     """Constructor keyword arguments of the function, e.g. ``{"extract": "boxed"}``."""
+    domains: list[str] = field(default_factory=list)
+    """Task domains this function scores (``Task.domain``, e.g. ``[math]``); empty: every
+    domain. A sample gets the weighted sum of the functions routed to its domain."""
 
 
 @dataclass
@@ -92,7 +95,12 @@ class _Timeout:
     """A call ran past its timeout and its worker was killed."""
 
 
-_Outcome = Score | _CallError | _Timeout
+class _Skipped:
+    """The function is not routed to the sample's domain; it was not called."""
+
+
+SKIPPED = _Skipped()
+_Outcome = Score | _CallError | _Timeout | _Skipped
 
 
 class RewardPool:
@@ -131,6 +139,7 @@ class RewardPool:
         timeout_s: float = 5.0,
         fallback: float = 0.0,
         workers: int = 2,
+        domains: Sequence[Sequence[str]] | None = None,
     ) -> None:
         if not functions:
             raise UserError("reward.functions: at least one reward function is needed")
@@ -139,6 +148,9 @@ class RewardPool:
         if workers < 0:
             raise UserError(f"reward.workers: expected an int >= 0, got {workers}")
         self.functions = list(functions)
+        if domains is not None and len(domains) != len(self.functions):
+            raise ValueError("RewardPool: give one domains list per function")
+        self._domains = [frozenset(d) for d in (domains or [()] * len(self.functions))]
         self.timeout_s = timeout_s
         self.fallback = fallback
         self._closed = False
@@ -163,7 +175,13 @@ class RewardPool:
                 functions.append((build_reward_function(spec.name, **spec.params), spec.weight))
             except UserError as error:
                 raise UserError(f"reward.functions[{i}]: {error}") from None
-        return cls(functions, timeout_s=cfg.timeout_s, fallback=cfg.fallback, workers=cfg.workers)
+        return cls(
+            functions,
+            timeout_s=cfg.timeout_s,
+            fallback=cfg.fallback,
+            workers=cfg.workers,
+            domains=[spec.domains for spec in cfg.functions],
+        )
 
     def score(self, samples: Sequence[tuple[Task, str]]) -> BatchScores:
         """Score every ``(task, response)`` pair with every function; identical pairs once.
@@ -185,10 +203,23 @@ class RewardPool:
         slot: dict[tuple[Task, str], int] = {}
         index = [slot.setdefault((task, response), len(slot)) for task, response in samples]
         unique = list(slot)
+        routed = [[self.routes(i, task.domain) for i in range(len(fns))] for task, _ in unique]
+        for (task, _), row in zip(unique, routed, strict=True):
+            if not any(row):
+                raise ValueError(
+                    f"task {task.task_id}: no reward function scores domain {task.domain!r}; "
+                    "add it to a reward.functions[i].domains list (or leave one empty)"
+                )
         if self._workers is None:
-            outcomes = [[_call(fn, task, response) for fn in fns] for task, response in unique]
+            outcomes = [
+                [
+                    _call(fn, task, response) if on else SKIPPED
+                    for fn, on in zip(fns, r, strict=True)
+                ]
+                for (task, response), r in zip(unique, routed, strict=True)
+            ]
         else:
-            outcomes = self._workers.run(fns, unique, self.timeout_s)
+            outcomes = self._workers.run(fns, unique, routed, self.timeout_s)
         scores: list[Score] = []
         failures = timeouts = 0
         for (task, _), row in zip(unique, outcomes, strict=True):
@@ -235,12 +266,20 @@ class RewardPool:
     ) -> None:
         self.close()
 
+    def routes(self, function: int, domain: str) -> bool:
+        """Whether function ``function`` (an index of ``functions``) scores ``domain``."""
+        allowed = self._domains[function]
+        return not allowed or domain in allowed
+
     def _combine(self, row: list[_Outcome]) -> Score:
+        """Weighted sum of the routed functions; ``correct`` from the first routed one."""
         total = 0.0
         for (_, weight), outcome in zip(self.functions, row, strict=True):
+            if outcome is SKIPPED:
+                continue
             reward = outcome.reward if isinstance(outcome, Score) else self.fallback
             total += weight * reward
-        primary = row[0]
+        primary = next(o for o in row if o is not SKIPPED)
         return Score(reward=total, correct=isinstance(primary, Score) and primary.correct)
 
 
@@ -264,19 +303,28 @@ class _Workers:
         return executor, executor.schedule(_noop)
 
     def run(
-        self, fns: list[RewardFunction], samples: Sequence[tuple[Task, str]], timeout_s: float
+        self,
+        fns: list[RewardFunction],
+        samples: Sequence[tuple[Task, str]],
+        routed: list[list[bool]],
+        timeout_s: float,
     ) -> list[list[_Outcome]]:
-        """Run every function on every sample; ``[N][F]`` outcomes in input order."""
+        """Run each routed function on each sample; ``[N][F]`` outcomes in input order
+        (:data:`SKIPPED` where a function is not routed to the sample's domain)."""
         self._restart_if_broken()
         self._check_started()
         futures = [
             [
                 self._executor.schedule(_call, args=(fn, task, response), timeout=timeout_s)
-                for fn in fns
+                if on
+                else None
+                for fn, on in zip(fns, row, strict=True)
             ]
-            for task, response in samples
+            for (task, response), row in zip(samples, routed, strict=True)
         ]
-        outcomes = [[_collect(future) for future in row] for row in futures]
+        outcomes = [
+            [SKIPPED if future is None else _collect(future) for future in row] for row in futures
+        ]
         self._restart_if_broken()
         return outcomes
 
