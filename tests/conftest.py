@@ -6,7 +6,21 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForTokenClassification
+
+
+def tiny_qwen2_config(**overrides) -> Qwen2Config:
+    """The tiny Qwen2 geometry of these tests (vocab 64, hidden 32, 2 layers)."""
+    return Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+        **overrides,
+    )
 
 
 @pytest.fixture
@@ -17,19 +31,18 @@ def tiny_qwen2() -> Callable[[int], Qwen2ForCausalLM]:
     """
 
     def build(seed: int = 0) -> Qwen2ForCausalLM:
-        config = Qwen2Config(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=128,
-        )
         torch.manual_seed(seed)
-        return Qwen2ForCausalLM(config).float()
+        return Qwen2ForCausalLM(tiny_qwen2_config()).float()
 
     return build
+
+
+@pytest.fixture
+def tiny_value_model() -> Qwen2ForTokenClassification:
+    """A tiny fp32 Qwen2 with a one-output value head (a critic), seed 0, no dropout."""
+    torch.manual_seed(0)
+    config = tiny_qwen2_config(num_labels=1, classifier_dropout=0.0)
+    return Qwen2ForTokenClassification(config).float()
 
 
 @pytest.fixture

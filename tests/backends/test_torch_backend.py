@@ -366,21 +366,8 @@ def test_importance_sampling_needs_recomputed_old_logprobs(tiny_qwen2):
         backend(tiny_qwen2(0)).train_step([sample([1], [2, 3], 1.0)], objective)
 
 
-def test_value_head_outputs_are_aligned_like_logprobs():
-    from transformers import Qwen2Config, Qwen2ForTokenClassification
-
-    config = Qwen2Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        num_labels=1,
-        classifier_dropout=0.0,
-    )
-    torch.manual_seed(0)
-    model = Qwen2ForTokenClassification(config).float()
+def test_value_head_outputs_are_aligned_like_logprobs(tiny_value_model):
+    model = tiny_value_model
     critic = TorchBackend(model, TrainerConfig(), total_steps=1, head="value")
     ids = [1, 2, 3, 4]
     (values,) = critic.compute_values([sample(ids[:2], ids[2:])])
