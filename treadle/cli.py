@@ -3,6 +3,7 @@
     treadle train RECIPE [section.key=value ...] [--resume RUN_DIR]
     treadle sft RECIPE [section.key=value ...]
     treadle dpo RECIPE [section.key=value ...]
+    treadle reward-check RECIPE [section.key=value ...]
 
 Bad input prints one line on stderr and exits with code 2, without a traceback.
 """
@@ -38,6 +39,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     dpo.add_argument("recipe")
     dpo.add_argument("overrides", nargs="*")
+    check = sub.add_parser(
+        "reward-check",
+        help="score the data's gold answers with the recipe's graders; exit 1 if any fail",
+    )
+    check.add_argument("recipe")
+    check.add_argument("overrides", nargs="*")
     return parser
 
 
@@ -95,6 +102,12 @@ def _run(args: argparse.Namespace) -> int:
             f"SFT checkpoint: {folder}; start RL from it with model.path={folder} sft.steps=0"
         )
         return 0
+    if args.command == "reward-check":
+        from treadle.reward_check import check_gold, report
+
+        result = check_gold(cfg)
+        report(result, console)
+        return 1 if result.failures else 0
     if args.command == "dpo":
         from treadle.dpo import run_dpo
 
