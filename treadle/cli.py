@@ -4,6 +4,7 @@
     treadle sft RECIPE [section.key=value ...]
     treadle dpo RECIPE [section.key=value ...]
     treadle reward-check RECIPE [section.key=value ...]
+    treadle serve-reward RECIPE [section.key=value ...] [--host 127.0.0.1] [--port 8900]
 
 Bad input prints one line on stderr and exits with code 2, without a traceback.
 """
@@ -45,6 +46,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     check.add_argument("recipe")
     check.add_argument("overrides", nargs="*")
+    serve = sub.add_parser(
+        "serve-reward", help="serve the recipe's reward functions over HTTP (POST /score)"
+    )
+    serve.add_argument("recipe")
+    serve.add_argument("overrides", nargs="*")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
+    serve.add_argument("--port", type=int, default=8900)
     return parser
 
 
@@ -101,6 +109,15 @@ def _run(args: argparse.Namespace) -> int:
         console.print(
             f"SFT checkpoint: {folder}; start RL from it with model.path={folder} sft.steps=0"
         )
+        return 0
+    if args.command == "serve-reward":
+        import uvicorn
+
+        from treadle.rewards.pool import RewardPool
+        from treadle.rewards.service import build_app
+
+        console.print(f"serving reward functions on http://{args.host}:{args.port}/score")
+        uvicorn.run(build_app(RewardPool.from_config(cfg.reward)), host=args.host, port=args.port)
         return 0
     if args.command == "reward-check":
         from treadle.reward_check import check_gold, report

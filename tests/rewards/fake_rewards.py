@@ -50,3 +50,12 @@ class UnpicklableReward:
 
     def score(self, task: Task, response: str) -> Score:
         return Score(reward=0.0, correct=False)
+
+
+class LengthReward:
+    """Reward = the response's length in characters; deterministic (for routing checks)."""
+
+    name = "length"
+
+    def score(self, task: Task, response: str) -> Score:
+        return Score(float(len(response)), len(response) % 2 == 0)
