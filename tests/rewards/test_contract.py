@@ -14,8 +14,13 @@ from treadle.types import Message, Task
 
 from .fake_rewards import ScriptedReward
 
+# "remote" needs a live service: its contract runs in test_service.py against one.
 BUILDERS: dict[str, Callable[[], RewardFunction]] = {
-    **{name: (lambda name=name: build_reward_function(name)) for name in REWARD_FUNCTIONS},
+    **{
+        name: (lambda name=name: build_reward_function(name))
+        for name in REWARD_FUNCTIONS
+        if name != "remote"
+    },
     "scripted": ScriptedReward,
 }
 RESPONSES = ["<answer>-14282</answer>", "<answer>7</answer>", "no answer here", "", "<answer>"]

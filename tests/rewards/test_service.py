@@ -86,3 +86,29 @@ def test_a_down_service_gives_a_clear_error_not_a_hang():
     with pytest.raises(RewardServiceError, match="unreachable after 3 attempts"):
         asyncio.run(client.score([(task(0), "x")]))
     assert time.perf_counter() - started < 5
+
+
+def test_remote_reward_function_through_a_pool(service, chain_sum_task):
+    # A training-side pool whose only function is the remote service (itself a LengthReward
+    # pool): each sample's score comes back from the service, in order.
+    from treadle.rewards.pool import RewardConfig, RewardSpec
+
+    cfg = RewardConfig(functions=[RewardSpec("remote", params={"url": service})], workers=2)
+    with RewardPool.from_config(cfg) as pool:
+        batch = pool.score([(chain_sum_task, "abcd"), (chain_sum_task, "ab")])
+    assert [s.reward for s in batch.scores] == [4.0, 2.0]
+    assert batch.failures == 0
+
+
+def test_remote_reward_meets_the_reward_function_contract(service, chain_sum_task):
+    import math
+    import pickle
+
+    from treadle.rewards.base import Score, build_reward_function
+
+    reward = build_reward_function("remote", url=service)
+    clone = pickle.loads(pickle.dumps(reward))
+    for response in ["<answer>-14282</answer>", "", "no answer"]:
+        score = reward.score(chain_sum_task, response)
+        assert isinstance(score, Score) and math.isfinite(score.reward)
+        assert clone.score(chain_sum_task, response) == score

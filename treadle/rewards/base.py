@@ -52,6 +52,7 @@ REWARD_FUNCTIONS: dict[str, str] = {
     "reasoning_gym": "treadle.rewards.reasoning_gym:ReasoningGymReward",
     "format": "treadle.rewards.format:FormatReward",
     "code": "treadle.rewards.code:CodeReward",
+    "remote": "treadle.rewards.remote:RemoteReward",
 }
 """Config name -> ``"module:Class"`` of each built-in reward function, imported on first use."""
 
