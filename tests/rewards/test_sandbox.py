@@ -60,17 +60,51 @@ HOSTILE = {
     "patch the harness module": "import sys\nm = sys.modules['__main__']\nm.json = None\n"
     "m.os = None",
     "patch BaseException": "import builtins\nbuiltins.BaseException = type('X', (Exception,), {})",
+    # Found by a security review, fixed: each is refused by the hook, or runs as the run's own
+    # unprivileged user (as root) and is cleaned up by uid.
+    "fork_exec via _imp under a dotted name": "import importlib.machinery, _imp, os\n"
+    "path = importlib.machinery.PathFinder.find_spec('_posixsubprocess').origin\n"
+    "m = _imp.create_dynamic(importlib.machinery.ModuleSpec('x._posixsubprocess', None, "
+    "origin=path))",
+    "limit the parent's open files": "import os, resource\n"
+    "resource.prlimit(os.getppid(), resource.RLIMIT_NOFILE, (3, 3))",
+    "pidfd signal to the parent": "import os, signal\n"
+    "signal.pidfd_send_signal(os.pidfd_open(os.getppid()), signal.SIGKILL)",
+    "patch os.fsdecode then write outside": "import os\n"
+    "os.fsdecode = lambda p: os.getcwd() + '/x'\n"
+    f"open({str(OUTSIDE)!r}, 'w').write('pwned')",
+    "os.open with write flags": "import os, sys\n"
+    f"fd = os.open({str(OUTSIDE)!r}, os.O_WRONLY | os.O_TRUNC)\nos.write(fd, b'pwned')",
+    "dir_fd relative write": "import os\n"
+    f"d = os.open({str(OUTSIDE.parent)!r}, os.O_RDONLY)\n"
+    f"fd = os.open({OUTSIDE.name!r}, os.O_WRONLY | os.O_TRUNC, dir_fd=d)\nos.write(fd, b'pwned')",
+    "hard link out": "open('payload', 'w').write('x')\nimport os\n"
+    f"os.link('payload', {str(OUTSIDE) + '_link'!r})",
+    "mkfifo outside": f"import os\nos.mkfifo({str(OUTSIDE) + '_fifo'!r})",
+    "patch json's encoder to forge": "import json\nclass E:\n    def encode(self, o):\n"
+    "        o = dict(o); o['passed'] = True; o['error'] = ''\n"
+    "        return json.JSONEncoder().encode(o)\njson._default_encoder = E()",
+    "deep directory nesting": "import os\nfd = os.open('.', os.O_RDONLY)\nfor i in range(3000):\n"
+    "    os.mkdir('a', dir_fd=fd)\n    nfd = os.open('a', os.O_RDONLY, dir_fd=fd)\n"
+    "    os.close(fd)\n    fd = nfd",
     "recursion crash": "import sys\nsys.setrecursionlimit(10**7)\n"
     "def r(n):\n    return r(n + 1)\nr(0)",
 }
 
 
+ESCAPES = [OUTSIDE, Path(str(OUTSIDE) + "_link"), Path(str(OUTSIDE) + "_fifo")]
+
+
 @pytest.fixture(autouse=True)
 def no_escape_file():
-    OUTSIDE.unlink(missing_ok=True)
+    for p in ESCAPES:
+        p.unlink(missing_ok=True)
     yield
     assert not OUTSIDE.exists() or OUTSIDE.read_text() == "keep", "a sandbox wrote outside"
-    OUTSIDE.unlink(missing_ok=True)
+    leaked = [p for p in ESCAPES[1:] if p.exists()]
+    for p in ESCAPES:
+        p.unlink(missing_ok=True)
+    assert leaked == [], f"a sandbox created {leaked}"
 
 
 def test_the_sandbox_runs_a_correct_program():
@@ -123,3 +157,53 @@ def test_reasons_say_what_happened():
 
 def test_at_least_twenty_hostile_programs():
     assert len(HOSTILE) >= 20
+
+
+SURVIVOR = f"treadle_survivor_{os.getpid()}"
+
+
+def test_a_process_started_outside_the_group_does_not_survive():
+    # A shell started with setsid (its own session, outside the killed process group), via
+    # _posixsubprocess loaded under another name if the hook misses it: gone after the run.
+    program = (
+        "import os\n"
+        "try:\n"
+        "    os.posix_spawn('/bin/sh', ['sh', '-c', 'setsid sleep 30 " + SURVIVOR + " &'], {})\n"
+        "except Exception:\n"
+        "    pass\n"
+    )
+    run_tests(program + WRONG, TEST, LIMITS)
+    time.sleep(0.2)
+    alive = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline_has(p, SURVIVOR)]
+    assert alive == []
+
+
+def _cmdline_has(proc: Path, marker: str) -> bool:
+    try:
+        return marker in (proc / "cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return False
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known limitation: assert-style tests run in the program's interpreter, and Python "
+    "3.11 raises no audit event for frame.f_back, so code that walks up to the harness's frame "
+    "can report passes; a fix needs tests judged outside that interpreter",
+)
+def test_known_hole_forging_through_f_back():
+    program = (
+        "import sys, os\nloc = sys._getframe(0).f_back.f_locals\n"
+        "for i in range(len(loc['tests'])):\n    loc['report'](i, True, '')\nos._exit(0)\n"
+    )
+    assert run_tests(program + WRONG, TEST, LIMITS).passed == (False,)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known limitation: an object whose __eq__ always returns True passes `==` asserts",
+)
+def test_known_hole_always_equal_object():
+    program = "class A:\n    def __eq__(self, other):\n        return True\n"
+    program += "def f(x):\n    return A()\n"
+    assert run_tests(program, TEST, LIMITS).passed == (False,)

@@ -8,18 +8,28 @@ Layers, each sufficient for some attacks and together for the hostile suite in
    environment variables honoured), a minimal environment, stdin closed after the job is read.
 2. **Resource limits** (``setrlimit`` in the child): CPU seconds, address space (memory),
    written file size (the stdout/stderr cap: a larger write gets EFBIG), open files, processes.
-3. **Network namespace**: the child enters an empty network namespace where the kernel allows
-   it (as root, as in containers), so no socket can reach anything.
+3. **Identity and network** (when treadle runs as root, as in containers): the child enters an
+   empty network namespace, sets no-new-privileges, and after importing the common standard
+   library modules becomes a random unprivileged uid of its own; afterwards every process of that
+   uid is killed and its files in /tmp, /var/tmp and /dev/shm removed. So it cannot signal or
+   re-limit the trainer's processes, write where that uid may not, or leave anything running.
 4. **Audit hook** (PEP 578, in :mod:`treadle.rewards.sandbox_harness`): refuses sockets,
    subprocesses, fork, signals, ctypes, frame and garbage-collector introspection, and file
    access outside the private temporary directory (reading the Python installation excepted).
 
-The parent counts a test as passed only from a result line carrying the per-run nonce, which the
-program cannot read; a program that exits early, crashes or hangs passes nothing more.
+The parent counts a test as passed only from a result line carrying the per-run nonce; a program
+that exits early, crashes or hangs passes nothing more.
+
+Known limits (tests in ``tests/rewards/test_sandbox.py`` mark them ``xfail``): the tests run in the
+program's own interpreter, and Python 3.11 raises no audit event for ``frame.f_back``, so code
+that walks up to the harness's frame can forge passes; an object whose ``__eq__`` is always true
+passes ``==`` asserts. Judging tests outside that interpreter (expected values compared by the
+parent) would close both. Not root: layers 1, 2 and 4 only.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import ctypes
 import json
@@ -36,6 +46,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 HARNESS = Path(__file__).with_name("sandbox_harness.py")
+_UID_BASE, _UID_SPAN = 200_000, 800_000
+PR_SET_NO_NEW_PRIVS = 38
 CLONE_NEWNET = 0x40000000
 
 
@@ -82,9 +94,11 @@ def _limit_child(limits: SandboxLimits, root: str) -> None:
         resource.setrlimit(what, (value, value))
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an oversized write fails with EFBIG instead
     resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
+    libc = ctypes.CDLL(None, use_errno=True)
     # Best effort: an empty network namespace (works as root, as in containers; elsewhere the
     # audit hook alone refuses sockets).
-    ctypes.CDLL(None, use_errno=True).unshare(CLONE_NEWNET)
+    libc.unshare(CLONE_NEWNET)
+    libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)  # no setuid program can give root back
 
 
 def run_tests(
@@ -98,42 +112,81 @@ def run_tests(
     """
     start = time.perf_counter()
     nonce = secrets.token_hex(16)
-    with tempfile.TemporaryDirectory(prefix="treadle_sandbox_") as root:
-        os.chmod(root, 0o700)
-        read_end, write_end = os.pipe()
-        out_path, err_path = Path(root) / "stdout", Path(root) / "stderr"
-        with open(out_path, "wb") as out, open(err_path, "wb") as err:
-            proc = subprocess.Popen(
-                [sys.executable, "-I", "-B", str(HARNESS), str(write_end)],
-                stdin=subprocess.PIPE,
-                stdout=out,
-                stderr=err,
-                cwd=root,
-                env={"PATH": "/usr/bin:/bin", "HOME": root, "TMPDIR": root},
-                pass_fds=(write_end,),
-                start_new_session=True,
-                preexec_fn=lambda: _limit_child(limits, root),
-            )
-        os.close(write_end)
-        job = {"nonce": nonce, "program": program, "tests": list(tests), "root": root}
-        reason = _feed_and_wait(proc, json.dumps(job).encode(), limits.wall_s)
-        lines = _read_all(read_end)
-    if reason == "ok" and lines.count("\n") < len(tests):
+    # As root, the program runs as a user of its own (a random unused uid): its leftovers are
+    # found and killed by uid afterwards, and it cannot touch the trainer's processes or files.
+    uid = secrets.randbelow(_UID_SPAN) + _UID_BASE if os.geteuid() == 0 else None
+    root = tempfile.mkdtemp(prefix="treadle_sandbox_")
+    try:
+        reason, lines = _launch(program, tests, limits, nonce, uid, root)
+    finally:
+        if uid is not None:
+            _kill_user(uid)
+            _remove_user_files(uid)
+        _remove_tree(root)
+    passed, errors, reported = _parse(lines, nonce, len(tests), reason)
+    if reason == "ok" and reported < len(tests):
         reason = "exited with code 0 before reporting every test"
-    passed = [False] * len(tests)
-    errors = [f"no result: the run ended ({reason}) before this test finished"] * len(tests)
+        errors = tuple(e.replace("(ok)", f"({reason})") for e in errors)
+    return SandboxResult(passed, errors, reason, time.perf_counter() - start)
+
+
+def _launch(
+    program: str,
+    tests: Sequence[str],
+    limits: SandboxLimits,
+    nonce: str,
+    uid: int | None,
+    root: str,
+) -> tuple[str, str]:
+    """Start the harness in ``root``, feed it the job, wait; returns (how it ended, its
+    result lines)."""
+    os.chmod(root, 0o700)
+    if uid is not None:
+        os.chown(root, uid, uid)
+    read_end, write_end = os.pipe()
+    with open(Path(root) / "stdout", "wb") as out, open(Path(root) / "stderr", "wb") as err:
+        if uid is not None:
+            os.fchown(out.fileno(), uid, uid)
+            os.fchown(err.fileno(), uid, uid)
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-B", str(HARNESS), str(write_end)],
+            stdin=subprocess.PIPE,
+            stdout=out,
+            stderr=err,
+            cwd=root,
+            env={"PATH": "/usr/bin:/bin", "HOME": root, "TMPDIR": root},
+            pass_fds=(write_end,),
+            start_new_session=True,
+            preexec_fn=lambda: _limit_child(limits, root),
+        )
+    os.close(write_end)
+    job = {"nonce": nonce, "program": program, "tests": list(tests), "root": root, "uid": uid}
+    reason = _feed_and_wait(proc, json.dumps(job).encode(), limits.wall_s)
+    return reason, _read_all(read_end)
+
+
+def _parse(
+    lines: str, nonce: str, num_tests: int, reason: str
+) -> tuple[tuple[bool, ...], tuple[str, ...], int]:
+    """Result lines ``NONCE INDEX 0|1 'error'`` -> passed, errors, tests reported. A line
+    without the run's nonce is ignored."""
+    passed = [False] * num_tests
+    errors = [f"no result: the run ended ({reason}) before this test finished"] * num_tests
+    reported = set()
     for line in lines.splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
+        parts = line.split(" ", 3)
+        if len(parts) != 4 or parts[0] != nonce or not parts[1].isdigit():
             continue
-        if not isinstance(row, dict) or row.get("nonce") != nonce:
-            continue  # a forged line
-        i = row.get("test")
-        if isinstance(i, int) and 0 <= i < len(tests):
-            passed[i] = row.get("passed") is True
-            errors[i] = "" if passed[i] else str(row.get("error", ""))[:300]
-    return SandboxResult(tuple(passed), tuple(errors), reason, time.perf_counter() - start)
+        i = int(parts[1])
+        if 0 <= i < num_tests:
+            reported.add(i)
+            passed[i] = parts[2] == "1"
+            try:
+                error = ast.literal_eval(parts[3])
+            except (ValueError, SyntaxError):
+                error = "unreadable error"
+            errors[i] = "" if passed[i] else str(error)[:300]
+    return tuple(passed), tuple(errors), len(reported)
 
 
 def _feed_and_wait(proc: subprocess.Popen, job: bytes, wall_s: float) -> str:
@@ -181,3 +234,44 @@ def _read_all(fd: int, limit: int = 1 << 20) -> str:
     finally:
         os.close(fd)
     return b"".join(chunks).decode("utf-8", "replace")
+
+
+def _kill_user(uid: int) -> None:
+    """SIGKILL every process of ``uid`` (the run's own user): what the program left behind,
+    even in another session or process group."""
+    for _ in range(3):
+        found = False
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                status = Path(entry.path, "status").read_text()
+            except OSError:
+                continue
+            line = next((x for x in status.splitlines() if x.startswith("Uid:")), "")
+            if str(uid) in line.split()[1:]:
+                found = True
+                with contextlib.suppress(OSError):
+                    os.kill(int(entry.name), signal.SIGKILL)
+        if not found:
+            return
+        time.sleep(0.05)
+
+
+def _remove_user_files(uid: int) -> None:
+    """Remove what the run's user created in the world-writable directories."""
+    for where in ("/tmp", "/var/tmp", "/dev/shm"):
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(where):
+                with contextlib.suppress(OSError):
+                    if entry.stat(follow_symlinks=False).st_uid == uid:
+                        _remove_tree(entry.path)
+
+
+def _remove_tree(path: str) -> None:
+    """Remove a directory tree however deep (``rm -rf``; shutil.rmtree recurses in Python)."""
+    with contextlib.suppress(OSError):
+        if os.path.islink(path) or not os.path.isdir(path):
+            os.unlink(path)
+            return
+    subprocess.run(["rm", "-rf", "--", path], check=False, capture_output=True)

@@ -1,6 +1,8 @@
 """Runs inside the sandbox's child process (``python -I -B sandbox_harness.py RESULT_FD``).
 
-Protocol: the parent writes one JSON job to stdin: ``{"nonce", "program", "tests", "root"}``.
+Protocol: the parent writes one JSON job to stdin: ``{"nonce", "program", "tests", "root",
+"uid"}``. As root, the harness imports :data:`PRELOADED` and then becomes ``uid`` (a user of the
+run's own), so the program can import only those and what that user can read.
 The harness keeps the nonce in a local variable, installs an audit hook (which cannot be removed)
 that refuses network, subprocesses, signals, frame and garbage-collector introspection, and file
 access outside the sandbox directory (reads of the Python installation excepted); then it runs
@@ -18,28 +20,56 @@ import json
 import os
 import sys
 
+PRELOADED = (
+    "abc", "array", "ast", "base64", "binascii", "bisect", "calendar", "cmath", "collections",
+    "contextlib", "copy", "csv", "dataclasses", "datetime", "decimal", "enum", "fractions",
+    "functools", "hashlib", "heapq", "io", "itertools", "math", "numbers", "operator", "pprint",
+    "queue", "random", "re", "statistics", "string", "struct", "textwrap", "time", "types",
+    "typing", "unicodedata", "weakref", "zlib",
+)  # fmt: skip
+"""Imported before the privileges are dropped: the unprivileged user may not be able to read
+the Python installation (e.g. under /root), so what solutions commonly import comes first."""
+
 
 def main() -> None:
     result_fd = int(sys.argv[1])
     job = json.loads(sys.stdin.read())
     nonce, program, tests, root = job["nonce"], job["program"], job["tests"], job["root"]
     sys.stdin.close()
+    for name in PRELOADED:
+        __import__(name)
     # Bound now: the program may replace any builtin or module attribute the harness uses later.
-    write, dumps, base_exception = os.write, json.dumps, BaseException
-    type_name, text, run, compile_source = type, str, exec, compile
-    enumerate_, range_, len_ = enumerate, range, len
+    write, base_exception, is_type = os.write, BaseException, type
+    text_types, run, compile_source = (str, int, float), exec, compile
+    enumerate_, range_, len_, repr_ = enumerate, range, len, repr
     harness_file = os.path.realpath(__file__)
+    if job.get("uid") is not None and os.geteuid() == 0:
+        # An unprivileged user of its own (the parent kills its processes afterwards): no
+        # signals to other users' processes, no writes where that user may not write.
+        os.setgroups([])
+        os.setgid(job["uid"])
+        os.setuid(job["uid"])
     install_guard(root, harness_file)
 
+    def describe(e) -> str:
+        """Why a test failed, without running any of the program's code (a str() or a
+        property of its exception class could)."""
+        cls = is_type(e)
+        name = BUILTIN_EXCEPTIONS.get(cls, "exception")
+        args = e.args if cls in BUILTIN_EXCEPTIONS else ()
+        shown = [repr_(a)[:200] for a in args if is_type(a) in text_types]
+        return name + (": " + ", ".join(shown) if shown else "")
+
     def report(index: int, passed: bool, error: str) -> None:
-        line = dumps({"nonce": nonce, "test": index, "passed": passed, "error": error})
+        # No json here: the program may have patched the json module's internals.
+        line = nonce + " " + repr_(index) + " " + ("1" if passed else "0") + " " + repr_(error)
         write(result_fd, (line + "\n").encode())
 
     namespace = {"__name__": "__main__", "__builtins__": builtins}
     try:
         run(compile_source(program, "<program>", "exec"), namespace)
     except base_exception as e:  # SystemExit included: the tests below then fail
-        error = f"program raised {type_name(e).__name__}: {text(e)[:200]}"
+        error = "program raised " + describe(e)
         for i in range_(len_(tests)):
             report(i, False, error)
         return
@@ -47,9 +77,16 @@ def main() -> None:
         try:
             run(compile_source(test, f"<test {i}>", "exec"), namespace)
         except base_exception as e:
-            report(i, False, f"{type_name(e).__name__}: {text(e)[:200]}")
+            report(i, False, describe(e))
         else:
             report(i, True, "")
+
+
+BUILTIN_EXCEPTIONS = {
+    cls: cls.__name__
+    for cls in vars(builtins).values()
+    if isinstance(cls, type) and issubclass(cls, BaseException)
+}
 
 
 def install_guard(root: str, harness_file: str) -> None:
@@ -85,6 +122,11 @@ def install_guard(root: str, harness_file: str) -> None:
             "sys._current_frames",
             "sys.setprofile",
             "sys.settrace",
+            "resource.prlimit",
+            "resource.setrlimit",
+            "os.setpriority",
+            "os.sched_setaffinity",
+            "signal.pidfd_send_signal",
             "os.chdir",
             "shutil.rmtree",
         }
@@ -101,16 +143,21 @@ def install_guard(root: str, harness_file: str) -> None:
             "os.link",
             "os.truncate",
             "os.utime",
+            "os.mkfifo",
+            "os.mknod",
+            "os.setxattr",
+            "os.removexattr",
         }
     )
     modules = frozenset({"_posixsubprocess", "_ctypes", "ctypes"})
     frame_attributes = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back"})
     deny = PermissionError
+    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
     def hook(event: str, args: tuple) -> None:
         if event in denied:
             raise deny(f"sandbox: {event} is not allowed")
-        if event == "import" and args[0] in modules:
+        if event == "import" and args[0].rpartition(".")[2] in modules:
             raise deny(f"sandbox: importing {args[0]} is not allowed")
         if event in path_events:  # file-system changes: only inside the sandbox directory
             target = args[0]
@@ -119,15 +166,19 @@ def install_guard(root: str, harness_file: str) -> None:
             full = realpath(os.fsdecode(target))
             if not startswith(full + sep, root):
                 raise deny(f"sandbox: {event} on {full!r} is not allowed")
-            if event == "os.rename" and not startswith(realpath(os.fsdecode(args[1])) + sep, root):
-                raise deny(f"sandbox: renaming to {args[1]!r} is not allowed")
+            if event in ("os.rename", "os.link", "os.symlink") and not startswith(
+                realpath(os.fsdecode(args[1])) + sep, root
+            ):
+                raise deny(f"sandbox: {event} to {args[1]!r} is not allowed")
             return
         if event == "open":
-            path, mode = args[0], args[1]
+            path, mode, flags = args[0], args[1], args[2]
             if isinstance(path, int):  # an already-open descriptor
                 return
             full = realpath(os.fsdecode(path)) if path is not None else ""
-            writing = mode is not None and any(c in str(mode) for c in "wax+")
+            writing = (mode is not None and any(c in str(mode) for c in "wax+")) or (
+                mode is None and flags & write_flags
+            )
             if startswith(full + sep, root):
                 return
             if not writing and (
