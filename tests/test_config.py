@@ -168,7 +168,7 @@ def test_cross_field_checks_name_the_key(override, key):
 
 
 def test_file_source_requires_a_path():
-    with pytest.raises(UserError, match=re.escape("data.path: required for data.source=jsonl")):
+    with pytest.raises(UserError, match=re.escape("data.path: required for source=jsonl")):
         load_config(DEFAULT, ["data.source=jsonl", "reward.functions=[{name: math_verify}]"])
 
 

@@ -332,3 +332,55 @@ def test_sampler_restored_from_position_continues_the_same_sequence(batches_befo
     restored = TaskSampler(tasks(5), seed=9, position=saved)
     assert [ids(restored.next_batch(3)) for _ in range(4)] == expected
     assert restored.position == uninterrupted.position
+
+
+def test_mix_draws_sources_in_proportion_to_their_weights():
+    from treadle.config import DataConfig, MixConfig
+
+    cfg = DataConfig(
+        task="chain_sum",
+        size=60,
+        eval_size=5,
+        domain="arith",
+        weight=3.0,
+        mix=[MixConfig(source="reasoning_gym", task="basic_arithmetic", size=20, eval_size=5,
+                       domain="basic", weight=1.0)],
+    )  # fmt: skip
+    data = load_dataset(cfg)
+    # N = 60 + 20 = 80 prompts: round(3/4 * 80) = 60 chain sums, round(1/4 * 80) = 20 basic
+    domains = [t.domain for t in data.train]
+    assert (domains.count("arith"), domains.count("basic")) == (60, 20)
+    assert sorted({t.domain for t in data.held_out}) == ["arith", "basic"]
+    assert len(data.held_out) == 10
+
+
+def test_a_small_source_with_a_large_weight_is_cycled():
+    from treadle.config import DataConfig, MixConfig
+
+    cfg = DataConfig(
+        size=10, eval_size=2, domain="a", weight=1.0,
+        mix=[MixConfig(source="reasoning_gym", task="basic_arithmetic", size=4, eval_size=2,
+                       domain="b", weight=3.0)],
+    )  # fmt: skip
+    data = load_dataset(cfg)
+    b = [t for t in data.train if t.domain == "b"]
+    # N = 14: round(3/4 * 14) = 10 (rounds half to even: 10.5 -> 10) from 4 distinct prompts
+    assert len(b) == 10 and len({t.task_id for t in b}) == 4
+
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+@pytest.mark.skipif(not (SHARED / "mbpp").exists(), reason="needs ../shared/data/mbpp")
+def test_mbpp_as_code_tasks_whose_gold_passes_the_code_reward():
+    from treadle.config import DataConfig
+    from treadle.rewards.code import CodeReward
+
+    cfg = DataConfig(source="mbpp", path=str(SHARED / "mbpp" / "sanitized-mbpp.json"),
+                     domain="code", size=5, eval_size=3)  # fmt: skip
+    data = load_dataset(cfg)
+    assert len(data.train) == 5 and len(data.held_out) == 3
+    task = data.train[0]
+    assert task.domain == "code" and task.answer.startswith("```python")
+    assert "Your code should pass this test" in task.messages[-1].content
+    assert CodeReward().score(task, f"<answer>{task.answer}</answer>").reward == 1.0

@@ -51,9 +51,33 @@ class ModelConfig:
     training use ``trainer.bf16_autocast``)."""
 
 
+DataSource = Literal["reasoning_gym", "jsonl", "parquet", "humaneval", "mbpp"]
+
+
+@dataclass
+class MixConfig:
+    """One more data source mixed into training (``data.mix``), with its own domain."""
+
+    source: DataSource
+    weight: float
+    """Share of training prompts from this source, relative to ``data.weight`` and the others."""
+    domain: str
+    """Task domain of these prompts (routes them to ``reward.functions[i].domains``)."""
+    path: str | None = None
+    question_field: str = "question"
+    answer_field: str = "answer"
+    answer_pattern: str | None = None
+    task: str = "chain_sum"
+    task_params: dict[str, int | float | str] = field(default_factory=dict)
+    size: int = 2000
+    eval_size: int = 50
+
+
 @dataclass
 class DataConfig:
-    source: Literal["reasoning_gym", "jsonl", "parquet"] = "reasoning_gym"
+    source: DataSource = "reasoning_gym"
+    """``humaneval`` (HumanEval.jsonl.gz) and ``mbpp`` (sanitized-mbpp.json) give code tasks
+    whose tests the ``code`` reward runs."""
     path: str | None = None
     """jsonl/parquet file (for those sources)."""
     question_field: str = "question"
@@ -76,6 +100,12 @@ class DataConfig:
     reasoning: Literal["none", "chain_steps"] = "none"
     """Worked steps for demonstrations: ``chain_steps`` evaluates a reasoning-gym +/- chain
     left to right (``3 + 4 = 7, 7 - 9 = -2.``)."""
+    weight: float = 1.0
+    """Share of training prompts from this (the main) source when ``mix`` adds others."""
+    mix: list[MixConfig] = field(default_factory=list)
+    """More sources, e.g. ``[{source: mbpp, path: ..., domain: code, weight: 0.3}]``: training
+    prompts are drawn from all of them in proportion to their weights; held-out prompts of each
+    source are evaluated together."""
 
 
 @dataclass
@@ -510,15 +540,26 @@ def _check(cfg: Config) -> None:
             "config rollout.top_p: only 1.0 is supported (the trainer does not apply top-p)"
         )
     _check_model(cfg)
-    if cfg.data.source != "reasoning_gym" and any(
-        f.name == "reasoning_gym" for f in cfg.reward.functions
-    ):
-        raise UserError(
-            "config reward.functions: reasoning_gym scores only data.source=reasoning_gym tasks; "
-            "for file data use math_verify (e.g. reward.functions='[{name: math_verify}]')"
-        )
-    if cfg.data.source != "reasoning_gym" and not cfg.data.path:
-        raise UserError(f"config data.path: required for data.source={cfg.data.source}")
+    sources = [("data", cfg.data.source, cfg.data.domain, cfg.data.path, cfg.data.weight)]
+    sources += [
+        (f"data.mix[{i}]", m.source, m.domain, m.path, m.weight) for i, m in enumerate(cfg.data.mix)
+    ]
+    for key, source, domain, path, weight in sources:
+        rg_functions = [
+            f
+            for f in cfg.reward.functions
+            if f.name == "reasoning_gym" and (not f.domains or domain in f.domains)
+        ]
+        if source != "reasoning_gym" and rg_functions:
+            raise UserError(
+                f"config reward.functions: reasoning_gym scores only reasoning_gym tasks, but it "
+                f"is routed to {key}'s domain {domain!r} ({source}); use math_verify for file data "
+                "(e.g. reward.functions='[{name: math_verify}]'), or give it domains"
+            )
+        if source != "reasoning_gym" and not path:
+            raise UserError(f"config {key}.path: required for source={source}")
+        if not (math.isfinite(weight) and weight > 0):
+            raise UserError(f"config {key}.weight: must be a positive number, got {weight}")
     if cfg.data.reasoning != "none" and cfg.data.source != "reasoning_gym":
         raise UserError("config data.reasoning: chain_steps needs data.source=reasoning_gym")
     _check_algorithm(cfg)

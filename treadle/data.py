@@ -6,6 +6,7 @@ deduplicated against the training prompts so evaluation never sees a trained-on 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import random
@@ -28,12 +29,57 @@ class Dataset:
 
 
 def load_dataset(cfg: DataConfig) -> Dataset:
-    """Build the training and held-out tasks the config names.
+    """Build the training and held-out tasks the config names, mixing in ``cfg.mix``.
+
+    With a mix, each source contributes training prompts in proportion to its weight: source
+    ``i`` gets ``round(w_i / sum(w) * N)`` of the ``N`` training prompts of all sources (cycling
+    through its own when it has fewer), so a shuffled batch holds each domain in that ratio in
+    expectation. Held-out prompts of every source are kept, whatever the weights.
 
     Raises:
         UserError: unreadable or malformed file (naming file and line), a missing field, an
             unknown reasoning-gym task, or too few prompts.
     """
+    main = _load_source(cfg)
+    if not cfg.mix:
+        return main
+    parts = [(main, cfg.weight)]
+    for m in cfg.mix:
+        sub = dataclasses.replace(
+            cfg,
+            source=m.source,
+            path=m.path,
+            question_field=m.question_field,
+            answer_field=m.answer_field,
+            answer_pattern=m.answer_pattern,
+            task=m.task,
+            task_params=m.task_params,
+            size=m.size,
+            domain=m.domain,
+            eval_size=m.eval_size,
+            reasoning="none",
+            mix=[],
+        )
+        parts.append((_load_source(sub), m.weight))
+    total, weights = sum(len(d.train) for d, _ in parts), sum(w for _, w in parts)
+    train: list[Task] = []
+    for d, w in parts:
+        count = max(1, round(w / weights * total))
+        train += [d.train[i % len(d.train)] for i in range(count)]
+    held_out = [t for d, _ in parts for t in d.held_out]
+    return Dataset(tuple(train), tuple(held_out))
+
+
+def _load_source(cfg: DataConfig) -> Dataset:
+    if cfg.source in ("humaneval", "mbpp"):
+        tasks = _code_tasks(cfg)
+        if len(tasks) <= cfg.eval_size:
+            raise UserError(
+                f"data {cfg.source} {cfg.path}: {len(tasks)} tasks, too few to hold out "
+                f"{cfg.eval_size}"
+            )
+        cut = len(tasks) - cfg.eval_size
+        return Dataset(tuple(tasks[:cut][: cfg.size]), tuple(tasks[cut:]))
     if cfg.source == "reasoning_gym":
         train, held_out = _reasoning_gym(cfg)
     else:
@@ -51,6 +97,54 @@ def load_dataset(cfg: DataConfig) -> Dataset:
     if not train:
         raise UserError(f"data: the dataset ({cfg.source} {cfg.path or cfg.task}) is empty")
     return Dataset(tuple(train), tuple(held_out))
+
+
+def _code_tasks(cfg: DataConfig) -> list[Task]:
+    """HumanEval (``HumanEval.jsonl.gz``) or MBPP (``sanitized-mbpp.json``) as code tasks: the
+    gold answer is the canonical solution in a fenced block (what a demonstration shows), the
+    payload holds the tests the ``code`` reward runs."""
+    import ast
+    import gzip
+
+    from treadle.rewards.code import code_payload, mbpp_payload
+
+    path = Path(cfg.path or "")
+    if not path.is_file():
+        raise UserError(f"data.path {path}: file not found (a {cfg.source} file)")
+    try:
+        if cfg.source == "humaneval":
+            with gzip.open(path, "rt") if path.suffix == ".gz" else path.open() as f:
+                rows = [json.loads(line) for line in f if line.strip()]
+        else:
+            rows = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"data.path {path}: not a {cfg.source} file ({e})") from None
+
+    def listed(value: Any) -> list[str]:  # MBPP copies stringify their list columns
+        return ast.literal_eval(value) if isinstance(value, str) else list(value)
+
+    tasks = []
+    for i, r in enumerate(rows):
+        if cfg.source == "humaneval":
+            question = f"Complete this Python function:\n```python\n{r['prompt']}```"
+            solution = r["prompt"] + r["canonical_solution"]
+            # The model writes the whole function (the prompt is in its demonstration).
+            payload = code_payload("", [f"{r['test']}\ncheck({r['entry_point']})"])
+        else:
+            asserts = listed(r["test_list"])
+            question = f"{r['prompt']}\nYour code should pass this test:\n{asserts[0]}"
+            solution = r["code"]
+            payload = mbpp_payload(listed(r["test_imports"]), asserts)
+        tasks.append(
+            Task(
+                task_id=f"{cfg.source}/{r.get('task_id', i)}",
+                messages=_messages(cfg, question),
+                answer=f"```python\n{solution.rstrip()}\n```",
+                domain=cfg.domain,
+                payload=payload,
+            )
+        )
+    return tasks
 
 
 def _messages(cfg: DataConfig, question: str) -> tuple[Message, ...]:
