@@ -148,3 +148,19 @@ def test_template_typo_fails_before_the_run_dir_exists(tmp_path, monkeypatch):
     with pytest.raises(UserError, match=re.escape("data.answer_template")):
         train(load_config(DEFAULT, [*SMALL, "data.answer_template=<answer>{ans}</answer>"]))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_prompts_too_long_for_the_context_fail_before_sft(tmp_path, monkeypatch):
+    import time
+
+    from treadle.pipeline import train
+
+    monkeypatch.chdir(tmp_path)
+    # 500 completion tokens + any prompt exceed the 512-token context: refused before the
+    # 800-step SFT warm-up of the default recipe starts (no sft/ metrics are written).
+    cfg = load_config(DEFAULT, [*SMALL, "rollout.max_tokens=500", "rollout.engine=hf"])
+    started = time.perf_counter()
+    with pytest.raises(UserError, match="exceed the model's context of 512 tokens"):
+        train(cfg)
+    assert time.perf_counter() - started < 60
+    assert not (tmp_path / "runs" / cfg.run.name / "sft").exists()

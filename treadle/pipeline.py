@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import yaml
 from rich.console import Console
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from treadle.backends.torch_backend import TorchBackend
 from treadle.checkpoint import (
@@ -215,14 +215,15 @@ def train(cfg: Config, resume: Path | None = None, console: Console | None = Non
         print_summary(console, finished)
         return finished
     start = base_model(cfg, data, run_dir)
+    max_model_len = min(AutoConfig.from_pretrained(start).max_position_embeddings, 8192)
+    # Before minutes of SFT: every prompt plus the completion budget must fit the context.
+    check_context(AutoTokenizer.from_pretrained(start), data, cfg.rollout.max_tokens, max_model_len)
     if cfg.sft.steps > 0:
         start = warm_up(cfg, data, start, run_dir, console)
     ckpt = latest_checkpoint(run_dir)
     # The trainer keeps fp32 master weights whatever dtype the engine serves in.
     model, tokenizer = load_model(ckpt / "model" if ckpt else start, "float32")
     model.to("cuda" if torch.cuda.is_available() else "cpu")
-    max_model_len = min(model.config.max_position_embeddings, 8192)
-    check_context(tokenizer, data, cfg.rollout.max_tokens, max_model_len)
     engine = build_engine(
         cfg.rollout.engine,
         EngineSpec(
