@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from treadle.config import Config
 from treadle.data import TaskSampler
 from treadle.engines import SamplingParams
 from treadle.loop import RLParts, collect_rollouts
 from treadle.models import build_tokenizer
 from treadle.rewards.base import Score
+from treadle.rewards.pool import BatchScores
 from treadle.types import Completion, FinishReason, Message, Task
 
 
@@ -27,12 +26,8 @@ class FakeEngine:
         ]
 
 
-@dataclass
-class Batch:
-    scores: list[Score]
-    failures: int = 0
-    timeouts: int = 0
-    cached: int = 0
+def Batch(scores: list[Score]) -> BatchScores:
+    return BatchScores(scores, failures=0, timeouts=0, seconds=0.0)
 
 
 class ConstantPool:
@@ -116,7 +111,7 @@ def test_rollout_metrics_per_domain():
 
     def group(task_id, domain, rewards):
         c = Completion((7,), (-0.5,), FinishReason.STOP, 0, "x")
-        rollouts = tuple(Rollout(c, r, r > 0) for r in rewards)
+        rollouts = tuple(Rollout(c, r, r > 0, grader_failed=r == 0.5) for r in rewards)
         return RolloutGroup(Task(task_id, (Message("user", "q"),), "1", domain), (1,), rollouts)
 
     m = rollout_metrics([group("a", "math", [1.0, 0.0]), group("b", "code", [0.5, 0.5, 0.0, 0.0])])
@@ -125,4 +120,5 @@ def test_rollout_metrics_per_domain():
     assert m["domain/math/reward"] == 0.5 and m["domain/math/accuracy"] == 0.5
     assert m["domain/code/reward"] == 0.25 and m["domain/code/accuracy"] == 0.5
     assert m["domain/code/samples"] == 4.0
+    assert (m["domain/code/grader_failures"], m["domain/math/grader_failures"]) == (2.0, 0.0)
     assert abs(m["reward/mean"] - 2 / 6) < 1e-12

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import pytest
 
 from treadle.config import AlgorithmConfig
 from treadle.rewards.base import Score
+from treadle.rewards.pool import BatchScores
 from treadle.rollout import (
     Generated,
     assign_advantages,
@@ -144,14 +144,6 @@ def test_group_advantages_with_std_normalisation():
     assert got == pytest.approx([a, -2 * a, b, b, a, -b, -b], abs=1e-5)
 
 
-@dataclass
-class FakeBatch:
-    scores: list[Score]
-    failures: int
-    timeouts: int
-    cached: int = 0
-
-
 class FakePool:
     """Rewards 1.0 for the text "right", 0.0 otherwise; records what it was asked."""
 
@@ -160,7 +152,7 @@ class FakePool:
 
     def score(self, items):
         self.items = list(items)
-        return FakeBatch([Score(float(t == "right"), t == "right") for _, t in items], 1, 2)
+        return BatchScores([Score(float(t == "right"), t == "right") for _, t in items], 1, 2, 0.0)
 
 
 def test_score_keeps_each_reward_with_its_completion():

@@ -241,6 +241,7 @@ def rollout_metrics(groups: list[RolloutGroup]) -> dict[str, float]:
         out[f"domain/{domain}/reward"] = sum(r.reward for r in rs) / len(rs)
         out[f"domain/{domain}/accuracy"] = sum(r.correct for r in rs) / len(rs)
         out[f"domain/{domain}/samples"] = float(len(rs))
+        out[f"domain/{domain}/grader_failures"] = float(sum(r.grader_failed for r in rs))
     return out
 
 

@@ -60,12 +60,13 @@ def score(pool: RewardPool, generated: Sequence[Generated]) -> Scored:
     items = [(g.task, c.text) for g in generated for c in g.completions]
     batch = pool.score(items)
     scores = iter(batch.scores)
+    failed = iter(batch.failed or [False] * len(items))
     groups = []
     for g in generated:
         rollouts = []
         for c in g.completions:
             s = next(scores)
-            rollouts.append(Rollout(c, s.reward, s.correct))
+            rollouts.append(Rollout(c, s.reward, s.correct, next(failed)))
         groups.append(RolloutGroup(g.task, g.prompt_token_ids, tuple(rollouts)))
     return Scored(groups, batch.failures, batch.timeouts, batch.cached)
 

@@ -73,6 +73,8 @@ class Rollout:
     """Scalar reward of the completion (sum of the weighted reward functions)."""
     correct: bool
     """Whether the verifier judged the answer right (for accuracy metrics, not for training)."""
+    grader_failed: bool = False
+    """A reward function raised or timed out on it (that function scored the fallback)."""
 
 
 @dataclass(frozen=True)

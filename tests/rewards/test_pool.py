@@ -234,3 +234,11 @@ def test_routing_through_worker_processes(chain_sum_task):
         batch = pool.score([(chain_sum_task, "<answer>-14282</answer>"), (code_task, "ok")])
     assert [s.reward for s in batch.scores] == [1.0, 0.5]
     assert (batch.failures, batch.timeouts) == (0, 0)
+
+
+def test_failed_flags_mark_the_samples_a_function_failed_on(chain_sum_task):
+    with RewardPool([(ScriptedReward(), 1.0)], workers=1, timeout_s=5.0) as pool:
+        batch = pool.score([(chain_sum_task, s) for s in ("ok", "RAISE", "ok", "RAISE")])
+    # identical pairs share one call (and its flag): 2 calls, 1 failure, flags per sample
+    assert batch.failed == [False, True, False, True]
+    assert (batch.failures, batch.cached) == (1, 2)

@@ -80,6 +80,8 @@ class BatchScores:
     """Wall-clock time of the whole batch, in seconds."""
     cached: int = 0
     """Samples that reused the score of an identical (task, response) pair in the batch."""
+    failed: list[bool] = field(default_factory=list)
+    """``[N]`` whether a function raised or timed out on each sample (empty: none did)."""
 
 
 @dataclass(frozen=True)
@@ -221,8 +223,10 @@ class RewardPool:
         else:
             outcomes = self._workers.run(fns, unique, routed, self.timeout_s)
         scores: list[Score] = []
+        failed: list[bool] = []
         failures = timeouts = 0
         for (task, _), row in zip(unique, outcomes, strict=True):
+            failed.append(any(isinstance(o, _CallError | _Timeout) for o in row))
             for fn, outcome in zip(fns, row, strict=True):
                 if isinstance(outcome, _CallError):
                     failures += 1
@@ -246,6 +250,7 @@ class RewardPool:
             timeouts=timeouts,
             seconds=seconds,
             cached=len(samples) - len(unique),
+            failed=[failed[i] for i in index],
         )
 
     def close(self) -> None:
