@@ -21,7 +21,7 @@ def test_unknown_name_lists_the_valid_names() -> None:
         build_reward_function("math_verifier")
     assert str(info.value) == (
         "unknown reward function 'math_verifier'; valid names: "
-        "code, format, math_verify, reasoning_gym, remote"
+        "code, format, judge, math_verify, reasoning_gym, remote"
     )
 
 

@@ -14,12 +14,13 @@ from treadle.types import Message, Task
 
 from .fake_rewards import ScriptedReward
 
-# "remote" needs a live service: its contract runs in test_service.py against one.
+# "remote" and "judge" need a live endpoint: their contracts run in test_service.py and
+# test_judge.py against one.
 BUILDERS: dict[str, Callable[[], RewardFunction]] = {
     **{
         name: (lambda name=name: build_reward_function(name))
         for name in REWARD_FUNCTIONS
-        if name != "remote"
+        if name not in ("remote", "judge")
     },
     "scripted": ScriptedReward,
 }

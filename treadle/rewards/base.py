@@ -53,6 +53,7 @@ REWARD_FUNCTIONS: dict[str, str] = {
     "format": "treadle.rewards.format:FormatReward",
     "code": "treadle.rewards.code:CodeReward",
     "remote": "treadle.rewards.remote:RemoteReward",
+    "judge": "treadle.rewards.judge:JudgeReward",
 }
 """Config name -> ``"module:Class"`` of each built-in reward function, imported on first use."""
 
