@@ -27,7 +27,7 @@ class FakeEngine:
 
 
 def Batch(scores: list[Score]) -> BatchScores:
-    return BatchScores(scores, failures=0, timeouts=0, seconds=0.0)
+    return BatchScores(scores, 0, 0, 0.0, cached=0, failed=[False] * len(scores))
 
 
 class ConstantPool:

@@ -152,7 +152,8 @@ class FakePool:
 
     def score(self, items):
         self.items = list(items)
-        return BatchScores([Score(float(t == "right"), t == "right") for _, t in items], 1, 2, 0.0)
+        scores = [Score(float(t == "right"), t == "right") for _, t in items]
+        return BatchScores(scores, 1, 2, 0.0, cached=0, failed=[False] * len(items))
 
 
 def test_score_keeps_each_reward_with_its_completion():

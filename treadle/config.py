@@ -546,9 +546,7 @@ def _check(cfg: Config) -> None:
     ]
     for key, source, domain, path, weight in sources:
         rg_functions = [
-            f
-            for f in cfg.reward.functions
-            if f.name == "reasoning_gym" and (not f.domains or domain in f.domains)
+            f for f in cfg.reward.functions if f.name == "reasoning_gym" and f.scores(domain)
         ]
         if source != "reasoning_gym" and rg_functions:
             raise UserError(

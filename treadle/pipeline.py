@@ -38,7 +38,7 @@ from treadle.checkpoint import (
     save_model_atomic,
     write_json_atomic,
 )
-from treadle.config import Config, to_dict
+from treadle.config import AlgorithmConfig, Config, to_dict
 from treadle.data import (
     DataPosition,
     Dataset,
@@ -174,7 +174,7 @@ def check_inputs(cfg: Config, data: Dataset) -> None:
             raise UserError(f"reward.functions[{i}]: {e}") from None
     domains = {t.domain for t in (*data.train, *data.held_out)}
     for domain in sorted(domains):
-        if not any(not s.domains or domain in s.domains for s in cfg.reward.functions):
+        if not any(spec.scores(domain) for spec in cfg.reward.functions):
             raise UserError(
                 f"reward.functions: no function scores the data's domain {domain!r}; add it to "
                 "a function's domains list, or leave that list empty (every domain)"
@@ -324,7 +324,7 @@ def build_critic(cfg: Config, start: Path, ckpt: Path | None, device) -> TorchBa
     return critic
 
 
-def describe(algo) -> str:
+def describe(algo: AlgorithmConfig) -> str:
     """A short name of the configured algorithm for the console, e.g. ``gae + ppo``."""
     return f"{algo.advantage} advantages, {algo.policy_loss} loss, {algo.loss_agg}"
 

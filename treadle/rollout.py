@@ -60,7 +60,7 @@ def score(pool: RewardPool, generated: Sequence[Generated]) -> Scored:
     items = [(g.task, c.text) for g in generated for c in g.completions]
     batch = pool.score(items)
     scores = iter(batch.scores)
-    failed = iter(batch.failed or [False] * len(items))
+    failed = iter(batch.failed)
     groups = []
     for g in generated:
         rollouts = []

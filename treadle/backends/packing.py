@@ -59,18 +59,6 @@ class MicroBatch:
         lens = torch.tensor(self.seq_lens, device=self.input_ids.device)
         return torch.repeat_interleave(torch.arange(len(self.seq_lens), device=lens.device), lens)
 
-    @property
-    def num_trained_sequences(self) -> int:
-        """Packed samples with at least one trained token."""
-        return int(
-            (
-                torch.zeros(len(self.seq_lens)).index_add_(
-                    0, self.segments.cpu(), self.loss_mask.float().cpu()
-                )
-                > 0
-            ).sum()
-        )
-
 
 @dataclass
 class TokenOutputs:

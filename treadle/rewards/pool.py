@@ -37,6 +37,11 @@ _START_METHOD = "spawn"
 _STARTUP_TIMEOUT_S = 120.0
 
 
+def routes_to(domains, domain: str) -> bool:
+    """Whether a function limited to ``domains`` (empty: every domain) scores ``domain``."""
+    return not domains or domain in domains
+
+
 @dataclass
 class RewardSpec:
     """One reward function of the mix."""
@@ -50,6 +55,9 @@ class RewardSpec:
     domains: list[str] = field(default_factory=list)
     """Task domains this function scores (``Task.domain``, e.g. ``[math]``); empty: every
     domain. A sample gets the weighted sum of the functions routed to its domain."""
+
+    def scores(self, domain: str) -> bool:
+        return routes_to(self.domains, domain)
 
 
 @dataclass
@@ -78,10 +86,10 @@ class BatchScores:
     """Calls that ran past ``timeout_s`` and were killed; each got the fallback."""
     seconds: float
     """Wall-clock time of the whole batch, in seconds."""
-    cached: int = 0
+    cached: int
     """Samples that reused the score of an identical (task, response) pair in the batch."""
-    failed: list[bool] = field(default_factory=list)
-    """``[N]`` whether a function raised or timed out on each sample (empty: none did)."""
+    failed: list[bool]
+    """``[N]`` whether a function raised or timed out on each sample."""
 
 
 @dataclass(frozen=True)
@@ -273,8 +281,7 @@ class RewardPool:
 
     def routes(self, function: int, domain: str) -> bool:
         """Whether function ``function`` (an index of ``functions``) scores ``domain``."""
-        allowed = self._domains[function]
-        return not allowed or domain in allowed
+        return routes_to(self._domains[function], domain)
 
     def _combine(self, row: list[_Outcome]) -> Score:
         """Weighted sum of the routed functions; ``correct`` from the first routed one."""
