@@ -212,7 +212,7 @@ class SampleRecord:
     """One sampled completion of a step, as written to ``RUN/samples/step_*.jsonl``."""
 
     prompt: str
-    """The rendered prompt text."""
+    """The content of the task's last prompt message (the question, without template)."""
     completion: str
     """The detokenized completion text."""
     reward: float

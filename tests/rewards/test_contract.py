@@ -14,13 +14,13 @@ from treadle.types import Message, Task
 
 from .fake_rewards import ScriptedReward
 
-# "remote" and "judge" need a live endpoint: their contracts run in test_service.py and
-# test_judge.py against one.
+# "remote" and "judge" need a live endpoint, "reward_model" a model folder: their contracts run
+# in test_service.py, test_judge.py and test_reward_model.py against one.
 BUILDERS: dict[str, Callable[[], RewardFunction]] = {
     **{
         name: (lambda name=name: build_reward_function(name))
         for name in REWARD_FUNCTIONS
-        if name not in ("remote", "judge")
+        if name not in ("remote", "judge", "reward_model")
     },
     "scripted": ScriptedReward,
 }

@@ -37,6 +37,11 @@ class RewardFunction(Protocol):
     - a malformed *response* should score as a wrong answer (low reward), not raise; an
       exception (bad task data, a bug, a third-party scorer that chokes on odd input) is
       counted by the pool and replaced with its fallback reward.
+
+    A function may also define ``score_batch(samples) -> list[Score]`` (``[N]`` scores of
+    ``[N]`` ``(task, response)`` pairs): the pool then calls that once per batch in its own
+    process instead of ``score`` per sample in workers, and the function bounds its own time
+    (raising ``TimeoutError`` when it gives up). Batched functions need not be picklable.
     """
 
     name: str
@@ -54,6 +59,7 @@ REWARD_FUNCTIONS: dict[str, str] = {
     "code": "treadle.rewards.code:CodeReward",
     "remote": "treadle.rewards.remote:RemoteReward",
     "judge": "treadle.rewards.judge:JudgeReward",
+    "reward_model": "treadle.rewards.reward_model:RewardModelReward",
 }
 """Config name -> ``"module:Class"`` of each built-in reward function, imported on first use."""
 

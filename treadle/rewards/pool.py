@@ -6,6 +6,11 @@ worker process of a ``pebble.ProcessPool`` with its own wall-clock timeout: a ca
 times out or kills its worker gets the fallback reward for that function on that sample, and
 the rest of the batch keeps its true scores. Pebble replaces killed workers by itself; a pool
 that pebble gives up on as a whole is rebuilt before the next batch.
+
+Batched functions (those with a ``score_batch`` method, e.g. the reward model) are not sent to
+the workers: the pool calls each once per batch, in the calling process, with every sample routed
+to it, while the workers score the rest; the function places its own compute and bounds its own
+time (see :mod:`treadle.rewards.reward_model`).
 """
 
 from __future__ import annotations
@@ -67,7 +72,8 @@ class RewardConfig:
     functions: list[RewardSpec]
     """Reward functions; the first is the primary verifier whose ``correct`` is reported."""
     timeout_s: float = 5.0
-    """Wall-clock limit of one function on one sample, in seconds (ignored when workers=0)."""
+    """Wall-clock limit of one function on one sample, in seconds (ignored when workers=0, and
+    by batched functions such as ``reward_model``, which take their own ``timeout_s``)."""
     fallback: float = 0.0
     """Reward a function gives a sample when it raised or timed out on it."""
     workers: int = 2
@@ -165,10 +171,11 @@ class RewardPool:
         self.fallback = fallback
         self._closed = False
         self._workers: _Workers | None = None
-        if workers > 0:
-            for fn, _ in self.functions:
+        per_sample = [fn for fn, _ in self.functions if not is_batched(fn)]
+        if workers > 0 and per_sample:
+            for fn in per_sample:
                 _check_picklable(fn)
-            modules = sorted({type(fn).__module__ for fn, _ in self.functions})
+            modules = sorted({type(fn).__module__ for fn in per_sample})
             self._workers = _Workers(workers, modules)
 
     @classmethod
@@ -220,16 +227,31 @@ class RewardPool:
                     f"task {task.task_id}: no reward function scores domain {task.domain!r}; "
                     "add it to a reward.functions[i].domains list (or leave one empty)"
                 )
-        if self._workers is None:
+        batched = [is_batched(fn) for fn in fns]
+        sample_routed = [[on and not b for on, b in zip(r, batched, strict=True)] for r in routed]
+        futures = None
+        if self._workers is not None:  # start the per-sample calls, then run the batched ones
+            futures = self._workers.schedule(fns, unique, sample_routed, self.timeout_s)
+        by_batch = {
+            f: _call_batched(fns[f], [s for s, r in zip(unique, routed, strict=True) if r[f]])
+            for f in range(len(fns))
+            if batched[f]
+        }
+        if futures is not None:
+            outcomes = self._workers.collect(futures)
+        else:
             outcomes = [
                 [
                     _call(fn, task, response) if on else SKIPPED
                     for fn, on in zip(fns, r, strict=True)
                 ]
-                for (task, response), r in zip(unique, routed, strict=True)
+                for (task, response), r in zip(unique, sample_routed, strict=True)
             ]
-        else:
-            outcomes = self._workers.run(fns, unique, routed, self.timeout_s)
+        for f, results in by_batch.items():
+            it = iter(results)
+            for row, r in zip(outcomes, routed, strict=True):
+                if r[f]:
+                    row[f] = next(it)
         scores: list[Score] = []
         failed: list[bool] = []
         failures = timeouts = 0
@@ -244,10 +266,11 @@ class RewardPool:
                     logger.debug("reward %s traceback:\n%s", fn.name, outcome.traceback)
                 elif isinstance(outcome, _Timeout):
                     timeouts += 1
+                    limit = getattr(fn, "timeout_s", 0) if is_batched(fn) else self.timeout_s
                     logger.warning(
                         "reward %s timed out after %.1f s on task %s",
                         fn.name,
-                        self.timeout_s,
+                        limit,
                         task.task_id,
                     )
             scores.append(self._combine(row))
@@ -264,6 +287,9 @@ class RewardPool:
     def close(self) -> None:
         """Stop the workers (a running call is killed). Safe to call twice."""
         self._closed = True
+        for fn, _ in self.functions:
+            if is_batched(fn) and callable(getattr(fn, "close", None)):
+                fn.close()
         if self._workers is not None:
             self._workers.close()
             self._workers = None
@@ -314,18 +340,17 @@ class _Workers:
         # import while the caller does other work, and its result shows that they can start.
         return executor, executor.schedule(_noop)
 
-    def run(
+    def schedule(
         self,
         fns: list[RewardFunction],
         samples: Sequence[tuple[Task, str]],
         routed: list[list[bool]],
         timeout_s: float,
-    ) -> list[list[_Outcome]]:
-        """Run each routed function on each sample; ``[N][F]`` outcomes in input order
-        (:data:`SKIPPED` where a function is not routed to the sample's domain)."""
+    ) -> list[list[pebble.ProcessFuture | None]]:
+        """Start each routed function on each sample; ``[N][F]`` futures (None: not routed)."""
         self._restart_if_broken()
         self._check_started()
-        futures = [
+        return [
             [
                 self._executor.schedule(_call, args=(fn, task, response), timeout=timeout_s)
                 if on
@@ -334,6 +359,10 @@ class _Workers:
             ]
             for (task, response), row in zip(samples, routed, strict=True)
         ]
+
+    def collect(self, futures: list[list[pebble.ProcessFuture | None]]) -> list[list[_Outcome]]:
+        """Wait for :meth:`schedule`'s calls; ``[N][F]`` outcomes (:data:`SKIPPED` where a
+        function was not routed to the sample's domain)."""
         outcomes = [
             [SKIPPED if future is None else _collect(future) for future in row] for row in futures
         ]
@@ -378,6 +407,30 @@ def _call(fn: RewardFunction, task: Task, response: str) -> Score | _CallError:
         return score
     except Exception as error:
         return _CallError(f"{type(error).__name__}: {error}", traceback.format_exc())
+
+
+def is_batched(fn: RewardFunction) -> bool:
+    """Whether ``fn`` scores whole batches (has ``score_batch``) instead of one sample a call."""
+    return callable(getattr(fn, "score_batch", None))
+
+
+def _call_batched(fn: RewardFunction, samples: list[tuple[Task, str]]) -> list[_Outcome]:
+    """Run a batched function on its routed samples; one outcome per sample. An exception
+    fails every sample of the batch; a ``TimeoutError`` counts them as timed out."""
+    if not samples:
+        return []
+    try:
+        scores = fn.score_batch(samples)
+        if len(scores) != len(samples) or not all(
+            isinstance(s, Score) and math.isfinite(s.reward) for s in scores
+        ):
+            raise TypeError(f"expected {len(samples)} Scores with finite rewards, got {scores!r}")
+        return list(scores)
+    except TimeoutError:
+        return [_Timeout()] * len(samples)
+    except Exception as error:
+        failure = _CallError(f"{type(error).__name__}: {error}", traceback.format_exc())
+        return [failure] * len(samples)
 
 
 def _collect(future: pebble.ProcessFuture) -> _Outcome:
