@@ -5,6 +5,7 @@
     treadle dpo RECIPE [section.key=value ...]
     treadle reward-check RECIPE [section.key=value ...]
     treadle serve-reward RECIPE [section.key=value ...] [--host 127.0.0.1] [--port 8900]
+    treadle inspect RUN_DIR [--step N] [--limit K] [--replay]
 
 Bad input prints one line on stderr and exits with code 2, without a traceback.
 """
@@ -53,6 +54,15 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("overrides", nargs="*")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     serve.add_argument("--port", type=int, default=8900)
+    inspect = sub.add_parser(
+        "inspect", help="print a step's rollouts from RUN/buffer; --replay recomputes its update"
+    )
+    inspect.add_argument("run_dir", type=Path)
+    inspect.add_argument("--step", type=int, help="the RL step (default: the last stored)")
+    inspect.add_argument("--limit", type=int, default=32, help="rollouts to print")
+    inspect.add_argument(
+        "--replay", action="store_true", help="recompute the step's loss and weights from disk"
+    )
     return parser
 
 
@@ -86,6 +96,8 @@ def _run(args: argparse.Namespace) -> int:
     from treadle.errors import UserError
 
     console = Console()
+    if args.command == "inspect":
+        return _inspect(args, console)
     recipe = args.recipe
     overrides = list(args.overrides)
     if args.command == "train" and args.resume is not None:
@@ -134,6 +146,28 @@ def _run(args: argparse.Namespace) -> int:
     from treadle.pipeline import train
 
     train(cfg, resume=args.resume, console=console)
+    return 0
+
+
+def _inspect(args: argparse.Namespace, console) -> int:
+    from treadle.inspect_run import open_run, print_step, replay_step
+
+    _, buffer = open_run(args.run_dir)
+    steps = buffer.steps()
+    if not steps:
+        from treadle.errors import UserError
+
+        raise UserError(f"inspect {args.run_dir}: the buffer holds no step yet")
+    step = steps[-1] if args.step is None else args.step
+    print_step(args.run_dir, step, console, limit=args.limit)
+    if args.replay:
+        r = replay_step(args.run_dir, step)
+        logged = "not logged" if r.logged_loss is None else f"{r.logged_loss:.8g}"
+        console.print(f"replay of step {step}: loss {r.replayed_loss:.8g} (logged: {logged})")
+        if r.max_param_diff is None:
+            console.print("the checkpoint after the step is not kept: weights not compared")
+        else:
+            console.print(f"max |replayed - checkpointed| parameter: {r.max_param_diff:.3g}")
     return 0
 
 

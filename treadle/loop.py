@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 from treadle.algorithms.objectives import PolicyObjective, ValueObjective
 from treadle.backends.torch_backend import TorchBackend
+from treadle.buffer import RolloutBuffer
 from treadle.checkpoint import CriticParts, save_checkpoint
 from treadle.config import Config
 from treadle.data import TaskSampler
@@ -51,11 +52,14 @@ class RLParts:
     sampler: TaskSampler
     held_out: tuple[Task, ...]
     metrics: MetricsLogger
+    buffer: RolloutBuffer
+    """Every trained rollout by rollout id, one parquet file per step (``RUN/buffer``)."""
 
 
 def run_rl(parts: RLParts, start_step: int, progress: Progress) -> None:
     """RL steps ``start_step .. cfg.run.steps - 1``: generate -> score -> filter -> old/ref
-    logprobs and values -> advantages -> update (policy, critic) -> sync -> log -> save -> eval."""
+    logprobs and values -> advantages -> update (policy, critic) -> sync -> log, store the
+    rollouts in the buffer -> save -> eval."""
     cfg, p, algo = parts.cfg, parts, parts.cfg.algorithm
     params = sampling_params(cfg)
     objective = PolicyObjective.from_config(algo, cfg.rollout.max_tokens)
@@ -112,6 +116,7 @@ def run_rl(parts: RLParts, start_step: int, progress: Progress) -> None:
             with timed(metrics, "eval"):
                 metrics.update(evaluate_policy(parts).metrics())
         p.metrics.log(done, metrics)
+        p.buffer.add(done, batch.groups, samples)
         write_samples(
             p.run_dir, done, sample_records(batch.groups, samples, cfg.run.samples_to_log)
         )

@@ -8,6 +8,7 @@ Run directory layout (``run.output_dir/run.name``)::
     sft_model/         the SFT warm-up checkpoint (Hugging Face format)
     before_rl.json     held-out accuracy before RL (kept for --resume)
     checkpoints/       RL checkpoints (step_NNNNNN/, latest; the last run.keep_last kept)
+    buffer/            every trained rollout, step_NNNNNN.parquet (treadle inspect reads it)
     final_model/       the policy after RL (Hugging Face format)
     metrics.jsonl, tensorboard/, samples/, plot.png, summary.json
 """
@@ -30,6 +31,7 @@ from rich.console import Console
 from transformers import AutoConfig, AutoTokenizer
 
 from treadle.backends.torch_backend import TorchBackend
+from treadle.buffer import RolloutBuffer
 from treadle.checkpoint import (
     CRITIC_DIRNAME,
     latest_checkpoint,
@@ -250,6 +252,8 @@ def train(cfg: Config, resume: Path | None = None, console: Console | None = Non
     position = DataPosition(**state["data_position"]) if state else None
     metrics = MetricsLogger(run_dir)
     metrics.truncate_after(state.get("step", 0))
+    buffer = RolloutBuffer(run_dir)
+    buffer.truncate_after(state.get("step", 0))
     parts = RLParts(
         cfg,
         run_dir,
@@ -262,6 +266,7 @@ def train(cfg: Config, resume: Path | None = None, console: Console | None = Non
         TaskSampler(data.train, cfg.run.seed, position),
         data.held_out,
         metrics,
+        buffer,
     )
     try:
         summary = _load_json(run_dir / "before_rl.json")

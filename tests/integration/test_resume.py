@@ -10,6 +10,7 @@ import torch
 from rich.console import Console
 from transformers import AutoModelForCausalLM
 
+from treadle.buffer import RolloutBuffer
 from treadle.config import load_config
 from treadle.pipeline import train
 
@@ -50,6 +51,9 @@ def test_resume_continues_from_the_last_step(runs):
     assert state["data_position"] == {"epoch": 0, "offset": 12}  # 3 steps x 4 prompts
     summary = json.loads((resumed / "summary.json").read_text())
     assert summary["rl_steps"] == 3
+    # The rollout buffer holds each step's 16 rollouts once (step 3 was trained after resuming).
+    buffer = RolloutBuffer(resumed)
+    assert buffer.steps() == [1, 2, 3] and len(buffer) == 48
 
 
 def test_resumed_run_equals_an_uninterrupted_one(runs):
@@ -58,6 +62,10 @@ def test_resumed_run_equals_an_uninterrupted_one(runs):
     a, b = step_rows(resumed)[3][0], step_rows(straight)[3][0]
     for key in ("reward/mean", "adv/abs_mean", "loss", "grad_norm", "rollout/mean_length"):
         assert a[key] == pytest.approx(b[key], abs=1e-6), key
+    # ... and so are the stored rollouts of the step trained after resuming.
+    rows_a, rows_b = (RolloutBuffer(d).read_step(3).rows for d in (resumed, straight))
+    assert [r["token_ids"] for r in rows_a] == [r["token_ids"] for r in rows_b]
+    assert [r["reward"] for r in rows_a] == [r["reward"] for r in rows_b]
     ma = AutoModelForCausalLM.from_pretrained(resumed / "final_model")
     mb = AutoModelForCausalLM.from_pretrained(straight / "final_model")
     pb = dict(mb.named_parameters())

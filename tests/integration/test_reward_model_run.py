@@ -18,7 +18,7 @@ from .runs import REPO, TINY_RUN, metric_rows
 
 
 def test_run_with_a_separate_reward_model(tmp_path, one_torch_thread):
-    rm_dir = train_tiny_reward_model(tmp_path / "rm")
+    rm_dir = train_tiny_reward_model(tmp_path / "reward_model")
     overrides = [
         *(o for o in TINY_RUN if not o.startswith("reward.")),
         f"run.output_dir={tmp_path}",
