@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import os
+import shutil
 import signal
 import threading
 import time
@@ -10,9 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForSequenceClassification, Qwen2Config
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, Qwen2Config
 
 from treadle.errors import UserError
+from treadle.models import build_tokenizer
 from treadle.rewards.base import Score, build_reward_function
 from treadle.rewards.pool import RewardPool
 from treadle.rewards.reward_model import RewardModelReward
@@ -170,9 +173,100 @@ def test_bad_settings_are_refused_before_loading(rm_dir: Path, tmp_path: Path) -
         build_reward_function("reward_model", path=str(rm_dir), device="tpu")
     with pytest.raises(UserError, match="batch_size"):
         build_reward_function("reward_model", path=str(rm_dir), batch_size="0")
+    with pytest.raises(UserError, match="finite"):
+        build_reward_function("reward_model", path=str(rm_dir), timeout_s="nan")
+    with pytest.raises(UserError, match="finite"):
+        build_reward_function("reward_model", path=str(rm_dir), threshold="inf")
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="device cuda:1 is not available"):
+            build_reward_function("reward_model", path=str(rm_dir), device="cuda:1")
+    with pytest.raises(UserError, match="device must be"):
+        build_reward_function("reward_model", path=str(rm_dir), device="cuda:x")
     two = tmp_path / "two"
+    shutil.copytree(rm_dir, two)
     config = Qwen2Config.from_pretrained(rm_dir)
     config.num_labels = 2
     config.save_pretrained(two)
     with pytest.raises(UserError, match="num_labels=2"):
         build_reward_function("reward_model", path=str(two))
+    (two / "config.json").write_text("{not json")
+    with pytest.raises(UserError, match="cannot load"):
+        build_reward_function("reward_model", path=str(two))
+    (two / "config.json").write_text('{"hidden_size": 8}')  # no model_type
+    with pytest.raises(UserError, match="cannot load"):
+        build_reward_function("reward_model", path=str(two))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    shutil.copy(rm_dir / "config.json", empty)
+    with pytest.raises(UserError, match="no weights"):
+        build_reward_function("reward_model", path=str(empty))
+
+
+def tiny_tokenizer_dir(folder: Path, chat_template: bool) -> Path:
+    corpus = [f"What is {a} + {b}? <answer>{a + b}</answer>" for a in range(10) for b in range(10)]
+    tok = build_tokenizer(corpus, 300)
+    if not chat_template:  # a BERT-style tokenizer: [CLS] a [SEP] b [SEP] with token types
+        from tokenizers import processors
+
+        tok.chat_template = None
+        tok.add_special_tokens({"cls_token": "[CLS]", "sep_token": "[SEP]"})
+        cls, sep = tok.convert_tokens_to_ids(["[CLS]", "[SEP]"])
+        tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+            single="[CLS] $A [SEP]",
+            pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+            special_tokens=[("[CLS]", cls), ("[SEP]", sep)],
+        )
+    tok.save_pretrained(folder)
+    return folder
+
+
+def alone_scores(rm: RewardModelReward, samples) -> list[float]:
+    return [rm.score_batch([s])[0].reward for s in samples]
+
+
+def test_encoders_read_the_pair_and_are_batch_invariant(tmp_path: Path) -> None:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    folder = tiny_tokenizer_dir(tmp_path / "bert", chat_template=False)
+    tok = AutoTokenizer.from_pretrained(folder)
+    config = BertConfig(
+        vocab_size=len(tok), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, num_labels=1, pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    BertForSequenceClassification(config).save_pretrained(folder)
+    rm = RewardModelReward(str(folder), placement="colocated", batch_size="8")
+    batched = [s.reward for s in rm.score_batch(SAMPLES)]
+    assert batched == pytest.approx(alone_scores(rm, SAMPLES), abs=1e-5)
+    # The input is the pair (prompt, response) with token type ids, as encoder RMs are trained.
+    model = BertForSequenceClassification.from_pretrained(folder).eval()
+    task, response = SAMPLES[0]
+    enc = tok(task.messages[0].content, response, return_tensors="pt", return_token_type_ids=True)
+    assert enc["token_type_ids"].sum() > 0
+    with torch.inference_mode():
+        assert batched[0] == pytest.approx(model(**enc).logits[0, 0].item(), abs=1e-5)
+
+
+def test_other_architectures_are_scored_alone_and_long_inputs_fit_the_context(tmp_path):
+    from transformers import XLNetConfig, XLNetForSequenceClassification
+
+    folder = tiny_tokenizer_dir(tmp_path / "xlnet", chat_template=True)
+    tok = AutoTokenizer.from_pretrained(folder)
+    config = XLNetConfig(
+        vocab_size=len(tok), d_model=32, n_layer=1, n_head=2, d_inner=64, num_labels=1,
+        pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    XLNetForSequenceClassification(config).save_pretrained(folder)
+    rm = RewardModelReward(str(folder), placement="colocated", batch_size="8")
+    # XLNet reads its last position: padded batches would change scores, so none are formed.
+    batched = [s.reward for s in rm.score_batch(SAMPLES)]
+    assert batched == pytest.approx(alone_scores(rm, SAMPLES), abs=1e-5)
+
+
+def test_max_length_is_capped_to_the_model_context(rm_dir: Path) -> None:
+    rm = RewardModelReward(str(rm_dir), placement="colocated", max_length="100000")
+    assert rm.max_length == 256  # the tiny RM's max_position_embeddings
+    long = (arithmetic(1, 2), "<answer>3</answer> " + "and so on " * 400)
+    (score,) = rm.score_batch([long])
+    assert math.isfinite(score.reward)  # the beginning was cut, the model read 256 tokens

@@ -255,22 +255,31 @@ class RewardPool:
         scores: list[Score] = []
         failed: list[bool] = []
         failures = timeouts = 0
+        for f in by_batch:  # a batched function fails for its whole batch: log that once
+            bad = [row[f] for row in outcomes if isinstance(row[f], _CallError | _Timeout)]
+            if bad:
+                what = "timed out" if isinstance(bad[0], _Timeout) else f"failed ({bad[0].message})"
+                logger.warning("reward %s %s on %d samples", fns[f].name, what, len(bad))
         for (task, _), row in zip(unique, outcomes, strict=True):
             failed.append(any(isinstance(o, _CallError | _Timeout) for o in row))
-            for fn, outcome in zip(fns, row, strict=True):
+            for f, (fn, outcome) in enumerate(zip(fns, row, strict=True)):
+                quiet = f in by_batch
                 if isinstance(outcome, _CallError):
                     failures += 1
+                    if quiet:
+                        continue
                     logger.warning(
                         "reward %s failed on task %s: %s", fn.name, task.task_id, outcome.message
                     )
                     logger.debug("reward %s traceback:\n%s", fn.name, outcome.traceback)
                 elif isinstance(outcome, _Timeout):
                     timeouts += 1
-                    limit = getattr(fn, "timeout_s", 0) if is_batched(fn) else self.timeout_s
+                    if quiet:
+                        continue
                     logger.warning(
                         "reward %s timed out after %.1f s on task %s",
                         fn.name,
-                        limit,
+                        self.timeout_s,
                         task.task_id,
                     )
             scores.append(self._combine(row))

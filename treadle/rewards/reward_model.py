@@ -2,9 +2,12 @@
 
 The model (``AutoModelForSequenceClassification`` with ``num_labels=1``, e.g. a Bradley-Terry
 reward model as in InstructGPT, Ouyang et al. 2022, arXiv:2203.02155, eq. 1) reads the prompt and
-the completion rendered with *its own* tokenizer's chat template, and its one output logit at the
-last token is the reward (unitless; a Bradley-Terry model's scores are meaningful up to a
-constant, so compare them, or use ``weight`` to scale them against the other functions).
+the completion rendered with *its own* tokenizer's chat template (a tokenizer without one gets the
+pair ``(prompt, completion)``, as encoder reward models are trained), and its one output logit is
+the reward: read at the last real token for decoder classifiers, from the pooled first token for
+BERT-like encoders; any other architecture is run one sequence at a time so that padding cannot
+change its score. Rewards are unitless; a Bradley-Terry model's scores are meaningful up to a
+constant, so compare them, or use ``weight`` to scale them against the other functions.
 
 Unlike the rule-based verifiers it is batched: the pool calls :meth:`RewardModelReward.score_batch`
 once per batch with every sample routed to it, and the model scores them ``batch_size`` at a time,
@@ -15,15 +18,16 @@ Placement (``params.placement``):
 - ``colocated``: the model lives in the calling (trainer) process on ``device``, sharing its memory
   and threads; nothing is copied between processes, but a hang cannot be stopped.
 - ``separate`` (default): the model lives in one dedicated worker process on ``device`` (another
-  GPU, e.g. ``cuda:1``, or the CPU with its own ``threads``); each batch is one call with a
-  wall-clock ``timeout_s``. A batch that times out or kills the worker raises here (the pool gives
-  its samples the fallback reward and counts them), and the next batch gets a new worker that
-  loads the model again.
+  GPU, e.g. ``cuda:1``, or the CPU with its own ``threads``); each batch is one call bounded by
+  ``timeout_s`` per forward pass. A batch that times out or kills the worker raises here (the
+  pool gives its samples the fallback reward and counts them), and the next batch gets a new
+  worker that loads the model again.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import multiprocessing
 from collections.abc import Sequence
@@ -39,6 +43,32 @@ _DTYPES = ("float32", "bfloat16")
 _LOAD_TIMEOUT_S = 600.0  # a fresh separate worker may take this long to load the model
 
 
+def _check_device(device: str) -> None:
+    """Refuse a device string torch cannot use here (before any run directory exists)."""
+    if device in ("cpu", "auto"):
+        return
+    if device != "cuda" and not (device.startswith("cuda:") and device[5:].isdigit()):
+        raise UserError(f"reward_model: device must be cpu, cuda, cuda:N or auto: {device!r}")
+    import torch
+
+    index = int(device[5:]) if device.startswith("cuda:") else 0
+    if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+        seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        raise UserError(
+            f"reward_model: device {device} is not available ({seen} GPUs visible); use "
+            "device: cpu or auto"
+        )
+
+
+def _context_length(config) -> int | None:
+    """The most positions the model can read, from its config (None: unbounded or unknown)."""
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 class RewardModelReward:
     """Score ``(task, response)`` pairs with the sequence-classification model in ``path``.
 
@@ -49,12 +79,16 @@ class RewardModelReward:
             a GPU is visible, else ``cpu``).
         placement: ``colocated`` (in the calling process) or ``separate`` (its own process).
         batch_size: sequences per forward pass.
-        max_length: tokens per sequence; longer ones lose their *beginning* (the tokenizer
-            truncates on the left), so the completion's end, where the score is read, is kept.
-        dtype: ``float32`` or ``bfloat16`` (float16 is refused: unusable on CPUs).
+        max_length: tokens per sequence, capped to the model's context; longer ones lose their
+            *beginning* (the tokenizer truncates on the left), so the completion's end, where a
+            decoder's score is read, is kept.
+        dtype: ``float32`` or ``bfloat16`` (float16 is refused: unusable on CPUs). In bfloat16 a
+            score can move by one bfloat16 step with the batch it was computed in.
         threshold: a sample is counted ``correct`` (for accuracy metrics only) when its reward is
             ``>= threshold``.
-        timeout_s: wall-clock limit of one batch in the ``separate`` process, in seconds.
+        timeout_s: wall-clock limit of one forward pass of ``batch_size`` sequences in the
+            ``separate`` process, in seconds (a call of N samples may take
+            ``ceil(N / batch_size) * timeout_s``).
         threads: torch CPU threads of the ``separate`` process (0: torch's default).
 
     Raises:
@@ -82,8 +116,6 @@ class RewardModelReward:
             raise UserError(f"reward_model: placement must be one of {PLACEMENTS}: {placement!r}")
         if dtype not in _DTYPES:
             raise UserError(f"reward_model: dtype must be one of {_DTYPES}, got {dtype!r}")
-        if not (device in ("cpu", "cuda", "auto") or device.startswith("cuda:")):
-            raise UserError(f"reward_model: device must be cpu, cuda, cuda:N or auto: {device!r}")
         try:
             self.batch_size, self.max_length = int(batch_size), int(max_length)
             self.threshold, self.timeout_s = float(threshold), float(timeout_s)
@@ -93,21 +125,34 @@ class RewardModelReward:
                 "reward_model: batch_size, max_length, threads must be integers and threshold, "
                 "timeout_s numbers"
             ) from None
+        if not (math.isfinite(self.threshold) and math.isfinite(self.timeout_s)):
+            raise UserError("reward_model: threshold and timeout_s must be finite numbers")
         if self.batch_size < 1 or self.max_length < 2 or self.timeout_s <= 0 or self.threads < 0:
             raise UserError(
                 "reward_model: need batch_size >= 1, max_length >= 2, timeout_s > 0, threads >= 0"
             )
+        _check_device(device)
         folder = Path(path)
         if not (folder / "config.json").is_file():
             raise UserError(f"reward_model: {folder} is not a model folder (no config.json)")
-        from transformers import AutoConfig
+        if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
+            raise UserError(f"reward_model: {folder} holds no weights (*.safetensors or *.bin)")
+        from transformers import AutoConfig, AutoTokenizer
 
-        config = AutoConfig.from_pretrained(folder)
+        try:
+            config = AutoConfig.from_pretrained(folder)
+            AutoTokenizer.from_pretrained(folder)
+        except (OSError, ValueError, KeyError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(f"reward_model: cannot load {folder}: {first}") from None
         if config.num_labels != 1:
             raise UserError(
                 f"reward_model: {folder} has num_labels={config.num_labels}; a reward model "
                 "outputs one score (num_labels: 1 in its config.json)"
             )
+        context = _context_length(config)
+        if context is not None:  # never feed the model more positions than it has
+            self.max_length = min(self.max_length, context)
         self.path, self.device, self.placement, self.dtype = str(folder), device, placement, dtype
         self._scorer: _Scorer | None = None  # colocated: loaded on first use
         self._worker = None  # separate: a pebble pool of one process, started on first use
@@ -184,13 +229,16 @@ class RewardModelReward:
                     f"({type(error).__name__}: {error})"
                 ) from None
         future = self._worker.schedule(_worker_rewards, args=(conversations,))
+        chunks = -(-len(conversations) // self.batch_size)
+        limit = self.timeout_s * chunks  # timeout_s bounds each forward of batch_size sequences
         try:
-            return future.result(timeout=self.timeout_s)
+            return future.result(timeout=limit)
         except TimeoutError:
             future.cancel()  # pebble kills the worker; the pool starts a new one
             self.close()
             raise TimeoutError(
-                f"reward_model: a batch of {len(conversations)} took over {self.timeout_s} s"
+                f"reward_model: {len(conversations)} samples ({chunks} forwards of up to "
+                f"{self.batch_size}) took over {limit:.1f} s ({self.timeout_s} s a forward)"
             ) from None
         except (pebble.ProcessExpired, BrokenProcessPool) as error:
             self.close()
@@ -226,82 +274,133 @@ class _Scorer:
         self.tokenizer = AutoTokenizer.from_pretrained(settings["path"])
         self.tokenizer.truncation_side = "left"  # keep the completion's end, where the score is
         self.tokenizer.padding_side = "right"
-        if self.tokenizer.pad_token_id is None:
+        if self.tokenizer.pad_token_id is None and self.tokenizer.eos_token is not None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.pad_id = self.tokenizer.pad_token_id or 0
         dtype = getattr(torch, settings["dtype"])
         self.model = AutoModelForSequenceClassification.from_pretrained(
             settings["path"], dtype=dtype
         ).to(self.device)
         self.model.eval()
+        self.mode = _scoring_mode(self.model)
+        # Encoders that tell the prompt from the response by segment get token type ids.
+        forward = inspect.signature(self.model.forward).parameters
+        self.token_types = self.mode != "last" and "token_type_ids" in forward
 
-    def texts(self, conversations: list[list[dict[str, str]]]) -> list[str]:
-        """Each conversation rendered with the model's chat template (or joined by newlines)."""
+    def encode(self, conversations: list[list[dict[str, str]]]) -> list[dict[str, list[int]]]:
+        """Token ids (and token type ids, for encoders that use them) of each conversation:
+        rendered with the model's chat template, or else as the pair (prompt, response) the way
+        encoder reward models are trained (``[CLS] prompt [SEP] response [SEP]``)."""
         if self.tokenizer.chat_template:
-            return [self.tokenizer.apply_chat_template(c, tokenize=False) for c in conversations]
-        return ["\n".join(m["content"] for m in c) for c in conversations]
+            texts = [self.tokenizer.apply_chat_template(c, tokenize=False) for c in conversations]
+            enc = self.tokenizer(
+                texts, truncation=True, max_length=self.max_length, add_special_tokens=False
+            )
+        else:
+            prompts = ["\n".join(m["content"] for m in c[:-1]) for c in conversations]
+            responses = [c[-1]["content"] for c in conversations]
+            enc = self.tokenizer(
+                prompts,
+                responses,
+                truncation="longest_first",
+                max_length=self.max_length,
+                return_token_type_ids=self.token_types,
+            )
+        keys = [k for k in ("input_ids", "token_type_ids") if k in enc]
+        rows = [{k: list(enc[k][i]) for k in keys} for i in range(len(conversations))]
+        for row in rows:  # an empty text: one pad token
+            if not row["input_ids"]:
+                row.update({k: [0] for k in keys} | {"input_ids": [self.pad_id]})
+        return rows
 
     def rewards(self, conversations: list[list[dict[str, str]]]) -> list[float]:
+        """``[N]`` rewards, scored ``batch_size`` sequences at a time, longest first."""
         import torch
 
-        ids = self.tokenizer(
-            self.texts(conversations),
-            truncation=True,
-            max_length=self.max_length,
-            # A chat template writes its own special tokens; plain text gets the tokenizer's.
-            add_special_tokens=not self.tokenizer.chat_template,
-        )["input_ids"]
-        ids = [row or [self.tokenizer.pad_token_id] for row in ids]  # an empty text: one pad
-        order = sorted(range(len(ids)), key=lambda i: len(ids[i]), reverse=True)
-        rewards = [0.0] * len(ids)
+        rows = self.encode(conversations)
+        order = sorted(range(len(rows)), key=lambda i: len(rows[i]["input_ids"]), reverse=True)
+        size = self.batch_size if self.mode != "alone" else 1
+        rewards = [0.0] * len(rows)
         with torch.inference_mode():
-            for start in range(0, len(order), self.batch_size):
-                chunk = order[start : start + self.batch_size]
-                width = max(len(ids[i]) for i in chunk)
-                input_ids = torch.zeros((len(chunk), width), dtype=torch.long)
+            for start in range(0, len(order), size):
+                chunk = order[start : start + size]
+                width = max(len(rows[i]["input_ids"]) for i in chunk)
+                batch = {
+                    k: torch.full((len(chunk), width), self.pad_id if k == "input_ids" else 0)
+                    for k in rows[chunk[0]]
+                }
                 mask = torch.zeros((len(chunk), width), dtype=torch.long)
-                for row, i in enumerate(chunk):
-                    input_ids[row, : len(ids[i])] = torch.tensor(ids[i])
-                    mask[row, : len(ids[i])] = 1
-                values = self._forward(input_ids.to(self.device), mask.to(self.device))
+                for r, i in enumerate(chunk):
+                    n = len(rows[i]["input_ids"])
+                    for k, values in rows[i].items():
+                        batch[k][r, :n] = torch.tensor(values)
+                    mask[r, :n] = 1
+                batch = {k: v.to(self.device) for k, v in batch.items()}
+                values = self._forward(batch, mask.to(self.device))
                 for i, value in zip(chunk, values, strict=True):
                     rewards[i] = value
         return rewards
 
-    def _forward(self, input_ids, mask) -> list[float]:
-        """``[B]`` rewards of right-padded ``input_ids`` ``[B, T]`` with ``mask`` ``[B, T]``."""
+    def _forward(self, batch: dict, mask) -> list[float]:
+        """``[B]`` rewards of right-padded ``batch["input_ids"]`` ``[B, T]``."""
         import torch
 
-        head = getattr(self.model, "score", None)
-        if head is None:  # encoder classifiers (BERT-like) pool on their own: use their forward
-            logits = self.model(input_ids=input_ids, attention_mask=mask).logits
-            return logits[:, 0].float().cpu().tolist()
-        # Decoder reward models (``score`` head over every position): read each sequence at its
-        # own last real token, found from the mask; HF's forward finds it from pad-token ids,
-        # which goes wrong when the text itself ends with the pad token.
-        hidden = self.model.base_model(input_ids=input_ids, attention_mask=mask).last_hidden_state
-        last = mask.sum(dim=1) - 1
-        final = hidden[torch.arange(len(input_ids), device=hidden.device), last]
-        return head(final).float().squeeze(-1).cpu().tolist()
+        if self.mode == "last":
+            # Decoder reward models (a ``score`` head over every position): read each sequence
+            # at its own last real token, found from the mask (HF's forward finds it from
+            # pad-token ids, which goes wrong when the text itself ends with the pad token).
+            hidden = self.model.base_model(
+                input_ids=batch["input_ids"], attention_mask=mask
+            ).last_hidden_state
+            final = hidden[torch.arange(len(mask), device=hidden.device), mask.sum(dim=1) - 1]
+            return self.model.score(final).float().squeeze(-1).cpu().tolist()
+        # Encoders pooling their first token ignore right padding under the attention mask;
+        # anything else is scored one sequence at a time ("alone": no padding at all).
+        logits = self.model(**batch, attention_mask=mask).logits
+        return logits[:, 0].float().cpu().tolist()
+
+
+def _scoring_mode(model) -> str:
+    """How to read a model's reward: ``last`` (a decoder with a ``score`` head: the last real
+    token), ``pooled`` (an encoder that pools its first token: padded batches are safe) or
+    ``alone`` (anything else: one sequence per forward, so padding cannot change a score)."""
+    import torch
+
+    if isinstance(getattr(model, "score", None), torch.nn.Linear):  # HF's decoder classifiers
+        return "last"
+    if model.config.model_type in _FIRST_TOKEN_POOLING:
+        return "pooled"
+    return "alone"
+
+
+_FIRST_TOKEN_POOLING = {
+    "bert", "roberta", "xlm-roberta", "deberta", "deberta-v2", "distilbert", "electra",
+    "albert", "camembert", "modernbert", "mpnet",
+}  # fmt: skip
 
 
 _WORKER_SCORER: _Scorer | None = None
+_WORKER_SETTINGS: dict = {}
 
 
 def _load_worker(settings: dict) -> None:
-    """Worker initializer: set threads, load the model once."""
-    global _WORKER_SCORER
+    """Worker initializer: set threads and remember the settings (the model loads in
+    :func:`_ready`, so a load error reaches the parent with its message)."""
+    global _WORKER_SETTINGS
     import torch
 
     if settings["threads"] > 0:
         torch.set_num_threads(settings["threads"])
-    _WORKER_SCORER = _Scorer(settings)
+    _WORKER_SETTINGS = settings
 
 
 def _ready() -> None:
-    """Nothing; returns once the worker's initializer has loaded the model."""
+    """Load the model once; raises what loading raised."""
+    global _WORKER_SCORER
+    if _WORKER_SCORER is None:
+        _WORKER_SCORER = _Scorer(_WORKER_SETTINGS)
 
 
 def _worker_rewards(conversations: list[list[dict[str, str]]]) -> list[float]:
-    if _WORKER_SCORER is None:
-        raise RuntimeError("reward_model worker has no model loaded")
+    _ready()
     return _WORKER_SCORER.rewards(conversations)
