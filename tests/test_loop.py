@@ -61,7 +61,7 @@ def parts(pool, **algorithm) -> RLParts:
     tokenizer = build_tokenizer([f"q {i}" for i in range(20)], 300)
     return RLParts(
         cfg, None, FakeEngine(), tokenizer, pool, None, None, None,
-        TaskSampler(TASKS, 0), (), None, None,
+        TaskSampler(TASKS, 0), (), None, None, None,
     )  # fmt: skip
 
 

@@ -279,6 +279,38 @@ class RunConfig:
 
 
 @dataclass
+class PlacementConfig:
+    """Where the roles run. ``single``: everything in this process, no cluster (the default).
+    ``colocated`` / ``disaggregated``: Ray actors in one placement group (a local Ray is started
+    when none is running): ``trainers`` FSDP2 trainer workers forming one torch.distributed group
+    and ``engines`` rollout workers; colocated puts engine ``j`` in trainer ``j``'s bundle (they
+    share its devices), disaggregated gives every worker its own bundle."""
+
+    mode: Literal["single", "colocated", "disaggregated"] = "single"
+    trainers: int = 2
+    """Trainer workers (FSDP2 ranks)."""
+    engines: int = 1
+    """Engine (rollout) workers, each with its own inference engine."""
+    trainer_cpus: float = 1.0
+    """CPUs of one trainer worker's bundle (Ray resources)."""
+    engine_cpus: float = 1.0
+    trainer_gpus: float = 0.0
+    """GPUs of one trainer worker's bundle (1 on a GPU cluster; 0 here)."""
+    engine_gpus: float = 0.0
+    threads: int = 1
+    """torch intra-op threads of each worker process (1 on a 2-core machine)."""
+    weight_sync: Literal["auto", "shared_memory", "collective", "disk"] = "auto"
+    """Trainer -> engine transport. ``auto``: shared memory when colocated, a collective
+    (bucketed broadcast over torch.distributed) when disaggregated. ``disk``: the reference."""
+    bucket_mb: int = 64
+    """Bucket size of the collective transport, in MiB."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend: ``auto`` is NCCL with GPUs, gloo without."""
+    engine_restarts: int = 3
+    """How many times a dead engine worker is restarted in one run before the run fails."""
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -292,6 +324,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
@@ -518,12 +551,22 @@ def _check(cfg: Config) -> None:
         "trainer.warmup_steps": (cfg.trainer.warmup_steps, 0),
         "dpo.steps": (cfg.dpo.steps, 1),
         "dpo.batch_size": (cfg.dpo.batch_size, 1),
+        "placement.trainers": (cfg.placement.trainers, 1),
+        "placement.engines": (cfg.placement.engines, 1),
+        "placement.trainer_cpus": (cfg.placement.trainer_cpus, 0.0),
+        "placement.engine_cpus": (cfg.placement.engine_cpus, 0.0),
+        "placement.trainer_gpus": (cfg.placement.trainer_gpus, 0.0),
+        "placement.engine_gpus": (cfg.placement.engine_gpus, 0.0),
+        "placement.threads": (cfg.placement.threads, 1),
+        "placement.bucket_mb": (cfg.placement.bucket_mb, 1),
+        "placement.engine_restarts": (cfg.placement.engine_restarts, 0),
     }
     for key, (value, least) in bounds.items():
         if not (math.isfinite(value) and value >= least):  # also rejects nan and inf
             raise UserError(f"config {key}: must be at least {least} (and finite), got {value}")
     if cfg.rollout.temperature <= 0:
         raise UserError("config rollout.temperature: must be > 0 (RL samples n > 1 per prompt)")
+    _check_placement(cfg)
     if not (cfg.trainer.lr > 0 and cfg.sft.lr > 0):  # also rejects nan
         raise UserError("config trainer.lr / sft.lr: must be positive")
     for key, value in (("dpo.lr", cfg.dpo.lr), ("dpo.beta", cfg.dpo.beta)):
@@ -577,6 +620,28 @@ def _check(cfg: Config) -> None:
             raise UserError(
                 f"config {key}: only {{answer}} and {{reasoning}} may appear, got {sorted(fields)}"
             )
+
+
+def _check_placement(cfg: Config) -> None:
+    p = cfg.placement
+    if p.mode == "single":
+        return
+    if p.mode == "colocated" and p.engines > p.trainers:
+        raise UserError(
+            f"config placement.engines: colocated puts each engine in a trainer's bundle, so at "
+            f"most placement.trainers ({p.trainers}) engines, got {p.engines}"
+        )
+    if cfg.algorithm.kl.coef > 0 or cfg.algorithm.advantage == "gae":
+        raise UserError(
+            f"config placement.mode={p.mode}: the Ray trainer group does not host a reference "
+            "model or a critic yet; use placement.mode=single for KL (algorithm.kl.coef > 0) or "
+            "PPO with a critic (algorithm.advantage=gae)"
+        )
+    if cfg.trainer.bf16_autocast:
+        raise UserError(
+            f"config placement.mode={p.mode}: trainer.bf16_autocast is not supported by the "
+            "FSDP2 trainer group yet; set it to false"
+        )
 
 
 def _check_algorithm(cfg: Config) -> None:

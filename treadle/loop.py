@@ -20,6 +20,7 @@ from treadle.buffer import RolloutBuffer
 from treadle.checkpoint import CriticParts, save_checkpoint
 from treadle.config import Config
 from treadle.data import TaskSampler
+from treadle.distributed.weight_sync import WeightSync
 from treadle.engines import InferenceEngine, SamplingParams
 from treadle.evaluate import EvalResult, evaluate
 from treadle.observe import MetricsLogger, Progress, SampleRecord, timed, write_samples
@@ -27,6 +28,7 @@ from treadle.rewards.pool import RewardPool
 from treadle.rollout import (
     assign_advantages,
     build_samples,
+    check_policy_version,
     filter_groups,
     generate,
     outcome_rewards,
@@ -54,6 +56,8 @@ class RLParts:
     metrics: MetricsLogger
     buffer: RolloutBuffer
     """Every trained rollout by rollout id, one parquet file per step (``RUN/buffer``)."""
+    weight_sync: WeightSync
+    """Trainer -> engine transport (in-process, shared memory, collective or disk)."""
 
 
 def run_rl(parts: RLParts, start_step: int, progress: Progress) -> None:
@@ -67,7 +71,7 @@ def run_rl(parts: RLParts, start_step: int, progress: Progress) -> None:
         t: dict[str, float] = {}
         with timed(t, "step"):
             # generate -> score -> filter; dynamic sampling repeats it until the batch is full
-            batch = collect_rollouts(p, params, t)
+            batch = collect_rollouts(p, params, t, version=step)
             samples, sample_metrics = build_samples(batch.groups, algo)
             rewards, reward_metrics = outcome_rewards(batch.groups, algo, cfg.rollout.max_tokens)
             baselines = None
@@ -101,7 +105,7 @@ def run_rl(parts: RLParts, start_step: int, progress: Progress) -> None:
                     if not k.startswith(("perf/", "mismatch/"))
                 }
             with timed(t, "sync"):  # the engine serves the new weights before the next rollout
-                p.engine.update_weights(p.policy.named_weights(), version=step + 1)
+                sync_metrics = p.weight_sync.sync(version=step + 1)
         metrics = {
             **rollout_metrics(batch.groups),
             **batch.metrics,
@@ -109,8 +113,11 @@ def run_rl(parts: RLParts, start_step: int, progress: Progress) -> None:
             **reward_metrics,
             **adv_metrics,
             **update_metrics,
+            **sync_metrics,
             **t,
         }
+        if hasattr(p.engine, "restarts"):  # an engine group replaces workers that die
+            metrics["engine/restarts"] = float(p.engine.restarts)
         done = step + 1
         if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.run.steps:
             with timed(metrics, "eval"):
@@ -139,7 +146,9 @@ class Batch:
     """Reward failures/timeouts, and dynamic sampling's rounds and dropped groups."""
 
 
-def collect_rollouts(parts: RLParts, params: SamplingParams, t: dict[str, float]) -> Batch:
+def collect_rollouts(
+    parts: RLParts, params: SamplingParams, t: dict[str, float], version: int | None = None
+) -> Batch:
     """Generate and score ``rollout.prompts_per_step`` prompts' groups. With
     ``algorithm.dynamic_sampling`` (DAPO), groups whose rewards are all equal are dropped and
     more prompts are sampled, at most ``algorithm.max_sampling_rounds`` rounds; the batch is then
@@ -153,6 +162,8 @@ def collect_rollouts(parts: RLParts, params: SamplingParams, t: dict[str, float]
         tasks = p.sampler.next_batch(want)
         with timed(t, "generate"):
             generated = generate(p.engine, p.tokenizer, tasks, params)
+        if version is not None:
+            check_policy_version(generated, version)
         with timed(t, "reward"):
             scored = score(p.rewards, generated)
         failures, timeouts = failures + scored.failures, timeouts + scored.timeouts

@@ -37,6 +37,7 @@ from treadle.checkpoint import (
     latest_checkpoint,
     load_critic_state,
     load_trainer_state,
+    read_checkpoint_state,
     save_model_atomic,
     write_json_atomic,
 )
@@ -49,6 +50,7 @@ from treadle.data import (
     render_demonstration,
     render_prompt,
 )
+from treadle.distributed.weight_sync import InProcessSync
 from treadle.engines import EngineSpec, build_engine
 from treadle.errors import UserError
 from treadle.loop import RLParts, evaluate_policy, run_rl
@@ -223,31 +225,42 @@ def train(cfg: Config, resume: Path | None = None, console: Console | None = Non
     if cfg.sft.steps > 0:
         start = warm_up(cfg, data, start, run_dir, console)
     ckpt = latest_checkpoint(run_dir)
-    # The trainer keeps fp32 master weights whatever dtype the engine serves in.
-    model, tokenizer = load_model(ckpt / "model" if ckpt else start, "float32")
-    model.to("cuda" if torch.cuda.is_available() else "cpu")
-    engine = build_engine(
-        cfg.rollout.engine,
-        EngineSpec(
-            model_dir=str(ckpt / "model" if ckpt else start),
-            dtype=cfg.model.dtype,
-            seed=cfg.run.seed,
-            # Room for the model's whole context, capped to bound the KV cache it reserves.
-            max_model_len=max_model_len,
-            kv_cache_gib=cfg.rollout.kv_cache_gib,
-        ),
+    weights = ckpt / "model" if ckpt else start
+    spec = EngineSpec(
+        model_dir=str(weights),
+        dtype=cfg.model.dtype,
+        seed=cfg.run.seed,
+        # Room for the model's whole context, capped to bound the KV cache it reserves.
+        max_model_len=max_model_len,
+        kv_cache_gib=cfg.rollout.kv_cache_gib,
     )
-    policy = TorchBackend(
-        model, cfg.trainer, cfg.run.steps * cfg.trainer.mini_batches, cfg.rollout.temperature
-    )
+    version = read_checkpoint_state(ckpt)["step"] if ckpt else 0
+    if cfg.placement.mode == "single":
+        # The trainer keeps fp32 master weights whatever dtype the engine serves in.
+        model, tokenizer = load_model(weights, "float32")
+        model.to("cuda" if torch.cuda.is_available() else "cpu")
+        engine = build_engine(cfg.rollout.engine, spec)
+        engine.policy_version = version
+        policy = TorchBackend(
+            model, cfg.trainer, cfg.run.steps * cfg.trainer.mini_batches, cfg.rollout.temperature
+        )
+        weight_sync = InProcessSync(policy, engine)
+        device = model.device
+    else:
+        from treadle.distributed import build_ray_roles
+
+        console.print(f"placing roles with Ray ({cfg.placement.mode})")
+        tokenizer = AutoTokenizer.from_pretrained(weights)
+        policy, engine, weight_sync = build_ray_roles(cfg, spec, version, run_dir)
+        device = torch.device("cpu")
     reference = None
     if cfg.algorithm.kl.coef > 0:
         ref_model, _ = load_model(start, "float32")
-        ref_model.to(model.device)
+        ref_model.to(device)
         reference = TorchBackend(
             ref_model, cfg.trainer, 1, cfg.rollout.temperature, trainable=False
         )
-    critic = build_critic(cfg, start, ckpt, model.device)
+    critic = build_critic(cfg, start, ckpt, device)
     state = load_trainer_state(ckpt, policy.optimizer, policy.scheduler) if ckpt else {}
     position = DataPosition(**state["data_position"]) if state else None
     metrics = MetricsLogger(run_dir)
@@ -267,6 +280,7 @@ def train(cfg: Config, resume: Path | None = None, console: Console | None = Non
         data.held_out,
         metrics,
         buffer,
+        weight_sync,
     )
     try:
         summary = _load_json(run_dir / "before_rl.json")
@@ -306,6 +320,10 @@ def train(cfg: Config, resume: Path | None = None, console: Console | None = Non
     finally:
         parts.rewards.close()
         metrics.close()
+        if cfg.placement.mode != "single":
+            from treadle.distributed import close_ray_roles
+
+            close_ray_roles(policy, engine)
     summary["wall_time_s"] = time.perf_counter() - started
     write_summary(run_dir, summary)
     plot_run(run_dir / "metrics.jsonl", run_dir / "plot.png")

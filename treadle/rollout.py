@@ -96,6 +96,25 @@ def outcome_rewards(groups: Sequence[RolloutGroup], cfg: AlgorithmConfig, max_to
     return rewards, metrics
 
 
+def check_policy_version(generated: Sequence[Generated], version: int) -> None:
+    """Every completion must come from policy ``version`` (the trainer's weights now).
+
+    Raises:
+        StaleWeightsError: one came from another version: a weight sync was skipped or failed,
+            and training on it would silently mix policies.
+    """
+    from treadle.distributed.weight_sync import StaleWeightsError
+
+    for g in generated:
+        for c in g.completions:
+            if c.policy_version != version:
+                raise StaleWeightsError(
+                    f"task {g.task.task_id}: the engine sampled with policy version "
+                    f"{c.policy_version} but the trainer is at version {version}; a weight sync "
+                    "was skipped or failed"
+                )
+
+
 def build_samples(
     groups: Sequence[RolloutGroup], cfg: AlgorithmConfig
 ) -> tuple[list[TrainSample], dict[str, float]]:

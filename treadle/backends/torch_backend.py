@@ -41,6 +41,30 @@ def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
     return f
 
 
+def mini_batches(samples: Sequence[TrainSample], cfg: TrainerConfig) -> list[list[TrainSample]]:
+    """The ``cfg.mini_batches`` optimizer steps of one RL step: sample ``i`` goes to step
+    ``i mod k``; a step without any trained token is dropped."""
+    k = cfg.mini_batches
+    chunks = [[samples[i] for i in range(j, len(samples), k)] for j in range(k)]
+    return [c for c in chunks if any(any(s.loss_mask) for s in c)]
+
+
+def mean_over_steps(steps: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Metrics of several optimizer steps: the mean (a ``/max`` stays a maximum); the engine
+    mismatch is the first step's, measured before any update of this call (with ``k``
+    mini-batches, over a ``1/k`` share of the samples)."""
+    totals: dict[str, float] = {}
+    for stats in steps:
+        for name, v in stats.items():
+            if name.endswith("/max"):
+                totals[name] = max(totals.get(name, v), v)
+            else:
+                totals[name] = totals.get(name, 0.0) + v / len(steps)
+    if steps:
+        totals |= {k: v for k, v in steps[0].items() if k.startswith("mismatch/")}
+    return totals
+
+
 class TorchBackend:
     """Trains a Hugging Face model in this process: a causal-LM policy (``head="lm"``) or a
     critic (``head="value"``: a token-classification model with one output, the value).
@@ -110,10 +134,19 @@ class TorchBackend:
         return [pack(samples, idx).to(self.device) for idx in plan]
 
     @torch.no_grad()
-    def _compute(self, samples: Sequence[TrainSample], values: bool) -> list[list[float]]:
+    def compute(
+        self,
+        samples: Sequence[TrainSample],
+        values: bool,
+        micro_batches: int = 0,
+        filler: TrainSample | None = None,
+    ) -> list[list[float]]:
         self.model.eval()
         out: list[list[float]] = [[] for _ in samples]
-        for mb in self._micro_batches(samples):
+        micro = self._micro_batches(samples)
+        for _ in range(micro_batches - len(micro)):  # a sharded rank joins every all-gather
+            self.forward(pack([filler], [0]).to(self.device))
+        for mb in micro:
             outputs = self.forward(mb)
             flat = outputs.values if values else outputs.logprobs
             for i, v in zip(mb.sample_index, unpack(flat, mb.seq_lens), strict=True):
@@ -123,12 +156,12 @@ class TorchBackend:
     def compute_logprobs(self, samples: Sequence[TrainSample]) -> list[list[float]]:
         """Per-token logprobs ``[L]`` (nats) of each sample under the current weights (policy)."""
         assert self.head == "lm", "compute_logprobs needs head='lm'"
-        return self._compute(samples, values=False)
+        return self.compute(samples, values=False)
 
     def compute_values(self, samples: Sequence[TrainSample]) -> list[list[float]]:
         """Per-token values ``[L]`` of each sample under the current weights (critic)."""
         assert self.head == "value", "compute_values needs head='value'"
-        return self._compute(samples, values=True)
+        return self.compute(samples, values=True)
 
     def train_step(self, samples: Sequence[TrainSample], objective: Objective) -> dict[str, float]:
         """Split ``samples`` into ``cfg.mini_batches`` optimizer steps, each accumulated over
@@ -136,41 +169,48 @@ class TorchBackend:
         assert self.optimizer is not None and self.scheduler is not None, "frozen backend"
         self.model.train()
         t0 = time.perf_counter()
-        k = self.cfg.mini_batches
-        chunks = [[samples[i] for i in range(j, len(samples), k)] for j in range(k)]
-        steps = [
-            self._optimizer_step(c, objective) for c in chunks if any(any(s.loss_mask) for s in c)
-        ]
-        totals: dict[str, float] = {}
-        for stats in steps:  # mean over the optimizer steps taken (a maximum stays a maximum)
-            for name, v in stats.items():
-                if name.endswith("/max"):
-                    totals[name] = max(totals.get(name, v), v)
-                else:
-                    totals[name] = totals.get(name, 0.0) + v / len(steps)
-        # Measured in the first optimizer step, before any update of this call: the old policy
-        # vs the engine, over that step's samples (with k mini-batches, a 1/k share).
-        if steps:
-            totals |= {k: v for k, v in steps[0].items() if k.startswith("mismatch/")}
+        steps = [self.optimizer_step(c, objective) for c in mini_batches(samples, self.cfg)]
+        totals = mean_over_steps(steps)
         tokens = sum(len(s) for s in samples)
         totals["perf/tokens_per_s"] = tokens / max(time.perf_counter() - t0, 1e-9)
         totals["perf/tokens"] = float(tokens)
         return totals
 
-    def _optimizer_step(
-        self, samples: Sequence[TrainSample], objective: Objective
+    def optimizer_step(
+        self,
+        samples: Sequence[TrainSample],
+        objective: Objective,
+        totals: StepTotals | None = None,
+        micro_batches: int = 0,
+        filler: TrainSample | None = None,
+        loss_scale: float = 1.0,
     ) -> dict[str, float]:
+        """One optimizer step over ``samples``, accumulated over packed micro-batches.
+
+        A trainer rank of a sharded group passes the whole step's ``totals`` (the loss
+        denominators), runs at least ``micro_batches`` forward/backward passes (padding with
+        ``filler``, a fully masked sample, so every rank joins the same number of collectives)
+        and scales its loss by ``loss_scale`` (the world size: FSDP averages gradients, the
+        step-wide loss is their sum).
+        """
         micro = self._micro_batches(samples)
-        step = StepTotals(
+        real = len(micro)
+        if micro_batches > real:
+            assert filler is not None, "padding micro-batches need a filler sample"
+            micro += [pack([filler], [0]).to(self.device)] * (micro_batches - real)
+        step = totals or StepTotals(
             tokens=sum(sum(s.loss_mask) for s in samples),
             sequences=sum(any(s.loss_mask) for s in samples),
         )
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum, weighted = 0.0, {}
-        for mb in micro:
+        for i, mb in enumerate(micro):
             out = self.forward(mb, entropy_grad=objective.entropy_grad)
+            if i >= real:  # padding: joins the collectives, adds nothing
+                (out.logprobs if out.logprobs is not None else out.values).sum().mul(0.0).backward()
+                continue
             loss, metrics = objective(out, mb, step)
-            loss.backward()
+            (loss * loss_scale if loss_scale != 1.0 else loss).backward()
             loss_sum += loss.item()
             if out.logprobs is not None:
                 metrics |= mismatch_metrics(out.logprobs, mb.behavior_logprobs, mb.loss_mask)
@@ -194,6 +234,8 @@ class TorchBackend:
         optimizer and LR-schedule step; returns the pre-clip grad norm and the LR applied."""
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if hasattr(grad_norm, "full_tensor"):  # sharded parameters: a DTensor of the total norm
+            grad_norm = grad_norm.full_tensor()
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this step applies
         self.optimizer.step()
         self.scheduler.step()

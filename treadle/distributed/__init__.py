@@ -1,0 +1,66 @@
+"""Beyond one process: Ray placement, the FSDP2 trainer group, the engine group, weight sync.
+
+``placement.mode`` picks the layout; the RL loop is the same in every mode: it sees a policy
+with ``train_step``/``compute_logprobs``, an engine with ``generate``, and a
+:class:`~treadle.distributed.weight_sync.WeightSync`. Ray is imported only in the Ray modes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def build_ray_roles(cfg, spec, version: int, run_dir: Path):
+    """Place the roles of ``cfg.placement`` and start them: ``(trainer group, engine group,
+    weight sync)``. The weights in ``spec.model_dir`` are policy ``version``.
+
+    Raises:
+        UserError: Ray is not installed, or the cluster cannot hold the bundles.
+    """
+    import importlib.util
+
+    from treadle.errors import UserError
+
+    if importlib.util.find_spec("ray") is None:
+        raise UserError(
+            f"placement.mode={cfg.placement.mode} needs Ray: pip install 'treadle[ray]' "
+            "(scripts/install.sh does), or set placement.mode=single"
+        )
+    from treadle.distributed.engine_group import EngineGroup
+    from treadle.distributed.placement import place
+    from treadle.distributed.trainer_group import TrainerGroup, resolve_backend
+    from treadle.distributed.weight_sync import RaySync
+
+    p = cfg.placement
+    placement = place(p)
+    trainers = TrainerGroup(
+        p,
+        placement,
+        spec.model_dir,
+        cfg.trainer,
+        cfg.run.steps * cfg.trainer.mini_batches,
+        cfg.rollout.temperature,
+    )
+    engines = EngineGroup(
+        cfg.rollout.engine, spec, placement, p.threads, p.engine_restarts, version=version
+    )
+    transport = p.weight_sync
+    if transport == "auto":
+        transport = "shared_memory" if p.mode == "colocated" else "collective"
+    sync = RaySync(
+        transport,
+        trainers,
+        engines,
+        cfg.model.dtype,
+        p.bucket_mb,
+        disk_dir=run_dir / "weight_sync",
+        backend=resolve_backend(p),
+    )
+    return trainers, engines, sync
+
+
+def close_ray_roles(trainers, engines) -> None:
+    """Stop the workers and release the placement group (Ray itself keeps running)."""
+    trainers.close()
+    engines.close()
+    engines.placement.remove()
