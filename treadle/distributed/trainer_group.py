@@ -125,7 +125,7 @@ class TrainerWorker:
         model, _ = load_model(model_dir, "float32")
         model.to(device)
         mesh = init_device_mesh(device.type, (world,))
-        for layer in model.base_model.layers:  # one FSDP unit per decoder layer, then the root
+        for layer in decoder_layers(model):  # one FSDP unit per decoder layer, then the root
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         self.backend = TorchBackend(model, cfg, total_steps, temperature)
@@ -356,15 +356,15 @@ class TrainerGroup:
             parts, micro = self._split(chunk)
             for r, idx in enumerate(parts):
                 per_rank[r].append(([chunk[i] for i in idx], totals, micro))
-        if not chunks:
-            return {}
-        filler = filler_of(samples[0])
-        results = ray.get(
-            [
-                w.train.remote(steps, objective, filler)
-                for w, steps in zip(self.workers, per_rank, strict=True)
-            ]
-        )
+        results = []
+        if chunks:  # else nothing is trained this step (every sample fully masked)
+            filler = filler_of(samples[0])
+            results = ray.get(
+                [
+                    w.train.remote(steps, objective, filler)
+                    for w, steps in zip(self.workers, per_rank, strict=True)
+                ]
+            )
         merged = [merge_rank_metrics([r[k] for r in results]) for k in range(len(chunks))]
         totals = mean_over_steps(merged)
         tokens = sum(len(s) for s in samples)
@@ -410,6 +410,19 @@ class TrainerGroup:
         for w in self.workers:
             ray.kill(w)
         self.workers = []
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The model's stack of decoder layers (``layers`` in Llama/Qwen, ``h`` in GPT-2; else its
+    longest ``ModuleList``)."""
+    base = model.base_model
+    for name in ("layers", "h"):
+        if isinstance(getattr(base, name, None), torch.nn.ModuleList):
+            return getattr(base, name)
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    if not lists:
+        raise ValueError(f"{type(model).__name__}: no decoder layers to shard")
+    return max(lists, key=len)
 
 
 def resolve_backend(cfg: PlacementConfig) -> str:

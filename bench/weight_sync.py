@@ -1,0 +1,203 @@
+"""Weight sync: seconds and GB/s per transport against model size, next to a plain memory copy
+and a raw gloo broadcast of the same bytes, all measured in one run.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/weight_sync.py [--sizes 6M,40M,150M,0.5B] [--reps 3]
+
+For each size a Qwen2-shape model with random weights is saved, a local Ray places 2 FSDP2
+trainer ranks and 1 engine worker (the transformers engine, whose weight load is a plain
+``load_state_dict`` copy, so the numbers are the transport's rather than an engine's re-packing),
+and each transport syncs ``reps`` times after one warm-up (median reported, the checksum verified
+every time):
+
+- ``in_process``: single-process mode; trainer and engine in this process.
+- ``shared_memory``: rank 0 gathers the shards into buckets in Ray's object store; the engine maps
+  them.
+- ``collective``: rank 0 gathers and broadcasts 64 MiB buckets over a gloo group to the engine.
+- ``disk``: rank 0 writes a safetensors file, the engine reads it.
+
+Baselines on the same bytes: ``memcpy`` (one ``copy_`` of a flat buffer in this process) and
+``gloo broadcast`` (two fresh processes broadcasting the buffer in the same buckets, nothing
+else). Prints a markdown table and writes ``bench/weight_sync.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+
+SIZES = {  # name: (hidden, intermediate, layers, heads, kv heads, vocab)
+    "6M": (256, 688, 4, 4, 2, 4096),
+    "40M": (512, 1376, 8, 8, 4, 16384),
+    "150M": (768, 2048, 12, 12, 4, 32768),
+    "0.5B": (896, 4864, 24, 14, 2, 151936),  # the Qwen2.5-0.5B shape
+}
+BUCKET_MB = 64
+
+
+def build(name: str, folder: Path) -> int:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from treadle.models import build_tokenizer
+
+    hidden, inter, layers, heads, kv, vocab = SIZES[name]
+    config = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    model.save_pretrained(folder)
+    build_tokenizer(["a b c"], 300).save_pretrained(folder)
+    return sum(p.numel() for p in model.parameters())
+
+
+def median_time(fn, reps: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+class _Peer:
+    """A bare process of a 2-rank gloo group: the raw-broadcast baseline."""
+
+    def join(self, host, port, rank, prefix):
+        from treadle.distributed.weight_sync import new_sync_group
+
+        torch.set_num_threads(1)
+        self.group = new_sync_group(host, port, rank, 2, prefix, "gloo")
+
+    def broadcast(self, nbytes: int, bucket_bytes: int, reps: int) -> list[float]:
+        from treadle.distributed.weight_sync import broadcast
+
+        buffers = [
+            torch.ones(min(bucket_bytes, nbytes - off) // 4, dtype=torch.float32)
+            for off in range(0, nbytes, bucket_bytes)
+        ]
+        times = []
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            for b in buffers:
+                broadcast(self.group, b)
+            times.append(time.perf_counter() - t0)
+        return times[1:]
+
+
+def memcpy(nbytes: int, reps: int) -> float:
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    return median_time(lambda: dst.copy_(src), reps)
+
+
+def raw_broadcast(nbytes: int, reps: int) -> float:
+    import ray
+
+    from treadle.distributed.trainer_group import free_port
+
+    peer = ray.remote(num_cpus=0)(_Peer)
+    a, b = peer.remote(), peer.remote()
+    port = free_port()
+    ray.get(
+        [a.join.remote("127.0.0.1", port, 0, "raw"), b.join.remote("127.0.0.1", port, 1, "raw")]
+    )
+    out = ray.get([p.broadcast.remote(nbytes, BUCKET_MB * 2**20, reps) for p in (a, b)])
+    for p in (a, b):
+        ray.kill(p)
+    return statistics.median(max(x, y) for x, y in zip(*out, strict=True))
+
+
+def measure(name: str, reps: int, tmp: Path) -> dict:
+    from treadle.backends.torch_backend import TorchBackend
+    from treadle.config import PlacementConfig, TrainerConfig
+    from treadle.distributed import close_ray_roles
+    from treadle.distributed.engine_group import EngineGroup
+    from treadle.distributed.placement import place
+    from treadle.distributed.trainer_group import TrainerGroup
+    from treadle.distributed.weight_sync import InProcessSync, RaySync
+    from treadle.engines import EngineSpec, build_engine
+    from treadle.models import load_model
+
+    folder = tmp / name
+    params = build(name, folder)
+    spec = EngineSpec(str(folder), max_model_len=512)
+    row: dict = {"model": name, "parameters": params}
+
+    # in-process (single-process mode)
+    model, _ = load_model(folder, "float32")
+    policy = TorchBackend(model, TrainerConfig(), 10)
+    engine = build_engine("hf", spec)
+    sync = InProcessSync(policy, engine)
+    version = iter(range(1, 10**6))
+    row["bytes"] = int(sync.sync(0)["sync/bytes"])
+    row["in_process"] = median_time(lambda: sync.sync(next(version)), reps)
+    del model, policy, engine, sync
+
+    row["memcpy"] = memcpy(row["bytes"], reps)
+    row["gloo_broadcast"] = raw_broadcast(row["bytes"], reps)
+
+    cfg = PlacementConfig(mode="disaggregated", trainers=2, engines=1)
+    placement = place(cfg)
+    trainers = TrainerGroup(cfg, placement, folder, TrainerConfig(), 10, 1.0)
+    engines = EngineGroup("hf", spec, placement, 1)
+    for transport in ("shared_memory", "collective", "disk"):
+        sync = RaySync(transport, trainers, engines, "float32", BUCKET_MB, disk_dir=tmp / "disk")
+        row[transport] = median_time(lambda s=sync: s.sync(next(version)), reps)
+    close_ray_roles(trainers, engines)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sizes", default="6M,40M,150M,0.5B")
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args()
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    torch.set_num_threads(1)
+    rows = []
+    columns = ["in_process", "shared_memory", "collective", "disk", "memcpy", "gloo_broadcast"]
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.sizes.split(","):
+            row = measure(name, args.reps, Path(tmp))
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+    print(
+        f"\n{platform.node()}, {os.cpu_count()} cores, torch {torch.__version__}, ray "
+        f"{ray.__version__}; seconds (GB/s); medians of {args.reps} after a warm-up\n"
+    )
+    print("| model | params | GB | " + " | ".join(columns) + " | collective / gloo |")
+    print("|---" * (len(columns) + 4) + "|")
+    for row in rows:
+        gb = row["bytes"] / 1e9
+        cells = [f"{row[c]:.3f} s ({gb / row[c]:.2f})" for c in columns]
+        ratio = row["gloo_broadcast"] / row["collective"]
+        print(f"| {row['model']} | {row['parameters'] / 1e6:.0f}M | {gb:.2f} | "
+              + " | ".join(cells) + f" | {ratio:.2f} |")  # fmt: skip
+    out = Path(__file__).with_suffix(".json")
+    out.write_text(json.dumps({"reps": args.reps, "rows": rows}, indent=1))
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
