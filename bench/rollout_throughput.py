@@ -1,0 +1,176 @@
+"""Rollout throughput: new tokens per second of treadle's engine path (vLLM, in process) against
+transformers ``generate`` on the same model, prompts and sampling settings, in one run.
+
+    OMP_NUM_THREADS=2 .venv/bin/python bench/rollout_throughput.py [--sizes 0.5M,3M,25M,0.5B]
+        [--prompts 64] [--new-tokens 64] [--reps 3]
+
+Each size is a Qwen2-shape model with random weights (0.5B: the Qwen2.5-0.5B shape with the
+real Qwen3 tokenizer from ../shared/data; that size is skipped without it). Both sides get the
+same 64 prompts of 24-40 random tokens and sample at temperature 1 with no top-k/top-p cut, up to
+``--new-tokens`` (random weights rarely emit the end token; every token produced counts, up to
+and including an end token). Runs alternate (treadle, HF, treadle, HF, ...) after one warm-up
+each; the median tokens/s of each side and their ratio are printed
+as a markdown row and written to ``bench/rollout_throughput.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+import torch
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "tokenizers" / "qwen3"
+SIZES = {  # name: (hidden, intermediate, layers, heads, kv heads, vocab or None = the tokenizer's)
+    "0.5M": (128, 384, 2, 4, 2, 2048),  # head_dim 32: vLLM's CPU attention needs >= 32
+    "3M": (256, 512, 4, 4, 2, 4096),
+    "25M": (512, 1536, 6, 8, 4, 16384),
+    "0.5B": (896, 4864, 24, 14, 2, None),
+}
+
+
+def build(name: str, folder: Path) -> int:
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    from treadle.models import build_tokenizer
+
+    hidden, inter, layers, heads, kv, vocab = SIZES[name]
+    if vocab is None:
+        tokenizer = AutoTokenizer.from_pretrained(SHARED)
+    else:
+        tokenizer = build_tokenizer([f"w{i} {i}" for i in range(vocab)], vocab)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return sum(p.numel() for p in model.parameters())
+
+
+def prompts_for(vocab: int, count: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(24, 41, (count,), generator=g).tolist()
+    return [torch.randint(10, vocab - 10, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf_generate(model, prompts: list[list[int]], new_tokens: int, pad: int, eos: int) -> int:
+    """What a transformers user writes: left-padded batch, sampling, ``generate``; returns the
+    tokens produced (each row up to its first end token)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=new_tokens,
+            pad_token_id=pad,
+        )
+    new = out[:, width:].tolist()
+    return sum(row.index(eos) + 1 if eos in row else len(row) for row in new)
+
+
+def measure(name: str, args, tmp: Path) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from treadle.engines import EngineSpec, SamplingParams, build_engine
+
+    folder = tmp / name
+    params = build(name, folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    vocab = model.config.vocab_size
+    prompts = prompts_for(vocab, args.prompts)
+    engine = build_engine("vllm", EngineSpec(str(folder), max_model_len=1024, kv_cache_gib=2))
+    sampling = SamplingParams(n=1, temperature=1.0, max_tokens=args.new_tokens, seed=None)
+
+    def ours() -> int:
+        return sum(len(c.token_ids) for g in engine.generate(prompts, sampling) for c in g)
+
+    def theirs() -> int:
+        config = model.config
+        return hf_generate(
+            model, prompts, args.new_tokens, config.pad_token_id, config.eos_token_id
+        )
+
+    rates: dict[str, list[float]] = {"treadle": [], "hf_generate": []}
+    for fn in (ours, theirs):
+        fn()  # warm-up
+    for _ in range(args.reps):
+        for label, fn in (("treadle", ours), ("hf_generate", theirs)):
+            t0 = time.perf_counter()
+            tokens = fn()
+            rates[label].append(tokens / (time.perf_counter() - t0))
+    engine.close()
+    row = {
+        "model": name,
+        "parameters": params,
+        **{k: statistics.median(v) for k, v in rates.items()},
+    }
+    row["runs"] = rates
+    row["ratio"] = row["treadle"] / row["hf_generate"]
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sizes", default="0.5M,3M,25M,0.5B")
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args()
+    import transformers
+    import vllm
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.sizes.split(","):
+            if SIZES[name][-1] is None and not SHARED.exists():
+                print(f"skipping {name}: needs the Qwen3 tokenizer in {SHARED}", file=sys.stderr)
+                continue
+            rows.append(measure(name, args, Path(tmp)))
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    print(
+        f"\n{platform.node()}, {os.cpu_count()} cores, torch {torch.__version__}, vllm "
+        f"{vllm.__version__}, transformers {transformers.__version__}; {args.prompts} prompts x "
+        f"{args.new_tokens} new tokens, sampling at T=1; median of {args.reps} alternating runs\n"
+    )
+    print("| model | params | treadle (vLLM) tok/s | transformers generate tok/s | ratio |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['model']} | {r['parameters'] / 1e6:.1f}M | {r['treadle']:.0f} | "
+            f"{r['hf_generate']:.0f} | {r['ratio']:.2f}x |"
+        )
+    Path(__file__).with_suffix(".json").write_text(json.dumps({"args": vars(args), "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
