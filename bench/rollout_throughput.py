@@ -29,40 +29,23 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import torch
+from shapes import random_qwen2
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "tokenizers" / "qwen3"
-SIZES = {  # name: (hidden, intermediate, layers, heads, kv heads, vocab or None = the tokenizer's)
-    "0.5M": (128, 384, 2, 4, 2, 2048),  # head_dim 32: vLLM's CPU attention needs >= 32
-    "3M": (256, 512, 4, 4, 2, 4096),
-    "25M": (512, 1536, 6, 8, 4, 16384),
-    "0.5B": (896, 4864, 24, 14, 2, None),
-}
+VOCAB = {"0.5M": 2048, "3M": 4096, "25M": 16384, "0.5B": None}  # None: the Qwen3 tokenizer's
 
 
 def build(name: str, folder: Path) -> int:
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoTokenizer
 
     from treadle.models import build_tokenizer
 
-    hidden, inter, layers, heads, kv, vocab = SIZES[name]
+    vocab = VOCAB[name]
     if vocab is None:
         tokenizer = AutoTokenizer.from_pretrained(SHARED)
     else:
         tokenizer = build_tokenizer([f"w{i} {i}" for i in range(vocab)], vocab)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
+    model = random_qwen2(name, len(tokenizer), 1024, tokenizer)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return sum(p.numel() for p in model.parameters())
@@ -152,7 +135,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.sizes.split(","):
-            if SIZES[name][-1] is None and not SHARED.exists():
+            if VOCAB[name] is None and not SHARED.exists():
                 print(f"skipping {name}: needs the Qwen3 tokenizer in {SHARED}", file=sys.stderr)
                 continue
             rows.append(measure(name, args, Path(tmp)))

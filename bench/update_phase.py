@@ -29,12 +29,9 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
+from shapes import random_qwen2
 
-SIZES = {  # name: (hidden, intermediate, layers, heads, kv heads, vocab)
-    "0.5M": (128, 384, 2, 4, 2, 2048),
-    "3M": (256, 512, 4, 4, 2, 4096),
-    "25M": (512, 1536, 6, 8, 4, 16384),
-}
+VOCAB = {"0.5M": 2048, "3M": 4096, "25M": 16384}
 
 
 def matmul_peak(dtype: torch.dtype, n: int = 2048, reps: int = 5) -> float:
@@ -94,29 +91,16 @@ def padding(samples, budget: int) -> tuple[float, float]:
 
 
 def measure(name: str, reps: int) -> dict:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     from treadle.algorithms.objectives import PolicyObjective
     from treadle.backends.torch_backend import TorchBackend
     from treadle.config import AlgorithmConfig, TrainerConfig
 
-    hidden, inter, layers, heads, kv, vocab = SIZES[name]
-    config = Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-    )
+    vocab = VOCAB[name]
     samples = batch(vocab)
     objective = PolicyObjective.from_config(AlgorithmConfig(), 40)
     row: dict = {"model": name}
     for label, bf16 in (("fp32", False), ("bf16_autocast", True)):
-        torch.manual_seed(0)
-        model = Qwen2ForCausalLM(config)
+        model = random_qwen2(name, vocab)
         row["parameters"] = sum(p.numel() for p in model.parameters())
         trainer = TrainerConfig(lr=1e-5, micro_batch_tokens=4096, bf16_autocast=bf16)
         backend = TorchBackend(model, trainer, 100)

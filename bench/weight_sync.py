@@ -35,34 +35,16 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
+from shapes import random_qwen2
 
-SIZES = {  # name: (hidden, intermediate, layers, heads, kv heads, vocab)
-    "6M": (256, 688, 4, 4, 2, 4096),
-    "40M": (512, 1376, 8, 8, 4, 16384),
-    "150M": (768, 2048, 12, 12, 4, 32768),
-    "0.5B": (896, 4864, 24, 14, 2, 151936),  # the Qwen2.5-0.5B shape
-}
+VOCAB = {"6M": 4096, "40M": 16384, "150M": 32768, "0.5B": 151936}
 BUCKET_MB = 64
 
 
 def build(name: str, folder: Path) -> int:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     from treadle.models import build_tokenizer
 
-    hidden, inter, layers, heads, kv, vocab = SIZES[name]
-    config = Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
+    model = random_qwen2(name, VOCAB[name])
     model.save_pretrained(folder)
     build_tokenizer(["a b c"], 300).save_pretrained(folder)
     return sum(p.numel() for p in model.parameters())
@@ -168,7 +150,7 @@ def measure(name: str, reps: int, tmp: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--sizes", default="6M,40M,150M,0.5B")
+    parser.add_argument("--sizes", default=",".join(VOCAB))
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
     import ray
