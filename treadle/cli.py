@@ -97,7 +97,8 @@ def _run(args: argparse.Namespace) -> int:
 
     console = Console()
     if args.command == "inspect":
-        return _inspect(args, console)
+        # Piped to a file or a pager, rich would wrap the table at 80 columns.
+        return _inspect(args, console if console.is_terminal else Console(width=160))
     recipe = args.recipe
     overrides = list(args.overrides)
     if args.command == "train" and args.resume is not None:

@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from treadle.buffer import BUFFER_DIRNAME, RolloutBuffer
-from treadle.checkpoint import checkpoint_dirname, load_trainer_state
+from treadle.checkpoint import checkpoint_dirname, list_checkpoints, load_trainer_state
 from treadle.config import Config, load_config
 from treadle.errors import UserError
 
@@ -115,9 +115,13 @@ def replay_step(run_dir: Path, step: int) -> Replay:
     elif (before / "model").is_dir():
         start = before / "model"
     else:
+        kept = [s + 1 for s, _ in list_checkpoints(run_dir) if s + 1 in buffer.steps()]
+        can = ", ".join(map(str, [1, *kept] if 1 in buffer.steps() else kept)) or "none"
         raise UserError(
-            f"replay {run_dir} --step {step}: the weights before step {step} are gone "
-            f"({before} was pruned); set run.keep_last high enough to replay every step"
+            f"replay {run_dir} --step {step}: there is no checkpoint of step {step - 1} (this run "
+            f"saved every run.save_every={cfg.run.save_every} steps and kept the last "
+            f"run.keep_last={cfg.run.keep_last}); steps it can replay: {can}. To replay any "
+            "step, train with run.save_every=1 and a large run.keep_last"
         )
     torch.set_num_threads(cfg.run.threads)
     model, _ = load_model(start, "float32")
