@@ -58,6 +58,11 @@ CASES = {
         {},
         ["trainer.lrr", "did you mean trainer.lr?"],
     ),
+    "gpu-bundles-without-a-gpu": Case(
+        ["train", str(DEFAULT), *SMALL, "placement.mode=disaggregated", "placement.trainer_gpus=1"],
+        {},
+        ["placement:", "no GPU is visible"],
+    ),
     "empty-dataset": Case(
         [
             "train",

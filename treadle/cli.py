@@ -59,7 +59,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     inspect.add_argument("run_dir", type=Path)
     inspect.add_argument("--step", type=int, help="the RL step (default: the last stored)")
-    inspect.add_argument("--limit", type=int, default=32, help="rollouts to print")
+    inspect.add_argument("--limit", type=_positive, default=32, help="rollouts to print")
     inspect.add_argument(
         "--replay", action="store_true", help="recompute the step's loss and weights from disk"
     )
@@ -148,6 +148,13 @@ def _run(args: argparse.Namespace) -> int:
 
     train(cfg, resume=args.resume, console=console)
     return 0
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
 
 
 def _inspect(args: argparse.Namespace, console) -> int:

@@ -171,3 +171,23 @@ def test_a_killed_engine_worker_is_replaced_and_its_requests_retried(roles, one_
     assert max_diff(engines.prompt_logprobs([s.token_ids for s in samples]),
                     trainers.compute_logprobs(samples)) < 1e-4  # fmt: skip
     assert torch.get_num_threads() == 1
+
+
+def test_an_engine_killed_before_a_sync_is_replaced_and_the_sync_completes(roles, one_torch_thread):
+    from treadle.distributed.weight_sync import RaySync
+
+    _, trainers, engines, prompts = roles
+    sync = RaySync("collective", trainers, engines, "float32", bucket_mb=1)
+    sync.sync(engines.policy_version + 1)  # the collective group is up
+    samples = samples_from(prompts, engines.generate(prompts, SamplingParams(n=2, max_tokens=8)))
+    trainers.train_step(samples, OBJECTIVE)
+    restarts = engines.restarts
+    (pid,) = engines.pids()
+    os.kill(pid, signal.SIGKILL)  # dies between the update and the sync
+    version = engines.policy_version + 1
+    sync.sync(version)  # the broadcast fails, the worker is replaced, the sync is redone
+    assert engines.restarts == restarts + 1 and engines.pids() != [pid]
+    assert engines.policy_version == version
+    assert max_diff(engines.prompt_logprobs([s.token_ids for s in samples[:4]]),
+                    trainers.compute_logprobs(samples[:4])) < 1e-4  # fmt: skip
+    assert trainers.compute_logprobs([]) == []

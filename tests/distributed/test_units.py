@@ -6,9 +6,14 @@ import pytest
 import torch
 
 from treadle.config import PlacementConfig, load_config
-from treadle.distributed.engine_group import route
+from treadle.distributed.engine_group import route, worker_seed
 from treadle.distributed.placement import Slot, bundles
-from treadle.distributed.trainer_group import balance, filler_of, merge_rank_metrics
+from treadle.distributed.trainer_group import (
+    _keyed_by_name,
+    balance,
+    filler_of,
+    merge_rank_metrics,
+)
 from treadle.distributed.weight_sync import (
     Bucket,
     Bucketer,
@@ -32,6 +37,11 @@ def test_route_keeps_prompts_whole_and_balances_expected_tokens():
     # n=2, max_tokens=10: work = 2 * (len + 10): 30 -> w0 (80), 20 -> w1 (60), 5 -> w1 (30 more).
     assert route([30, 5, 20], n=2, max_tokens=10, workers=2) == [[0], [1, 2]]
     assert route([3], n=4, max_tokens=8, workers=2) == [[0], []]
+
+
+def test_engine_workers_and_their_restarts_get_distinct_seeds():
+    seeds = {worker_seed(0, j, r) for j in range(8) for r in range(4)}
+    assert len(seeds) == 32 and worker_seed(5, 0, 0) == 5  # one engine, no restart: run.seed
 
 
 def test_buckets_round_trip_and_the_receiver_plans_the_same_buckets():
@@ -79,6 +89,22 @@ def test_checksum_sees_updates_and_swaps():
     assert fingerprint([("a", a), ("b", b)]) != fingerprint([("a", b), ("b", a)])
     with pytest.raises(StaleWeightsError, match="policy version 4"):
         verify(4, fingerprint([("a", a)]), fingerprint([("a", b)]), "engine 0")
+    nan = fingerprint([("a", torch.tensor([float("nan")]))])
+    with pytest.raises(FloatingPointError, match="training diverged"):
+        verify(5, nan, nan, "engine 0")  # a diverged trainer, not a broken transfer
+
+
+def test_a_single_process_optimizer_state_is_rekeyed_by_parameter_name():
+    state = {
+        "state": {0: {"step": 3}, 1: {"step": 3}},
+        "param_groups": [{"lr": 0.1, "params": [0, 1]}],
+    }
+    assert _keyed_by_name(state, ["w", "b"]) == {
+        "state": {"w": {"step": 3}, "b": {"step": 3}},
+        "param_groups": [{"lr": 0.1, "params": ["w", "b"]}],
+    }
+    named = {"state": {"w": {}}, "param_groups": [{"params": ["w"]}]}
+    assert _keyed_by_name(named, ["w"]) is named
 
 
 def test_merged_rank_metrics_add_shares_and_keep_global_values():
@@ -91,7 +117,7 @@ def test_merged_rank_metrics_add_shares_and_keep_global_values():
         "grad_norm": 2.0,
         "lr": 1e-3,
         "ratio/max": 1.1,
-        "perf/micro_batches": 2.0,
+        "perf/micro_batches": 4.0,  # computed on the two ranks together
     }
 
 

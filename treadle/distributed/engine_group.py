@@ -17,6 +17,7 @@ again; results are stored by prompt position, so each prompt's samples come back
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -112,6 +113,13 @@ class EngineWorker:
         return self._apply(named, version)
 
 
+def worker_seed(seed: int, worker: int, restarts: int) -> int:
+    """The sampling seed of engine ``worker`` after ``restarts`` restarts in the group: workers
+    sharing one seed would draw the same random numbers for different prompts, and a restarted
+    worker would replay its predecessor's."""
+    return seed + 1000 * worker + 7919 * restarts
+
+
 def route(prompt_lengths: Sequence[int], n: int, max_tokens: int, workers: int) -> list[list[int]]:
     """Prompt indices per worker: each prompt (with its ``n`` samples) to one worker, longest
     first to the worker with the least expected tokens (``n * (prompt + max_tokens)``)."""
@@ -157,8 +165,21 @@ class EngineGroup:
         ray.get([w.pid.remote() for w in self.workers])
 
     def _start(self, j: int, version: int):
+        spec = dataclasses.replace(self.spec, seed=worker_seed(self.spec.seed, j, self.restarts))
         options = self.placement.options(self.placement.engines[j])
-        return self._actor.options(**options).remote(self.engine, self.spec, self.threads, version)
+        return self._actor.options(**options).remote(self.engine, spec, self.threads, version)
+
+    def dead(self) -> list[int]:
+        """Indices of workers that do not answer (their process died)."""
+        import ray
+
+        out = []
+        for j, w in enumerate(self.workers):
+            try:
+                ray.get(w.pid.remote(), timeout=60)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                out.append(j)
+        return out
 
     def pids(self) -> list[int]:
         import ray
@@ -192,7 +213,7 @@ class EngineGroup:
                 try:
                     outs = ray.get(ref)
                 except ray.exceptions.RayActorError as error:
-                    self._replace(j, error)
+                    self.replace(j, error)
                     retry[j] = pending[j]  # its unfinished requests go to the new worker
                     continue
                 for i, completions in zip(pending[j], outs, strict=True):
@@ -208,7 +229,13 @@ class EngineGroup:
                     )
         return results
 
-    def _replace(self, j: int, error: Exception) -> None:
+    def replace(self, j: int, error: Exception, version: int | None = None) -> None:
+        """Start a new worker ``j`` in place of a dead one and give it the trainer's current
+        weights as policy ``version`` (default: the version last synced).
+
+        Raises:
+            RuntimeError: no restarts left (``placement.engine_restarts``).
+        """
         import ray
 
         if self.restarts_left <= 0:
@@ -221,12 +248,13 @@ class EngineGroup:
         logger.warning("engine worker %d died (%s); starting a new one", j, type(error).__name__)
         ray.kill(self.workers[j])
         # The new worker starts from the initial weights, then gets the current ones.
+        version = self.policy_version if version is None else version
         worker = self._start(j, 0)
         ray.get(worker.pid.remote())
-        if self.policy_version != 0:
+        if version != 0:
             if self.restore is None:
                 raise RuntimeError("engine group has no weight transport to restore weights from")
-            self.restore(worker, self.policy_version)
+            self.restore(worker, version)
         self.workers[j] = worker
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:

@@ -231,6 +231,7 @@ class TrainerWorker:
         )
 
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
+        state = _keyed_by_name(state, [n for n, _ in self.backend.model.named_parameters()])
         set_optimizer_state_dict(
             self.backend.model, self.backend.optimizer, optim_state_dict=state, options=options
         )
@@ -247,20 +248,49 @@ class TrainerWorker:
     def broadcast_weights(self, dtype: str, bucket_bytes: int) -> float | None:
         """Gather each weight (all ranks) and broadcast it in buckets to the engines (rank 0).
         Rank 0 returns the checksum of what it sent."""
-        from treadle.distributed.weight_sync import Bucketer, broadcast, checksum
+        from treadle.distributed.weight_sync import Bucketer, checksum
 
-        bucketer, total = Bucketer(bucket_bytes), 0.0
+        bucketer, total, failure = Bucketer(bucket_bytes), 0.0, None
         for i, (name, full) in enumerate(self.full_weights(dtype)):
             if self.rank != 0:
                 continue
             total += (i + 1) * checksum(full)
             for bucket in bucketer.add(name, full):
-                broadcast(self._sync_group, bucket.flat)
+                # An engine that dies mid-broadcast must not stop rank 0 from joining the other
+                # ranks' remaining all-gathers (they would wait for it forever): note, go on.
+                failure = failure or _try_broadcast(self._sync_group, bucket.flat)
         if self.rank != 0:
             return None
         for bucket in bucketer.flush():
-            broadcast(self._sync_group, bucket.flat)
+            failure = failure or _try_broadcast(self._sync_group, bucket.flat)
+        if failure is not None:
+            self._sync_group = None
+            raise RuntimeError(f"weight broadcast to the engines failed: {failure}")
         return total
+
+
+def _keyed_by_name(state: dict, names: list[str]) -> dict:
+    """An optimizer state dict keyed by parameter index (``torch.optim``'s own, as a
+    single-process checkpoint holds it) re-keyed by parameter name (what FSDP's full state dict
+    uses); a name-keyed one is returned as is."""
+    if not any(isinstance(k, int) for k in state.get("state", {})):
+        return state
+    return {
+        "state": {names[k]: v for k, v in state["state"].items()},
+        "param_groups": [
+            {**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]
+        ],
+    }
+
+
+def _try_broadcast(group, tensor: torch.Tensor) -> str | None:
+    from treadle.distributed.weight_sync import broadcast
+
+    try:
+        broadcast(group, tensor)
+        return None
+    except Exception as error:  # gloo: connection reset by a dead peer
+        return f"{type(error).__name__}: {error}"
 
 
 @dataclass
@@ -343,7 +373,6 @@ class TrainerGroup:
         """As :meth:`TorchBackend.train_step`, sharded: the same optimizer steps, the same
         step-wide denominators; metrics merged over ranks (token-weighted means add up, maxima
         stay maxima, grad norm and LR are global)."""
-        import ray
 
         start = time.perf_counter()
         chunks = mini_batches(samples, self.trainer_cfg)
@@ -359,7 +388,7 @@ class TrainerGroup:
         results = []
         if chunks:  # else nothing is trained this step (every sample fully masked)
             filler = filler_of(samples[0])
-            results = ray.get(
+            results = self._get(
                 [
                     w.train.remote(steps, objective, filler)
                     for w, steps in zip(self.workers, per_rank, strict=True)
@@ -373,11 +402,12 @@ class TrainerGroup:
         return totals
 
     def compute_logprobs(self, samples: Sequence[TrainSample]) -> list[list[float]]:
-        import ray
 
+        if not samples:
+            return []
         parts, micro = self._split(samples)
         filler = filler_of(samples[0])
-        outs = ray.get(
+        outs = self._get(
             [
                 w.compute_logprobs.remote([samples[i] for i in idx], micro, filler)
                 for w, idx in zip(self.workers, parts, strict=True)
@@ -390,19 +420,26 @@ class TrainerGroup:
         return result
 
     def save_pretrained(self, folder) -> None:
-        import ray
-
-        ray.get([w.save_pretrained.remote(str(folder)) for w in self.workers])
+        self._get([w.save_pretrained.remote(str(folder)) for w in self.workers])
 
     def optimizer_state(self) -> tuple[dict, dict]:
-        import ray
-
-        return ray.get([w.optimizer_state.remote() for w in self.workers])[0]
+        return self._get([w.optimizer_state.remote() for w in self.workers])[0]
 
     def load_optimizer_state(self, optimizer: dict, scheduler: dict) -> None:
+        self._get([w.load_optimizer_state.remote(optimizer, scheduler) for w in self.workers])
+
+    def _get(self, refs: list):
+        """``ray.get`` that names a dead rank: the group cannot go on without it (FSDP shards
+        live on every rank), so the run stops and can be resumed from its last checkpoint."""
         import ray
 
-        ray.get([w.load_optimizer_state.remote(optimizer, scheduler) for w in self.workers])
+        try:
+            return ray.get(refs)
+        except ray.exceptions.RayActorError as error:
+            raise RuntimeError(
+                f"a trainer rank died ({type(error).__name__}); the sharded model cannot go on "
+                "without it: continue from the last checkpoint with treadle train --resume RUN_DIR"
+            ) from error
 
     def close(self) -> None:
         import ray
@@ -433,13 +470,14 @@ def resolve_backend(cfg: PlacementConfig) -> str:
 
 def merge_rank_metrics(ranks: Sequence[dict[str, float]]) -> dict[str, float]:
     """One optimizer step's metrics from its ranks: each rank's loss and token-weighted means
-    are its share of the step's (weights over the step's tokens), so they add up; maxima take
-    the maximum; grad norm and LR are the same on every rank (global)."""
+    are its share of the step's (weights over the step's tokens), so they add up, as do the
+    micro-batches computed (padding included); maxima take the maximum; grad norm and LR are the
+    same on every rank (global)."""
     out: dict[str, float] = {}
     names = dict.fromkeys(k for r in ranks for k in r)  # a rank with no trained token lacks some
     for name in names:
         values = [r[name] for r in ranks if name in r]
-        if name.endswith("/max") or name == "perf/micro_batches":
+        if name.endswith("/max"):
             out[name] = max(values)
         elif name in ("grad_norm", "lr"):
             out[name] = values[0]
