@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 import re
 from pathlib import Path
 
@@ -158,7 +159,9 @@ def test_timed_accumulates_per_phase(monkeypatch: pytest.MonkeyPatch) -> None:
     with timed(timings, "update"):
         pass
     # generate: (12.5 - 10) + (21 - 20) = 3.5; update: 4.0 already there + 0.25
-    assert timings == {"time/generate_s": 3.5, "time/update_s": 4.25}
+    times = {k: v for k, v in timings.items() if k.startswith("time/")}
+    assert times == {"time/generate_s": 3.5, "time/update_s": 4.25}
+    assert set(timings) - set(times) <= {"mem/generate_peak_gib", "mem/update_peak_gib"}
 
 
 def test_timed_counts_a_failing_phase(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -166,7 +169,7 @@ def test_timed_counts_a_failing_phase(monkeypatch: pytest.MonkeyPatch) -> None:
     timings: dict[str, float] = {}
     with pytest.raises(ZeroDivisionError), timed(timings, "score"):
         _ = 1 / 0
-    assert timings == {"time/score_s": 2.0}
+    assert timings["time/score_s"] == 2.0
 
 
 def test_timed_measures_real_time() -> None:
@@ -176,6 +179,27 @@ def test_timed_measures_real_time() -> None:
     with timed(timings, "sleep"):
         time.sleep(0.05)
     assert 0.04 < timings["time/sleep_s"] < 1.0
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
+def test_timed_records_each_phase_peak_memory_and_nested_ones_add_up() -> None:
+    mib = 2**20 / 2**30  # one MiB in GiB
+    timings: dict[str, float] = {}
+    with timed(timings, "step"):
+        with timed(timings, "small"):
+            pass
+        with timed(timings, "big"):
+            block = bytearray(300 * 2**20)
+            for i in range(0, len(block), 4096):  # touch every page: 300 MiB resident
+                block[i] = 1
+            del block
+        with timed(timings, "after"):
+            pass
+    # "big" held 300 MiB more than "small" and "after" (freed before "after" began); "step"
+    # encloses "big", so its peak is at least big's although "after" reset the counter later.
+    assert timings["mem/big_peak_gib"] - timings["mem/small_peak_gib"] > 290 * mib
+    assert timings["mem/big_peak_gib"] - timings["mem/after_peak_gib"] > 290 * mib
+    assert timings["mem/step_peak_gib"] >= timings["mem/big_peak_gib"]
 
 
 def test_progress_prints_plain_lines_when_not_a_terminal() -> None:

@@ -12,11 +12,13 @@ Files under a run directory ``RUN``:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import numbers
 import os
+import re
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -268,16 +270,85 @@ def read_samples(path: str | os.PathLike[str]) -> list[SampleRecord]:
 
 @contextmanager
 def timed(timings: dict[str, float], name: str) -> Iterator[None]:
-    """Add the wall time (seconds) of the ``with`` body to ``timings[f"time/{name}_s"]``.
+    """Add the wall time (seconds) of the ``with`` body to ``timings[f"time/{name}_s"]`` and
+    record its peak memory in ``timings[f"mem/{name}_peak_gib"]`` (GiB).
 
-    Repeated phases accumulate into one key. The time is added even if the body raises.
+    Repeated phases accumulate their time into one key and keep their largest peak. The peak is
+    this process's resident memory (Linux ``VmHWM``, reset at the start of each phase; the
+    trainer and an in-process engine, not the reward workers or Ray actors, which are processes
+    of their own), and with a GPU also ``mem/{name}_cuda_peak_gib`` (``max_memory_allocated``).
+    Nested phases are measured correctly: an enclosing phase's peak includes its inner ones.
+    Where ``/proc`` cannot be read or reset (not Linux), no memory key is written. The time is
+    added even if the body raises.
     """
     key = f"time/{name}_s"
     start = time.perf_counter()
+    entry = _PeakEntry(name)
+    _enter_peak(entry)
     try:
         yield
     finally:
         timings[key] = timings.get(key, 0.0) + (time.perf_counter() - start)
+        _exit_peak(entry, timings)
+
+
+@dataclass
+class _PeakEntry:
+    name: str
+    rss: int = 0
+    cuda: int = 0
+
+
+_OPEN_PHASES: list[_PeakEntry] = []
+
+
+def _vm_hwm() -> int | None:
+    """This process's peak resident set size since the last reset, in bytes (None: no /proc)."""
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    match = re.search(r"VmHWM:\s+(\d+) kB", text)
+    return int(match.group(1)) * 1024 if match else None
+
+
+def _reset_peaks() -> None:
+    import torch
+
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _cuda_peak() -> int:
+    import torch
+
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+
+
+def _enter_peak(entry: _PeakEntry) -> None:
+    hwm, cuda = _vm_hwm() or 0, _cuda_peak()
+    for outer in _OPEN_PHASES:  # the peak so far belongs to every open phase before the reset
+        outer.rss, outer.cuda = max(outer.rss, hwm), max(outer.cuda, cuda)
+    _reset_peaks()
+    _OPEN_PHASES.append(entry)
+
+
+def _exit_peak(entry: _PeakEntry, timings: dict[str, float]) -> None:
+    hwm = _vm_hwm()
+    entry.rss, entry.cuda = max(entry.rss, hwm or 0), max(entry.cuda, _cuda_peak())
+    if entry in _OPEN_PHASES:
+        _OPEN_PHASES.remove(entry)
+    for outer in _OPEN_PHASES:
+        outer.rss, outer.cuda = max(outer.rss, entry.rss), max(outer.cuda, entry.cuda)
+    if hwm is None:
+        return
+    key = f"mem/{entry.name}_peak_gib"
+    timings[key] = max(timings.get(key, 0.0), entry.rss / 2**30)
+    if entry.cuda:
+        key = f"mem/{entry.name}_cuda_peak_gib"
+        timings[key] = max(timings.get(key, 0.0), entry.cuda / 2**30)
 
 
 def _fmt_opt(value: float | None, fmt: str) -> str:
