@@ -24,7 +24,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from treadle.checkpoint import _fsync_dir
+from treadle.checkpoint import write_bytes_atomic
 from treadle.types import RolloutGroup, TrainSample
 
 BUFFER_DIRNAME = "buffer"
@@ -184,14 +184,9 @@ class RolloutBuffer:
                     "returns": s.returns,
                 }
             )
-        path = self.path(step)
-        tmp = path.with_name(f".{path.name}.tmp")
-        with open(tmp, "wb") as f:
-            pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(self.root)
+        out = pa.BufferOutputStream()
+        pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), out)
+        path = write_bytes_atomic(self.path(step), out.getvalue().to_pybytes())
         self._ids.update((row["rollout_id"], step) for row in rows)
         return path
 

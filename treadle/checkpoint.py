@@ -86,9 +86,14 @@ def _fsync_dir(path: Path) -> None:
 
 
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
-    """Write ``text`` (UTF-8) to ``path`` so readers see the old file or the new one, never half.
+    """Write ``text`` (UTF-8) to ``path`` atomically: :func:`write_bytes_atomic`."""
+    return write_bytes_atomic(path, text.encode("utf-8"))
 
-    The text goes to a temporary file in the same directory, is fsynced, and replaces ``path``
+
+def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
+    """Write ``data`` to ``path`` so readers see the old file or the new one, never half.
+
+    The bytes go to a temporary file in the same directory, is fsynced, and replaces ``path``
     with :func:`os.replace`; the directory is fsynced afterwards. Parent directories are created.
 
     Returns:
@@ -104,8 +109,8 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
     try:
         # mkstemp creates the file 0600; keep the replaced file's mode, else the usual 0644.
         os.chmod(tmp_name, path.stat().st_mode & 0o777 if path.exists() else 0o644)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp_name, path)

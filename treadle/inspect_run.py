@@ -11,7 +11,6 @@ Nothing in the run directory is written.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from treadle.buffer import BUFFER_DIRNAME, RolloutBuffer
 from treadle.checkpoint import checkpoint_dirname, list_checkpoints, load_trainer_state
 from treadle.config import Config, load_config
 from treadle.errors import UserError
+from treadle.observe import METRICS_FILENAME, read_metrics
 
 
 def open_run(run_dir: Path) -> tuple[Config, RolloutBuffer]:
@@ -100,8 +100,9 @@ def replay_step(run_dir: Path, step: int) -> Replay:
     """Recompute ``step``'s policy update (see the module docstring).
 
     Raises:
-        UserError: the step is not stored, or the weights before it are gone (the checkpoint of
-            ``step - 1`` was pruned: keep more with ``run.keep_last``).
+        UserError: the step is not stored, or there is no checkpoint of ``step - 1`` (not saved
+            with ``run.save_every`` or pruned by ``run.keep_last``; the message lists the steps
+            that can be replayed).
     """
     from treadle.algorithms.objectives import PolicyObjective
     from treadle.backends.torch_backend import TorchBackend
@@ -146,16 +147,11 @@ def replay_step(run_dir: Path, step: int) -> Replay:
 
 
 def logged_step_metrics(run_dir: Path, step: int) -> dict:
-    """The last RL-step row (one with a ``loss``) ``metrics.jsonl`` holds for ``step``."""
-    path = run_dir / "metrics.jsonl"
-    found: dict = {}
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                if row.get("step") == step and "loss" in row:
-                    found = row
-    return found
+    """The last RL-step row (one with a ``loss``) ``metrics.jsonl`` holds for ``step`` ({}: none;
+    non-finite values read as None)."""
+    path = run_dir / METRICS_FILENAME
+    rows = read_metrics(path) if path.is_file() else []
+    return next((r for r in reversed(rows) if r.get("step") == step and "loss" in r), {})
 
 
 def _starting_model(cfg: Config, run_dir: Path) -> Path:
@@ -173,4 +169,5 @@ def _clip(text: str, width: int, tail: bool = False) -> str:
 
 
 def _is_number(value) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    """A logged metric value (a non-finite one was logged as None)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)

@@ -20,7 +20,6 @@ import dataclasses
 import importlib.util
 import json
 import logging
-import os
 import random
 import time
 from pathlib import Path
@@ -51,6 +50,7 @@ from treadle.data import (
     render_demonstration,
     render_prompt,
 )
+from treadle.distributed import check_environment
 from treadle.distributed.weight_sync import InProcessSync
 from treadle.engines import EngineSpec, build_engine
 from treadle.errors import UserError
@@ -184,30 +184,11 @@ def check_inputs(cfg: Config, data: Dataset) -> None:
                 f"reward.functions: no function scores the data's domain {domain!r}; add it to "
                 "a function's domains list, or leave that list empty (every domain)"
             )
-    _check_placement(cfg)
+    check_environment(cfg)
     if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise UserError(
             "rollout.engine vllm: the vllm package is not installed; install treadle[vllm] "
             "(scripts/install.sh does) or set rollout.engine=hf"
-        )
-
-
-def _check_placement(cfg: Config) -> None:
-    """Ray mode needs Ray, and GPU bundles need GPUs (a local Ray would invent them)."""
-    p = cfg.placement
-    if p.mode == "single":
-        return
-    if importlib.util.find_spec("ray") is None:
-        raise UserError(
-            f"placement.mode={p.mode} needs Ray: pip install 'treadle[ray]' (scripts/install.sh "
-            "does), or set placement.mode=single"
-        )
-    wants_gpu = p.trainer_gpus > 0 or p.engine_gpus > 0 or p.backend == "nccl"
-    if wants_gpu and not torch.cuda.is_available() and not os.environ.get("RAY_ADDRESS"):
-        raise UserError(
-            "placement: trainer_gpus/engine_gpus > 0 or backend=nccl, but no GPU is visible "
-            "here; set them to 0 and backend=auto on a CPU machine (or set RAY_ADDRESS to a "
-            "cluster with GPUs)"
         )
 
 

@@ -210,7 +210,7 @@ class TorchBackend:
                 (out.logprobs if out.logprobs is not None else out.values).sum().mul(0.0).backward()
                 continue
             loss, metrics = objective(out, mb, step)
-            (loss * loss_scale if loss_scale != 1.0 else loss).backward()
+            (loss * loss_scale).backward()
             loss_sum += loss.item()
             if out.logprobs is not None:
                 metrics |= mismatch_metrics(out.logprobs, mb.behavior_logprobs, mb.loss_mask)

@@ -12,20 +12,12 @@ from pathlib import Path
 
 def build_ray_roles(cfg, spec, version: int, run_dir: Path):
     """Place the roles of ``cfg.placement`` and start them: ``(trainer group, engine group,
-    weight sync)``. The weights in ``spec.model_dir`` are policy ``version``.
+    weight sync)``. The weights in ``spec.model_dir`` are policy ``version``. Call
+    :func:`check_environment` first.
 
     Raises:
-        UserError: Ray is not installed, or the cluster cannot hold the bundles.
+        UserError: the cluster cannot hold the bundles.
     """
-    import importlib.util
-
-    from treadle.errors import UserError
-
-    if importlib.util.find_spec("ray") is None:
-        raise UserError(
-            f"placement.mode={cfg.placement.mode} needs Ray: pip install 'treadle[ray]' "
-            "(scripts/install.sh does), or set placement.mode=single"
-        )
     from treadle.distributed.engine_group import EngineGroup
     from treadle.distributed.placement import place
     from treadle.distributed.trainer_group import TrainerGroup, resolve_backend
@@ -57,6 +49,37 @@ def build_ray_roles(cfg, spec, version: int, run_dir: Path):
         backend=resolve_backend(p),
     )
     return trainers, engines, sync
+
+
+def check_environment(cfg) -> None:
+    """What the machine must offer ``cfg.placement`` (checked before a run directory exists).
+
+    Raises:
+        UserError: a Ray mode without Ray installed, or GPU bundles / NCCL where no GPU is
+            visible (a local Ray would invent the GPUs and the workers would fail later).
+    """
+    import importlib.util
+    import os
+
+    import torch
+
+    from treadle.errors import UserError
+
+    p = cfg.placement
+    if p.mode == "single":
+        return
+    if importlib.util.find_spec("ray") is None:
+        raise UserError(
+            f"placement.mode={p.mode} needs Ray: pip install 'treadle[ray]' (scripts/install.sh "
+            "does), or set placement.mode=single"
+        )
+    wants_gpu = p.trainer_gpus > 0 or p.engine_gpus > 0 or p.backend == "nccl"
+    if wants_gpu and not torch.cuda.is_available() and not os.environ.get("RAY_ADDRESS"):
+        raise UserError(
+            "placement: trainer_gpus/engine_gpus > 0 or backend=nccl, but no GPU is visible "
+            "here; set them to 0 and backend=auto on a CPU machine (or set RAY_ADDRESS to a "
+            "cluster with GPUs)"
+        )
 
 
 def close_ray_roles(trainers, engines) -> None:

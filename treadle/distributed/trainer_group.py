@@ -171,13 +171,13 @@ class TrainerWorker:
     def gather_buckets(self, dtype: str, bucket_bytes: int):
         """The whole model as flat numpy buckets (rank 0; others return None): what the shared
         memory transport puts in Ray's object store. Returns ``(buckets, checksum)``."""
-        from treadle.distributed.weight_sync import Bucketer, checksum
+        from treadle.distributed.weight_sync import Bucketer, fingerprint_term
 
         bucketer, total = Bucketer(bucket_bytes), 0.0
         out = []
         for i, (name, full) in enumerate(self.full_weights(dtype)):
             if self.rank == 0:
-                total += (i + 1) * checksum(full)
+                total += fingerprint_term(i, full)
                 out += bucketer.add(name, full)
         if self.rank != 0:
             return None
@@ -189,7 +189,7 @@ class TrainerWorker:
         checksum; every rank must call."""
         from safetensors.torch import save_file
 
-        from treadle.distributed.weight_sync import checksum
+        from treadle.distributed.weight_sync import fingerprint
 
         state = dict(self.full_weights(dtype))
         if self.rank != 0:
@@ -199,7 +199,7 @@ class TrainerWorker:
         tensors = {k: v.clone().contiguous() for k, v in state.items()}
         save_file(tensors, path + ".tmp", metadata={"order": order})
         os.replace(path + ".tmp", path)
-        return sum((i + 1) * checksum(t) for i, t in enumerate(state.values()))
+        return fingerprint(state.items())
 
     def node_ip(self) -> str:
         import ray
@@ -212,8 +212,8 @@ class TrainerWorker:
         if self.rank == 0:
             self.backend.model.save_pretrained(folder, state_dict=state)
 
-    def optimizer_state(self) -> tuple[dict, dict] | None:
-        """The full (unsharded) optimizer and scheduler state on rank 0 (every rank calls)."""
+    def optimizer_state(self) -> dict | None:
+        """The full (unsharded) optimizer state on rank 0 (every rank calls)."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_optimizer_state_dict,
@@ -222,9 +222,9 @@ class TrainerWorker:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model, optimizer = self.backend.model, self.backend.optimizer
         state = get_optimizer_state_dict(model, optimizer, options=options)
-        return (state, self.backend.scheduler.state_dict()) if self.rank == 0 else None
+        return state if self.rank == 0 else None
 
-    def load_optimizer_state(self, state: dict, scheduler: dict) -> None:
+    def load_optimizer_state(self, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_optimizer_state_dict,
@@ -235,7 +235,12 @@ class TrainerWorker:
         set_optimizer_state_dict(
             self.backend.model, self.backend.optimizer, optim_state_dict=state, options=options
         )
-        self.backend.scheduler.load_state_dict(scheduler)
+
+    def scheduler_state(self) -> dict:
+        return self.backend.scheduler.state_dict()
+
+    def load_scheduler_state(self, state: dict) -> None:
+        self.backend.scheduler.load_state_dict(state)
 
     # --- the collective weight-sync group (rank 0 and the engines) ------------------------------
 
@@ -248,13 +253,13 @@ class TrainerWorker:
     def broadcast_weights(self, dtype: str, bucket_bytes: int) -> float | None:
         """Gather each weight (all ranks) and broadcast it in buckets to the engines (rank 0).
         Rank 0 returns the checksum of what it sent."""
-        from treadle.distributed.weight_sync import Bucketer, checksum
+        from treadle.distributed.weight_sync import Bucketer, fingerprint_term
 
         bucketer, total, failure = Bucketer(bucket_bytes), 0.0, None
         for i, (name, full) in enumerate(self.full_weights(dtype)):
             if self.rank != 0:
                 continue
-            total += (i + 1) * checksum(full)
+            total += fingerprint_term(i, full)
             for bucket in bucketer.add(name, full):
                 # An engine that dies mid-broadcast must not stop rank 0 from joining the other
                 # ranks' remaining all-gathers (they would wait for it forever): note, go on.
@@ -305,15 +310,14 @@ class _Proxy:
         self.group.save_pretrained(folder)
 
     def state_dict(self) -> dict:
-        optimizer, scheduler = self.group.optimizer_state()
-        return optimizer if self.kind == "optimizer" else scheduler
+        """The optimizer's full state (gathered from every rank) or the scheduler's (rank 0's,
+        the same on every rank), as the single-process checkpoint stores them."""
+        refs = [getattr(w, f"{self.kind}_state").remote() for w in self.group.workers]
+        return self.group.get(refs)[0]
 
     def load_state_dict(self, state: dict) -> None:
-        self.group.pending_state[self.kind] = state
-        if len(self.group.pending_state) == 2:
-            self.group.load_optimizer_state(
-                self.group.pending_state.pop("optimizer"), self.group.pending_state.pop("scheduler")
-            )
+        method = f"load_{self.kind}_state"
+        self.group.get([getattr(w, method).remote(state) for w in self.group.workers])
 
 
 class TrainerGroup:
@@ -360,7 +364,6 @@ class TrainerGroup:
         ray.get([w.pid.remote() for w in self.workers])  # all ranks up (raises if one failed)
         self.model, self.optimizer = _Proxy(self, "model"), _Proxy(self, "optimizer")
         self.scheduler = _Proxy(self, "scheduler")
-        self.pending_state: dict[str, dict] = {}
 
     def _split(self, samples: Sequence[TrainSample]) -> tuple[list[list[int]], int]:
         """Each rank's sample indices and the micro-batch count every rank runs."""
@@ -388,7 +391,7 @@ class TrainerGroup:
         results = []
         if chunks:  # else nothing is trained this step (every sample fully masked)
             filler = filler_of(samples[0])
-            results = self._get(
+            results = self.get(
                 [
                     w.train.remote(steps, objective, filler)
                     for w, steps in zip(self.workers, per_rank, strict=True)
@@ -407,7 +410,7 @@ class TrainerGroup:
             return []
         parts, micro = self._split(samples)
         filler = filler_of(samples[0])
-        outs = self._get(
+        outs = self.get(
             [
                 w.compute_logprobs.remote([samples[i] for i in idx], micro, filler)
                 for w, idx in zip(self.workers, parts, strict=True)
@@ -420,15 +423,9 @@ class TrainerGroup:
         return result
 
     def save_pretrained(self, folder) -> None:
-        self._get([w.save_pretrained.remote(str(folder)) for w in self.workers])
+        self.get([w.save_pretrained.remote(str(folder)) for w in self.workers])
 
-    def optimizer_state(self) -> tuple[dict, dict]:
-        return self._get([w.optimizer_state.remote() for w in self.workers])[0]
-
-    def load_optimizer_state(self, optimizer: dict, scheduler: dict) -> None:
-        self._get([w.load_optimizer_state.remote(optimizer, scheduler) for w in self.workers])
-
-    def _get(self, refs: list):
+    def get(self, refs: list):
         """``ray.get`` that names a dead rank: the group cannot go on without it (FSDP shards
         live on every rank), so the run stops and can be resumed from its last checkpoint."""
         import ray

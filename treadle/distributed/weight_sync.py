@@ -49,9 +49,14 @@ def checksum(tensor: torch.Tensor) -> float:
     return float(sub.sum() + (sub * ramp).sum())
 
 
+def fingerprint_term(index: int, tensor: torch.Tensor) -> float:
+    """Tensor ``index``'s share of :func:`fingerprint` (for senders that stream the model)."""
+    return (index + 1) * checksum(tensor)
+
+
 def fingerprint(named: Iterable[tuple[str, torch.Tensor]]) -> float:
     """Checksum of a whole model, in the given order (index-weighted so swapped tensors show)."""
-    return sum((i + 1) * checksum(t) for i, (_, t) in enumerate(named))
+    return sum(fingerprint_term(i, t) for i, (_, t) in enumerate(named))
 
 
 def verify(version: int, expected: float, got: float, where: str) -> None:
@@ -272,8 +277,7 @@ class RaySync:
                 raise
             for j in dead:
                 self.engines.replace(j, error, version=version)
-            self._group_members = None
-            size = self._sync_once(version)
+            size = self._sync_once(version)  # a replaced worker makes the group rejoin
         self.engines.policy_version = version
         return _metrics(time.perf_counter() - start, size)
 
@@ -284,11 +288,10 @@ class RaySync:
 
         workers = self.trainers.workers
         if self.name == "shared_memory":
-            refs = [w.gather_buckets.remote(self.dtype, self.bucket_bytes) for w in workers]
-            ray.get(refs[1:])
-            # rank 0's buckets stay in the object store; each engine maps them without a copy
-            engines = self.engines.workers
-            reports = ray.get([e.load_buckets.remote(refs[0], version) for e in engines])
+            packed = self._gathered()
+            reports = ray.get(
+                [e.load_buckets.remote(packed, version) for e in self.engines.workers]
+            )
         elif self.name == "collective":
             self._ensure_group()
             if self._layout is None:
@@ -322,15 +325,22 @@ class RaySync:
 
     def restore(self, worker, version: int) -> None:
         """Load the trainer's current weights into one (restarted) engine worker, through the
-        object store; the collective group is rebuilt at the next sync."""
+        object store; the collective group is rebuilt at the next sync (its members changed)."""
         import ray
 
-        trainers = self.trainers.workers
-        refs = [w.gather_buckets.remote(self.dtype, self.bucket_bytes) for w in trainers]
-        ray.get(refs[1:])
-        report = ray.get(worker.load_buckets.remote(refs[0], version))
+        report = ray.get(worker.load_buckets.remote(self._gathered(), version))
         verify(version, report["expected"], report["checksum"], "restarted engine")
-        self._group_members = None  # membership changed
+
+    def _gathered(self):
+        """Every rank joins the shard gathers; rank 0's ``(buckets, checksum)`` stays in Ray's
+        object store (shared memory), and engines given the reference map it without a copy."""
+        import ray
+
+        refs = [
+            w.gather_buckets.remote(self.dtype, self.bucket_bytes) for w in self.trainers.workers
+        ]
+        ray.get(refs[1:])
+        return refs[0]
 
     def _ensure_group(self) -> None:
         import ray
