@@ -1,8 +1,19 @@
 """Pack flat samples into padding-free micro-batches under a token budget.
 
 Sequences of one micro-batch are concatenated into a single row ``[1, N]``; ``position_ids``
-restart at 0 for each sequence, from which transformers builds a block-diagonal causal mask, so
-no token attends across sequences and no padding token is ever computed.
+restart at 0 for each sequence. No padding token is ever computed, and each sequence attends
+only to itself: per sequence (:mod:`treadle.backends.packed_attention`, from ``attn_gather`` and
+``attn_scatter``), or, for a model whose attention cannot take that layout, through the
+block-diagonal causal mask transformers builds from ``position_ids``.
+
+Shared prefixes (``share_prefix``): the samples of one group (same ``group_id``) begin with the
+same prompt, so the prompt is packed once and each sample's remaining tokens follow it, with
+positions continuing from the prompt's end; in attention each sample's row is the shared prompt
+plus its own tokens, so every token sees exactly the tokens of its own sample before it. The
+model's layers then run over the group's prompt once instead of once per sample (on the default
+task, 64 prompts x 8 samples: 12.9k instead of 28.7k tokens per step), and the gradient through
+the shared positions is the sum of what each sample's copy would have received. Prefix Grouper
+(Liu et al. 2025, arXiv:2506.05433) computes GRPO's shared prompts once the same way.
 """
 
 from __future__ import annotations
@@ -18,16 +29,23 @@ from treadle.types import TrainSample
 
 @dataclass
 class MicroBatch:
-    """Packed tensors of some samples; ``N`` is the total number of their tokens."""
+    """Packed tensors of some samples; ``N`` is the number of tokens computed (a shared prefix
+    counts once)."""
 
     sample_index: list[int]
     """Which samples of the step are packed here, in order."""
     seq_lens: list[int]
+    """Full length of each sample (its shared prefix included)."""
     input_ids: torch.Tensor  # [1, N]
     position_ids: torch.Tensor  # [1, N]
+    prev: torch.Tensor  # [N] long: position of the token before each token in its sample, -1 first
+    sample_tokens: torch.Tensor  # [sum(seq_lens)] long: each sample's token positions, in order
+    attn_gather: torch.Tensor  # [S, T] long: attention row s = sample s's positions, 0-padded
+    attn_scatter: torch.Tensor  # [N] long: which (row * T + column) computes each token's output
     loss_mask: torch.Tensor  # [N] bool
     behavior_logprobs: torch.Tensor  # [N]
     advantages: torch.Tensor  # [N]
+    segment_ids: torch.Tensor  # [N] long: index (0 .. S-1) of the sample each token counts for
     ref_logprobs: torch.Tensor | None  # [N], None without a reference model
     old_logprobs: torch.Tensor | None  # [N], None unless the trainer recomputed them
     values: torch.Tensor | None  # [N] critic values before the update, None without a critic
@@ -38,15 +56,11 @@ class MicroBatch:
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
         return dataclasses.replace(
             self,
-            input_ids=move(self.input_ids),
-            position_ids=move(self.position_ids),
-            loss_mask=move(self.loss_mask),
-            behavior_logprobs=move(self.behavior_logprobs),
-            advantages=move(self.advantages),
-            ref_logprobs=move(self.ref_logprobs),
-            old_logprobs=move(self.old_logprobs),
-            values=move(self.values),
-            returns=move(self.returns),
+            **{
+                f.name: move(getattr(self, f.name))
+                for f in dataclasses.fields(self)
+                if f.name not in ("sample_index", "seq_lens")
+            },
         )
 
     @property
@@ -54,10 +68,21 @@ class MicroBatch:
         return int(self.input_ids.shape[1])
 
     @property
+    def shared(self) -> bool:
+        """Whether some positions serve several samples (a shared prefix)."""
+        return sum(self.seq_lens) != self.num_tokens
+
+    @property
     def segments(self) -> torch.Tensor:
-        """``[N]`` index (0 .. S-1) of the packed sample each token belongs to."""
-        lens = torch.tensor(self.seq_lens, device=self.input_ids.device)
-        return torch.repeat_interleave(torch.arange(len(self.seq_lens), device=lens.device), lens)
+        """``[N]`` index (0 .. S-1) of the packed sample each token belongs to (a shared
+        prefix's tokens count for the group's first sample; they are never trained on)."""
+        return self.segment_ids
+
+    def per_sample(self, values: torch.Tensor) -> list[list[float]]:
+        """Per-sample lists ``[L]`` of a per-token tensor ``[N]`` (shared positions repeated
+        into every sample that holds them)."""
+        flat = values.detach().float().cpu()[self.sample_tokens.cpu()]
+        return [chunk.tolist() for chunk in torch.split(flat, list(self.seq_lens))]
 
 
 @dataclass
@@ -89,27 +114,122 @@ def plan_micro_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
     return [sorted(b) for b in bins]
 
 
-def pack(samples: Sequence[TrainSample], index: list[int]) -> MicroBatch:
-    """Concatenate ``samples[i] for i in index`` into one padding-free row."""
+def shared_prefix_len(samples: Sequence[TrainSample]) -> int:
+    """Number of leading tokens that every sample has, identical, before its first trained
+    token: the longest common prefix of the token ids, cut at each sample's first
+    ``loss_mask`` True (a shared prefix is never trained on). 0 for a single sample."""
+    if len(samples) < 2:
+        return 0
+    limit = min(next((t for t, m in enumerate(s.loss_mask) if m), len(s)) for s in samples)
+    first = samples[0].token_ids
+    for t in range(limit):
+        if any(s.token_ids[t] != first[t] for s in samples[1:]):
+            return t
+    return limit
+
+
+def _groups(samples: Sequence[TrainSample], order: Sequence[int]) -> list[list[int]]:
+    """``order`` split by ``group_id``, groups in order of first appearance."""
+    groups: dict[str, list[int]] = {}
+    for i in order:
+        groups.setdefault(samples[i].group_id, []).append(i)
+    return list(groups.values())
+
+
+def plan_shared_micro_batches(samples: Sequence[TrainSample], budget: int) -> list[list[int]]:
+    """Micro-batches (sample indices) for shared-prefix packing: each group's samples are kept
+    together in chunks that fit ``budget`` counting the prefix once (a chunk that would not fit
+    starts a new chunk, which packs the prefix again), then chunks are binned first-fit-
+    decreasing by that cost. A chunk over the budget on its own (one long sample) is alone."""
+    chunks: list[list[int]] = []
+    costs: list[int] = []
+    for group in _groups(samples, range(len(samples))):
+        p = shared_prefix_len([samples[i] for i in group])
+        chunk, cost = [], 0
+        for i in group:
+            extra = len(samples[i]) - p if chunk else len(samples[i])
+            if chunk and cost + extra > budget:
+                chunks.append(chunk)
+                costs.append(cost)
+                chunk, cost = [], 0
+                extra = len(samples[i])
+            chunk.append(i)
+            cost += extra
+        chunks.append(chunk)
+        costs.append(cost)
+    return [sorted(i for c in b for i in chunks[c]) for b in plan_micro_batches(costs, budget)]
+
+
+def pack(
+    samples: Sequence[TrainSample], index: list[int], share_prefix: bool = False
+) -> MicroBatch:
+    """Concatenate ``samples[i] for i in index`` into one padding-free row; with
+    ``share_prefix`` the prefix a group's samples share (:func:`shared_prefix_len`) is packed
+    once, before their remaining tokens."""
     chosen = [samples[i] for i in index]
-    cat = lambda xs, dtype: torch.tensor([v for s in chosen for v in xs(s)], dtype=dtype)  # noqa: E731
+    groups = (
+        _groups(chosen, range(len(chosen))) if share_prefix else [[j] for j in range(len(chosen))]
+    )
+    ids, pos, prev, seg, src = [], [], [], [], []  # src: (sample, token) each position copies
+    rows: list[list[int]] = [[] for _ in chosen]
+    scatter: list[tuple[int, int]] = []  # (row, column) whose query output is each position's
+    for group in groups:
+        p = shared_prefix_len([chosen[j] for j in group])
+        owner = group[0]
+        for t in range(p):  # the shared prefix, once
+            n = len(ids)
+            ids.append(chosen[owner].token_ids[t])
+            pos.append(t)
+            prev.append(n - 1 if t else -1)
+            seg.append(owner)
+            src.append((owner, t))
+            scatter.append((owner, t))
+        prefix = list(range(len(ids) - p, len(ids)))
+        for j in group:
+            rows[j] = list(prefix)
+            for t in range(p, len(chosen[j])):
+                n = len(ids)
+                ids.append(chosen[j].token_ids[t])
+                pos.append(t)
+                prev.append(rows[j][-1] if rows[j] else -1)
+                seg.append(j)
+                src.append((j, t))
+                scatter.append((j, t))
+                rows[j].append(n)
+    width = max(len(r) for r in rows)
+    gather = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long)
+
+    def per_token(xs, dtype):
+        return torch.tensor([xs(chosen[j])[t] for j, t in src], dtype=dtype)
 
     def optional(xs):  # a per-token array that every chosen sample carries, else None
-        return cat(xs, torch.float32) if all(xs(s) for s in chosen) else None
+        return per_token(xs, torch.float32) if all(xs(s) for s in chosen) else None
 
     return MicroBatch(
         sample_index=list(index),
         seq_lens=[len(s) for s in chosen],
-        input_ids=cat(lambda s: s.token_ids, torch.long)[None],
-        position_ids=torch.cat([torch.arange(len(s)) for s in chosen])[None],
-        loss_mask=cat(lambda s: s.loss_mask, torch.bool),
-        behavior_logprobs=cat(lambda s: s.behavior_logprobs, torch.float32),
-        advantages=cat(lambda s: s.advantages, torch.float32),
+        input_ids=torch.tensor(ids, dtype=torch.long)[None],
+        position_ids=torch.tensor(pos, dtype=torch.long)[None],
+        prev=torch.tensor(prev, dtype=torch.long),
+        sample_tokens=torch.tensor([n for r in rows for n in r], dtype=torch.long),
+        attn_gather=gather,
+        attn_scatter=torch.tensor([r * width + c for r, c in scatter], dtype=torch.long),
+        loss_mask=per_token(lambda s: s.loss_mask, torch.bool),
+        behavior_logprobs=per_token(lambda s: s.behavior_logprobs, torch.float32),
+        advantages=per_token(lambda s: s.advantages, torch.float32),
+        segment_ids=torch.tensor(seg, dtype=torch.long),
         ref_logprobs=optional(lambda s: s.ref_logprobs),
         old_logprobs=optional(lambda s: s.old_logprobs),
         values=optional(lambda s: s.values),
         returns=optional(lambda s: s.returns),
     )
+
+
+def plan(samples: Sequence[TrainSample], budget: int, share_prefix: bool) -> list[list[int]]:
+    """The micro-batches :func:`pack` is given: shared-prefix bins, or plain first-fit bins."""
+    if share_prefix:
+        return plan_shared_micro_batches(samples, budget)
+    return plan_micro_batches([len(s) for s in samples], budget)
 
 
 def unpack(values: torch.Tensor, seq_lens: Sequence[int]) -> list[list[float]]:

@@ -7,6 +7,7 @@ optional bf16 autocast (weights and optimizer state stay fp32).
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from collections.abc import Iterator, Sequence
@@ -20,7 +21,8 @@ from treadle.algorithms.aggregation import StepTotals
 from treadle.algorithms.correction import mismatch_metrics
 from treadle.algorithms.losses import token_entropy
 from treadle.algorithms.objectives import Objective
-from treadle.backends.packing import MicroBatch, TokenOutputs, pack, plan_micro_batches, unpack
+from treadle.backends.packed_attention import PackedAttentionUnavailable, packed_attention
+from treadle.backends.packing import MicroBatch, TokenOutputs, pack, plan
 from treadle.config import TrainerConfig
 from treadle.types import TrainSample
 
@@ -65,6 +67,17 @@ def mean_over_steps(steps: Sequence[dict[str, float]]) -> dict[str, float]:
     return totals
 
 
+def _reshard(model: torch.nn.Module) -> None:
+    """Return a sharded (FSDP2) model's parameters to their shards after a no-grad forward (a
+    root module keeps its gathered parameters until the next backward otherwise, and the
+    optimizer and checkpoint loading address the shards)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 class TorchBackend:
     """Trains a Hugging Face model in this process: a causal-LM policy (``head="lm"``) or a
     critic (``head="value"``: a token-classification model with one output, the value).
@@ -93,6 +106,10 @@ class TorchBackend:
         self.head = head
         self.temperature = temperature if temperature > 0 else 1.0
         self.device = next(model.parameters()).device
+        # Per-sequence attention of packed micro-batches (the model's own over a block mask if
+        # its forward turns out not to pass the layout on), and the output layer only where a
+        # loss reads it, when the model's forward takes transformers' ``logits_to_keep``.
+        self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         if trainable:
@@ -104,34 +121,95 @@ class TorchBackend:
             )
         else:
             model.requires_grad_(False)
+        # After the optimizer holds the parameters (the probe's forward gathers a sharded
+        # model's parameters; it reshards them, but the optimizer must never see the gathered).
+        self.packed_attention = self._probe_packed_attention()
+        """Whether micro-batches attend per sample and share their groups' prompts."""
 
-    def forward(self, mb: MicroBatch, entropy_grad: bool = False) -> TokenOutputs:
+    def forward(
+        self, mb: MicroBatch, entropy_grad: bool = False, loss_tokens_only: bool = False
+    ) -> TokenOutputs:
         """Per-token outputs ``[N]`` of a packed micro-batch, each token given the tokens before
-        it in its own sequence. Position 0 of every sequence (no context) gets 0."""
-        ids = mb.input_ids
+        it in its own sample (``mb.prev``). A sample's first token (no context) gets 0.
+
+        With ``loss_tokens_only`` the output layer, log-softmax and entropy run only where
+        ``mb.loss_mask`` is set (the rest stay 0): all a policy update reads, and on a prompt-
+        heavy batch most of the [N, vocab] work."""
+        ids = mb.input_ids[0]
+        scored = mb.prev >= 0
+        if loss_tokens_only and self.head == "lm":
+            scored = scored & mb.loss_mask
+        targets = torch.nonzero(scored).squeeze(1)  # [K] tokens to score
+        sources = mb.prev[targets]  # [K] the position whose output predicts each of them
+        keep = sources if self.head == "lm" and self._logits_to_keep else None
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16_autocast):
-            logits = self.model(
-                input_ids=ids, position_ids=mb.position_ids, use_cache=False
-            ).logits[0]
-        is_start = mb.position_ids[0] == 0
-
-        def shift(x: torch.Tensor) -> torch.Tensor:  # output at t-1 belongs to token t
-            x = torch.cat([x.new_zeros(1), x[:-1]])
-            return torch.where(is_start, torch.zeros_like(x), x)
-
-        if self.head == "value":
-            return TokenOutputs(None, None, shift(logits[:, 0].float()))
-        logits = logits.float() / self.temperature
-        lp = -F.cross_entropy(logits[:-1], ids[0, 1:], reduction="none")
-        lp = torch.cat([lp.new_zeros(1), lp])
-        lp = torch.where(is_start, torch.zeros_like(lp), lp)
+            out = self._model_forward(mb, keep)[0]  # [N or K, V]
+        if keep is None:
+            out = out[sources]  # [K, V]
+        zeros = torch.zeros(ids.shape[0], device=out.device)
+        if self.head == "value":  # the value of the state before each token
+            return TokenOutputs(None, None, zeros.index_put((targets,), out[:, 0].float()))
+        logits = out.float() / self.temperature
+        lp = zeros.index_put((targets,), -F.cross_entropy(logits, ids[targets], reduction="none"))
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = shift(token_entropy(logits))
+            entropy = zeros.index_put((targets,), token_entropy(logits))
         return TokenOutputs(lp, entropy, None)
 
+    def _model_forward(self, mb: MicroBatch, keep: torch.Tensor | None) -> torch.Tensor:
+        """The model's logits ``[1, N, V]`` (``[1, len(keep), V]`` with ``keep``), attention
+        computed per sample (:mod:`treadle.backends.packed_attention`) when the model supports
+        it, else by the model's own attention over the block-diagonal mask of position_ids."""
+        kwargs = {"input_ids": mb.input_ids, "position_ids": mb.position_ids, "use_cache": False}
+        if keep is not None:
+            kwargs["logits_to_keep"] = keep
+        if self.packed_attention and len(mb.seq_lens) > 1:
+            with packed_attention(self.model):
+                return self.model(
+                    **kwargs, packed_gather=mb.attn_gather, packed_scatter=mb.attn_scatter
+                ).logits
+        assert not mb.shared, "shared prefixes need the packed attention"
+        return self.model(**kwargs).logits
+
+    @torch.no_grad()
+    def _probe_packed_attention(self) -> bool:
+        """Whether this model computes a packed, prefix-sharing micro-batch exactly as it
+        computes each sample alone with its own attention (three tiny forwards, once)."""
+        vocab = self.model.config.vocab_size if hasattr(self.model.config, "vocab_size") else 8
+
+        def probe(ids: list[int], prompt: int, group: str) -> TrainSample:
+            n = len(ids)
+            ids = [i % vocab for i in ids]
+            zeros = [0.0] * n
+            mask = [t >= prompt for t in range(n)]
+            return TrainSample(ids, mask, zeros, zeros, 0, group)
+
+        samples = [probe([1, 2, 3, 4], 2, "a"), probe([1, 2, 5], 2, "a"), probe([6, 7], 1, "b")]
+        mb = pack(samples, [0, 1, 2], share_prefix=True).to(self.device)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            self.packed_attention = True
+            packed = self._model_forward(mb, None)[0].float()[mb.sample_tokens]
+        except (PackedAttentionUnavailable, TypeError):  # TypeError: forward takes no kwargs
+            return False
+        finally:
+            self.model.train(was_training)
+            _reshard(self.model)
+        alone = torch.cat(
+            [
+                self.model(input_ids=torch.tensor([s.token_ids], device=self.device)).logits[0]
+                for s in samples
+            ]
+        ).float()
+        _reshard(self.model)
+        tol = 1e-3 if next(self.model.parameters()).dtype == torch.float32 else 5e-2
+        return torch.allclose(packed, alone, atol=tol, rtol=tol)
+
     def _micro_batches(self, samples: Sequence[TrainSample]) -> list[MicroBatch]:
-        plan = plan_micro_batches([len(s) for s in samples], self.cfg.micro_batch_tokens)
-        return [pack(samples, idx).to(self.device) for idx in plan]
+        return [
+            pack(samples, idx, self.packed_attention).to(self.device)
+            for idx in plan(samples, self.cfg.micro_batch_tokens, self.packed_attention)
+        ]
 
     @torch.no_grad()
     def compute(
@@ -149,7 +227,7 @@ class TorchBackend:
         for mb in micro:
             outputs = self.forward(mb)
             flat = outputs.values if values else outputs.logprobs
-            for i, v in zip(mb.sample_index, unpack(flat, mb.seq_lens), strict=True):
+            for i, v in zip(mb.sample_index, mb.per_sample(flat), strict=True):
                 out[i] = v
         return out
 
@@ -205,7 +283,7 @@ class TorchBackend:
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum, weighted = 0.0, {}
         for i, mb in enumerate(micro):
-            out = self.forward(mb, entropy_grad=objective.entropy_grad)
+            out = self.forward(mb, objective.entropy_grad, loss_tokens_only=i < real)
             if i >= real:  # padding: joins the collectives, adds nothing
                 (out.logprobs if out.logprobs is not None else out.values).sum().mul(0.0).backward()
                 continue

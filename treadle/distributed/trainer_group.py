@@ -32,7 +32,7 @@ import torch
 
 from treadle.algorithms.aggregation import StepTotals
 from treadle.algorithms.objectives import Objective
-from treadle.backends.packing import plan_micro_batches
+from treadle.backends.packing import plan
 from treadle.backends.torch_backend import mean_over_steps, mini_batches
 from treadle.config import PlacementConfig, TrainerConfig
 from treadle.types import TrainSample
@@ -130,6 +130,10 @@ class TrainerWorker:
         fully_shard(model, mesh=mesh)
         self.backend = TorchBackend(model, cfg, total_steps, temperature)
         self._sync_group = None
+
+    def packed_attention(self) -> bool:
+        """Whether this rank's backend packs shared prefixes (the driver plans with it)."""
+        return self.backend.packed_attention
 
     def pid(self) -> int:
         return os.getpid()
@@ -362,6 +366,8 @@ class TrainerGroup:
             for rank, slot in enumerate(placement.trainers)
         ]
         ray.get([w.pid.remote() for w in self.workers])  # all ranks up (raises if one failed)
+        # Every rank probed the same model the same way; the driver plans micro-batches with it.
+        self.packed_attention = ray.get(self.workers[0].packed_attention.remote())
         self.model, self.optimizer = _Proxy(self, "model"), _Proxy(self, "optimizer")
         self.scheduler = _Proxy(self, "scheduler")
 
@@ -369,7 +375,8 @@ class TrainerGroup:
         """Each rank's sample indices and the micro-batch count every rank runs."""
         parts = balance([len(s) for s in samples], len(self.workers))
         budget = self.trainer_cfg.micro_batch_tokens
-        counts = [len(plan_micro_batches([len(samples[i]) for i in p], budget)) for p in parts]
+        share = self.packed_attention
+        counts = [len(plan([samples[i] for i in p], budget, share)) for p in parts]
         return parts, max(counts)
 
     def train_step(self, samples: Sequence[TrainSample], objective: Objective) -> dict[str, float]:
