@@ -35,6 +35,7 @@ class _QuietReload(logging.Filter):
 
 logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_QuietReload())
 
+_CPU_BATCH = {"max_num_seqs": 1024, "max_num_batched_tokens": 8192}
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
 
@@ -56,6 +57,10 @@ class VLLMEngine:
             # (after temperature / top-p), or the PPO importance ratio is biased.
             logprobs_mode="processed_logprobs",
             gpu_memory_utilization=0.3 if torch.cuda.is_available() else 0.9,
+            # A rollout batch is hundreds of sequences at once (the default task: 64 prompts x 8);
+            # vLLM's CPU defaults (256 sequences, 4096 tokens a step) are for serving latency and
+            # would decode it in two waves. On GPUs vLLM's own defaults are already this large.
+            **({} if torch.cuda.is_available() else _CPU_BATCH),
         )
         self._tokenizer = self._llm.get_tokenizer()
         self._tied = bool(
