@@ -14,12 +14,10 @@ from collections.abc import Iterator, Sequence
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from treadle.algorithms.aggregation import StepTotals
 from treadle.algorithms.correction import mismatch_metrics
-from treadle.algorithms.losses import token_entropy
 from treadle.algorithms.objectives import Objective
 from treadle.backends.packed_attention import PackedAttentionUnavailable, packed_attention
 from treadle.backends.packing import MicroBatch, TokenOutputs, pack, plan
@@ -149,10 +147,15 @@ class TorchBackend:
         zeros = torch.zeros(ids.shape[0], device=out.device)
         if self.head == "value":  # the value of the state before each token
             return TokenOutputs(None, None, zeros.index_put((targets,), out[:, 0].float()))
-        logits = out.float() / self.temperature
-        lp = zeros.index_put((targets,), -F.cross_entropy(logits, ids[targets], reduction="none"))
+        # One fp32 log-softmax over [K, V] serves the logprobs and the entropy (the [K, V]
+        # passes, not the matmuls, are what is left to save on a large vocabulary).
+        logits = out.float()
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        logp = torch.log_softmax(logits, -1)  # [K, V]
+        lp = zeros.index_put((targets,), logp.gather(1, ids[targets, None])[:, 0])
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = zeros.index_put((targets,), token_entropy(logits))
+            entropy = zeros.index_put((targets,), -(logp.exp() * logp).sum(-1))  # H = -sum p log p
         return TokenOutputs(lp, entropy, None)
 
     def _model_forward(self, mb: MicroBatch, keep: torch.Tensor | None) -> torch.Tensor:
