@@ -2,7 +2,7 @@
 transformers ``generate`` on the same model, prompts and sampling settings, in one run.
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/rollout_throughput.py [--sizes 0.5M,3M,25M,0.5B]
-        [--prompts 64] [--new-tokens 64] [--reps 3]
+        [--prompts 64] [--new-tokens 64] [--reps 3] [--append]
 
 Each size is a Qwen2-shape model with random weights (0.5B: the Qwen2.5-0.5B shape with the
 real Qwen3 tokenizer from ../shared/data; that size is skipped without it). Both sides get the
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -28,6 +27,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
+import report
 import torch
 from shapes import random_qwen2
 
@@ -68,8 +68,8 @@ def hf_generate(model, prompts: list[list[int]], new_tokens: int, pad: int, eos:
         mask[i, width - len(p) :] = 1
     with torch.inference_mode():
         out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
+            input_ids=ids.to(model.device),
+            attention_mask=mask.to(model.device),
             do_sample=True,
             temperature=1.0,
             top_k=0,
@@ -128,9 +128,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)
+    report.add_append_flag(parser)
     args = parser.parse_args()
-    import transformers
-    import vllm
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -140,19 +139,20 @@ def main() -> None:
                 continue
             rows.append(measure(name, args, Path(tmp)))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    print(
-        f"\n{platform.node()}, {os.cpu_count()} cores, torch {torch.__version__}, vllm "
-        f"{vllm.__version__}, transformers {transformers.__version__}; {args.prompts} prompts x "
-        f"{args.new_tokens} new tokens, sampling at T=1; median of {args.reps} alternating runs\n"
+    header = ["model", "params", "treadle (vLLM) tok/s", "transformers generate tok/s", "ratio"]
+    lines = [
+        [r["model"], f"{r['parameters'] / 1e6:.1f}M", f"{r['treadle']:.0f}",
+         f"{r['hf_generate']:.0f}", f"{r['ratio']:.2f}x"]
+        for r in rows
+    ]  # fmt: skip
+    md = (
+        f"{args.prompts} prompts x {args.new_tokens} new tokens, sampling at T=1; median of "
+        f"{args.reps} alternating runs\n\n" + report.table(header, lines)
     )
-    print("| model | params | treadle (vLLM) tok/s | transformers generate tok/s | ratio |")
-    print("|---|---|---|---|---|")
-    for r in rows:
-        print(
-            f"| {r['model']} | {r['parameters'] / 1e6:.1f}M | {r['treadle']:.0f} | "
-            f"{r['hf_generate']:.0f} | {r['ratio']:.2f}x |"
-        )
-    Path(__file__).with_suffix(".json").write_text(json.dumps({"args": vars(args), "rows": rows}))
+    out = {"args": vars(args), "rows": rows}
+    report.emit(
+        "Rollout throughput", md, out, Path(__file__).with_suffix(".json"), append=args.append
+    )
 
 
 if __name__ == "__main__":

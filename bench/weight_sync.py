@@ -1,7 +1,8 @@
 """Weight sync: seconds and GB/s per transport against model size, next to a plain memory copy
 and a raw gloo broadcast of the same bytes, all measured in one run.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/weight_sync.py [--sizes 6M,40M,150M,0.5B] [--reps 3]
+    OMP_NUM_THREADS=1 .venv/bin/python bench/weight_sync.py [--sizes 6M,40M,150M,0.5B]
+        [--reps 3] [--append]
 
 For each size a Qwen2-shape model with random weights is saved, a local Ray places 2 FSDP2
 trainer ranks and 1 engine worker (the transformers engine, whose weight load is a plain
@@ -25,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -34,6 +34,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import report
 import torch
 from shapes import random_qwen2
 
@@ -152,6 +153,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", default=",".join(VOCAB))
     parser.add_argument("--reps", type=int, default=3)
+    report.add_append_flag(parser)
     args = parser.parse_args()
     import ray
 
@@ -164,20 +166,18 @@ def main() -> None:
             row = measure(name, args.reps, Path(tmp))
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
-    print(
-        f"\n{platform.node()}, {os.cpu_count()} cores, torch {torch.__version__}, ray "
-        f"{ray.__version__}; seconds (GB/s); medians of {args.reps} after a warm-up\n"
-    )
-    print("| model | params | GB | " + " | ".join(columns) + " | collective / gloo |")
-    print("|---" * (len(columns) + 4) + "|")
+    header = ["model", "params", "GB", *columns, "collective / gloo"]
+    lines = []
     for row in rows:
         gb = row["bytes"] / 1e9
         cells = [f"{row[c]:.3f} s ({gb / row[c]:.2f})" for c in columns]
         ratio = row["gloo_broadcast"] / row["collective"]
-        print(f"| {row['model']} | {row['parameters'] / 1e6:.0f}M | {gb:.2f} | "
-              + " | ".join(cells) + f" | {ratio:.2f} |")  # fmt: skip
-    out = Path(__file__).with_suffix(".json")
-    out.write_text(json.dumps({"reps": args.reps, "rows": rows}, indent=1))
+        lines.append(
+            [row["model"], f"{row['parameters'] / 1e6:.0f}M", f"{gb:.2f}", *cells, f"{ratio:.2f}"]
+        )
+    md = f"seconds (GB/s); medians of {args.reps} after a warm-up\n\n" + report.table(header, lines)
+    out = {"reps": args.reps, "rows": rows}
+    report.emit("Weight sync", md, out, Path(__file__).with_suffix(".json"), append=args.append)
     ray.shutdown()
 
 

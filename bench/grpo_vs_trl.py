@@ -1,0 +1,430 @@
+"""GRPO on the default task, treadle vs TRL's ``GRPOTrainer``: step time, time per phase, peak
+memory per phase, and wall time to a held-out accuracy target.
+
+    .venv/bin/pip install -e ".[vllm,ray,dev,bench]"   # adds trl 1.16.0, accelerate, datasets
+    OMP_NUM_THREADS=2 .venv/bin/python bench/grpo_vs_trl.py   # --steps 60 --reps 1 --append
+
+1. SFT once (``treadle sft recipes/default.yaml``): both frameworks start RL from that
+   ``sft_model``, so they start from the same weights and the same held-out accuracy.
+2. Each repetition runs, each in a fresh process, treadle (``treadle train`` with
+   ``model.path=<sft_model> sft.steps=0``) and then TRL, for every TRL generation mode asked
+   for: ``hf`` (transformers ``generate`` on the training model, TRL's default) and ``vllm``
+   (TRL's colocated vLLM engine).
+3. TRL trains on the same prompts in the same order (treadle's sampler order, TRL's shuffle
+   off), rewarded by treadle's reasoning-gym scorer called in TRL's process, with the
+   hyperparameters mapped one to one (``trl_config`` below): 64 prompts x 8 completions of at
+   most 40 tokens at temperature 1, one optimizer step per batch (AdamW lr 1e-4, betas
+   (0.9, 0.99), constant schedule, grad-norm clip 1.0), PPO clip 0.2, group-normalised
+   advantages (unbiased std), the token-mean loss over the whole batch, no KL, fp32.
+4. Accuracy: every ``--eval-every`` steps each framework's weights are scored on the same 200
+   held-out prompts by the same evaluator (treadle's ``evaluate`` with its vLLM engine: pass@1
+   over 8 samples at T=1, greedy accuracy); TRL's weights are snapshotted during training
+   (outside its step timer) and evaluated afterwards. Time to target = training wall time
+   (evaluation excluded) until the first evaluation with pass@1 >= ``--target``.
+
+Step time is each framework's own step timer (treadle: ``time/step_s``, generation to weight
+sync; TRL: ``on_step_begin`` to ``on_step_end``, generation to optimizer step). Training wall
+time adds what happens between steps (treadle: metrics, the rollout buffer, samples,
+checkpoints every 20 steps; TRL: its logging). Peak memory per phase is the process's VmHWM
+reset at the start of each phase (``treadle.observe.timed``), read the same way for both;
+treadle's includes its vLLM engine's reserved KV cache, TRL-hf has no engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import report
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPE = ROOT / "recipes" / "default.yaml"
+PHASES = ("generate", "reward", "update")
+
+
+# --------------------------------------------------------------------------------------------
+# TRL side (runs in its own process: ``--trl-run``)
+# --------------------------------------------------------------------------------------------
+
+
+def trl_config(cfg, out: Path, steps: int, generation: str, micro_batch: int):
+    """treadle's recipe mapped onto ``GRPOConfig``, field by field."""
+    from trl import GRPOConfig
+
+    r, t, a = cfg.rollout, cfg.trainer, cfg.algorithm
+    assert a.advantage == "grpo" and a.policy_loss == "ppo" and a.loss_agg == "token-mean"
+    assert a.kl.coef == 0 and t.mini_batches == 1 and t.weight_decay == 0
+    batch = r.prompts_per_step * r.n  # completions per optimizer step
+    return GRPOConfig(
+        output_dir=str(out / "trl_output"),
+        max_steps=steps,
+        per_device_train_batch_size=micro_batch,
+        gradient_accumulation_steps=batch // micro_batch,  # one optimizer step per batch
+        num_generations=r.n,
+        max_completion_length=r.max_tokens,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=0,
+        learning_rate=t.lr,
+        adam_beta1=t.betas[0],
+        adam_beta2=t.betas[1],
+        weight_decay=t.weight_decay,
+        lr_scheduler_type="constant",
+        warmup_steps=t.warmup_steps,
+        max_grad_norm=t.grad_clip,
+        epsilon=a.clip_eps_low,
+        epsilon_high=a.clip_eps_high,
+        beta=0.0,  # no KL term, no reference model
+        loss_type="dapo",  # token-mean over the whole batch = treadle's "token-mean"
+        scale_rewards="group",  # (r - mean_g) / (std_g + eps) = treadle's grpo advantage
+        num_iterations=1,
+        shuffle_dataset=False,  # the dataset is already in treadle's sampler order
+        bf16=False,  # fp32, as treadle's default trainer (GRPOConfig defaults to bf16)
+        use_cpu=not _cuda(),
+        seed=cfg.run.seed,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        use_vllm=generation == "vllm",
+        vllm_mode="colocate",
+        vllm_gpu_memory_utilization=0.3,
+        vllm_importance_sampling_correction=False,  # treadle's default: no IS correction
+        dataloader_num_workers=0,
+    )
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def run_trl(args: argparse.Namespace) -> None:
+    import torch
+    from datasets import Dataset as HFDataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOTrainer
+
+    from treadle.config import load_config
+    from treadle.data import TaskSampler, load_dataset, render_prompt
+    from treadle.observe import _reset_peaks, _vm_hwm, timed
+    from treadle.rewards.reasoning_gym import ReasoningGymReward
+
+    cfg = load_config(RECIPE, [])
+    torch.set_num_threads(cfg.run.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    data = load_dataset(cfg.data)
+    sampler = TaskSampler(data.train, cfg.run.seed)
+    tasks = sampler.next_batch(args.steps * cfg.rollout.prompts_per_step)
+    by_id = {t.task_id: t for t in tasks}
+    rows = [
+        {
+            "prompt": [{"role": m.role, "content": m.content} for m in t.messages],
+            "task_id": t.task_id,
+        }
+        for t in tasks
+    ]
+    scorer = ReasoningGymReward()
+
+    def reasoning_gym_reward(prompts, completions, task_id, **_):
+        texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+        return [scorer.score(by_id[i], text).reward for i, text in zip(task_id, texts, strict=True)]
+
+    tokenizer = AutoTokenizer.from_pretrained(args.sft)
+    model = AutoModelForCausalLM.from_pretrained(args.sft, dtype=torch.float32)
+    t: dict[str, float] = {}
+    clock = {"train_s": 0.0}
+
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reasoning_gym_reward,
+        args=trl_config(cfg, out, args.steps, args.generation, args.micro_batch),
+        train_dataset=HFDataset.from_list(rows),
+        processing_class=tokenizer,
+    )
+    # Same prompt tokens as treadle's engine sees (chat template, no extra special tokens).
+    ids = trainer._tokenize_prompts([rows[0]["prompt"], rows[1]["prompt"]])[0]
+    want = [render_prompt(tokenizer, tasks[0]), render_prompt(tokenizer, tasks[1])]
+    assert [list(i) for i in ids] == want, f"prompt tokens differ: {ids} vs {want}"
+
+    def wrap(name: str, fn):
+        def wrapped(*a, **k):
+            with timed(t, name):
+                return fn(*a, **k)
+
+        return wrapped
+
+    trainer._generate = wrap("generate", trainer._generate)
+    trainer._calculate_rewards = wrap("reward", trainer._calculate_rewards)
+    score_fn = trainer._generate_and_score_completions
+
+    def generate_and_score(*a, **k):
+        with timed(t, "rollout"):  # generate + reward + TRL's batch preparation
+            result = score_fn(*a, **k)
+        t["update_start"] = time.perf_counter()
+        _reset_peaks()  # the update phase's peak starts here (read at on_step_end)
+        return result
+
+    trainer._generate_and_score_completions = generate_and_score
+    steps: list[dict[str, float]] = []
+    snapshots: dict[int, Path] = {}
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, a, state, control, **kw):
+            t.clear()
+            clock["begin"] = time.perf_counter()
+
+        def on_step_end(self, a, state, control, **kw):
+            end = time.perf_counter()
+            peak = _vm_hwm()
+            row = {k: v for k, v in t.items() if k.startswith(("time/", "mem/"))}
+            row["time/update_s"] = end - t["update_start"]
+            if peak is not None:
+                row["mem/update_peak_gib"] = peak / 2**30
+            row["time/step_s"] = end - clock["begin"]
+            row["time/wall_s"] = clock["train_s"] + (end - clock.get("last_end", clock["begin"]))
+            clock["train_s"] = row["time/wall_s"]
+            steps.append(row)
+            step = state.global_step
+            if step % args.eval_every == 0:  # outside the step timer and the wall clock
+                folder = out / "snapshots" / f"step_{step:04d}"
+                trainer.model.save_pretrained(folder)
+                tokenizer.save_pretrained(folder)
+                snapshots[step] = folder
+            clock["last_end"] = time.perf_counter()
+
+    trainer.add_callback(Timer())
+    trainer.train()
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    curve = evaluate_snapshots(cfg, data.held_out, args.sft, snapshots)
+    result = {"steps": steps, "rewards": rewards, "eval": curve}
+    (out / "trl.json").write_text(json.dumps(result, indent=1))
+
+
+def evaluate_snapshots(cfg, held_out, sft: str, snapshots: dict[int, Path]) -> dict[int, dict]:
+    """Held-out accuracy of each snapshot with treadle's evaluator and vLLM engine."""
+    import dataclasses
+
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    from treadle.engines import EngineSpec, build_engine
+    from treadle.evaluate import evaluate
+    from treadle.loop import sampling_params
+    from treadle.rewards.pool import RewardPool
+
+    max_len = min(AutoConfig.from_pretrained(sft).max_position_embeddings, 8192)
+    spec = EngineSpec(sft, cfg.model.dtype, cfg.run.seed, max_len, cfg.rollout.kv_cache_gib)
+    engine = build_engine(cfg.rollout.engine, spec)
+    tokenizer = AutoTokenizer.from_pretrained(sft)
+    pool = RewardPool.from_config(cfg.reward)
+    params = dataclasses.replace(sampling_params(cfg), n=cfg.eval.samples_per_prompt)
+    curve = {}
+    try:
+        for step, folder in sorted(snapshots.items()):
+            weights = load_file(folder / "model.safetensors")
+            engine.update_weights(iter(weights.items()), version=step)
+            result = evaluate(engine, tokenizer, pool, held_out, params, greedy=cfg.eval.greedy)
+            curve[step] = result.metrics()
+            print(f"TRL step {step}: {curve[step]}", flush=True)
+    finally:
+        pool.close()
+        engine.close()
+    return curve
+
+
+# --------------------------------------------------------------------------------------------
+# Harness
+# --------------------------------------------------------------------------------------------
+
+
+def sh(cmd: list[str], log: Path) -> float:
+    """Run ``cmd`` from the repository root, output to ``log``; seconds taken. Raises on failure."""
+    start = time.perf_counter()
+    with log.open("w") as f:
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, check=False)
+    if proc.returncode:
+        tail = "".join(log.read_text().splitlines(keepends=True)[-25:])
+        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}; end of {log}:\n{tail}")
+    return time.perf_counter() - start
+
+
+def run_treadle(out: Path, sft: Path, steps: int, every: int, log: Path) -> dict:
+    name = out.name
+    sh(
+        [
+            sys.executable, "-m", "treadle.cli", "train", str(RECIPE),
+            f"run.output_dir={out.parent}", f"run.name={name}", f"run.steps={steps}",
+            f"model.path={sft}", "sft.steps=0", f"eval.every={every}",
+            "eval.control_sft=false",
+        ],
+        log,
+    )  # fmt: skip
+    from treadle.observe import read_metrics
+
+    rows = read_metrics(out / "metrics.jsonl")
+    summary = json.loads((out / "summary.json").read_text())
+    train = [r for r in rows if "time/step_s" in r]
+    evals = {int(r["step"]): r for r in rows if "eval/pass@1" in r}
+    # Wall time between steps that no step timer sees (metrics, buffer, samples, checkpoints),
+    # spread evenly over the steps: RL wall time - evaluations - step timers.
+    in_steps = sum(r["time/step_s"] for r in train)
+    in_evals = sum(r.get("time/eval_s", 0.0) for r in train)
+    between = max(summary["rl_wall_time_s"] - in_steps - in_evals, 0.0) / len(train)
+    wall, steps_out = 0.0, []
+    for r in train:
+        wall += r["time/step_s"] + between
+        steps_out.append({k: v for k, v in r.items() if k.startswith(("time/", "mem/"))})
+        steps_out[-1]["time/wall_s"] = wall
+    return {
+        "steps": steps_out,
+        "rewards": [r["reward/mean"] for r in train],
+        "eval": {
+            s: {k: v for k, v in r.items() if k.startswith("eval/")} for s, r in evals.items()
+        },
+    }
+
+
+def run_trl_process(out: Path, sft: Path, a: argparse.Namespace, generation: str, log: Path):
+    cmd = [
+        sys.executable, __file__, "--trl-run", "--out", str(out), "--sft", str(sft),
+        "--steps", str(a.steps), "--eval-every", str(a.eval_every),
+        "--generation", generation, "--micro-batch", str(a.micro_batch),
+    ]  # fmt: skip
+    sh(cmd, log)
+    result = json.loads((out / "trl.json").read_text())
+    result["eval"] = {int(k): v for k, v in result["eval"].items()}
+    return result
+
+
+def summarize(run: dict, before: dict, target: float) -> dict:
+    steps = run["steps"][1:]  # the first step warms up (allocations, first engine call)
+    med = {p: statistics.median(s.get(f"time/{p}_s", 0.0) for s in steps) for p in PHASES}
+    mem = {p: max(s.get(f"mem/{p}_peak_gib", 0.0) for s in run["steps"]) for p in PHASES}
+    curve = {0: before, **run["eval"]}
+    wall = {0: 0.0} | {i + 1: s["time/wall_s"] for i, s in enumerate(run["steps"])}
+    reached = [s for s in sorted(curve) if curve[s]["eval/pass@1"] >= target]
+    return {
+        "step_s": statistics.median(s["time/step_s"] for s in steps),
+        "phase_s": med,
+        "peak_gib": mem,
+        "wall_s": wall[max(wall)],
+        "curve": {s: curve[s]["eval/pass@1"] for s in sorted(curve)},
+        "final_pass1": curve[max(curve)]["eval/pass@1"],
+        "final_greedy": curve[max(curve)].get("eval/greedy_accuracy"),
+        "target_step": reached[0] if reached else None,
+        "time_to_target_s": wall[reached[0]] if reached else None,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--target", type=float, default=0.8, help="held-out pass@1 to reach")
+    p.add_argument("--reps", type=int, default=1)
+    p.add_argument("--trl-generation", default="hf,vllm", help="TRL generation modes: hf,vllm")
+    p.add_argument("--micro-batch", type=int, default=64, help="TRL per-device batch size")
+    p.add_argument("--out", default=str(ROOT / "bench" / "out" / "grpo_vs_trl"))
+    p.add_argument("--trl-run", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--sft", help=argparse.SUPPRESS)
+    p.add_argument("--generation", default="hf", help=argparse.SUPPRESS)
+    report.add_append_flag(p)
+    a = p.parse_args()
+    if a.trl_run:
+        return run_trl(a)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sft_dir = out / "sft"
+    if not (sft_dir / "default" / "sft_model").exists():
+        print("SFT warm-up (treadle sft recipes/default.yaml) ...", flush=True)
+        sh([sys.executable, "-m", "treadle.cli", "sft", str(RECIPE), f"run.output_dir={sft_dir}"],
+           out / "sft.log")  # fmt: skip
+    sft = sft_dir / "default" / "sft_model"
+    modes = [m for m in a.trl_generation.split(",") if m]
+    runs: dict[str, list[dict]] = {"treadle": []} | {f"TRL ({m})": [] for m in modes}
+    failures: dict[str, str] = {}
+    for rep in range(a.reps):  # alternate the frameworks within each repetition
+        print(f"rep {rep}: treadle", flush=True)
+        d = out / f"treadle_{rep}"
+        runs["treadle"].append(
+            run_treadle(d, sft, a.steps, a.eval_every, out / f"treadle_{rep}.log")
+        )
+        for m in modes:
+            name = f"TRL ({m})"
+            if name in failures:
+                continue
+            print(f"rep {rep}: {name}", flush=True)
+            try:
+                d = out / f"trl_{m}_{rep}"
+                runs[name].append(run_trl_process(d, sft, a, m, out / f"trl_{m}_{rep}.log"))
+            except RuntimeError as e:
+                failures[name] = str(e)
+                print(f"{name} failed:\n{e}", flush=True)
+    before = runs["treadle"][0]["eval"].get(0) or json_before(out / "treadle_0")
+    stats = {name: [summarize(r, before, a.target) for r in rs] for name, rs in runs.items() if rs}
+    write(stats, failures, a, before)
+
+
+def json_before(run_dir: Path) -> dict:
+    b = json.loads((run_dir / "before_rl.json").read_text())
+    return {
+        "eval/pass@1": b["accuracy_before_rl"],
+        "eval/greedy_accuracy": b["greedy_accuracy_before_rl"],
+    }
+
+
+def write(stats: dict, failures: dict, a: argparse.Namespace, before: dict) -> None:
+    def med(name, key, sub=None):
+        vals = [s[key] if sub is None else s[key][sub] for s in stats[name]]
+        vals = [v for v in vals if v is not None]
+        return statistics.median(vals) if vals else None
+
+    base = stats["treadle"]
+    header = [
+        "framework", "step s (median)", "vs treadle",
+        *[f"{ph} s" for ph in PHASES], *[f"{ph} peak GiB" for ph in PHASES],
+        f"time to pass@1 >= {a.target}", f"pass@1 after {a.steps}", "greedy",
+    ]  # fmt: skip
+    rows = []
+    for name in stats:
+        step = med(name, "step_s")
+        ratio = step / med("treadle", "step_s")
+        tt = med(name, "time_to_target_s")
+        target_step = stats[name][0]["target_step"]
+        rows.append([
+            name, f"{step:.2f}", "1.00x" if name == "treadle" else f"{ratio:.2f}x slower",
+            *[f"{med(name, 'phase_s', ph):.2f}" for ph in PHASES],
+            *[f"{med(name, 'peak_gib', ph):.2f}" for ph in PHASES],
+            f"{tt:.0f} s (step {target_step})" if tt is not None else "not reached",
+            f"{med(name, 'final_pass1'):.3f}", f"{med(name, 'final_greedy'):.3f}",
+        ])  # fmt: skip
+    curve_header = ["framework", *[f"step {s}" for s in base[0]["curve"]]]
+    curve_rows = [[n, *[f"{v:.3f}" for v in stats[n][0]["curve"].values()]] for n in stats]
+    md = (
+        report.table(header, rows)
+        + f"\n\nHeld-out pass@1 (200 prompts, 8 samples at T=1) by RL step, first repetition "
+        f"(step 0 = the shared SFT checkpoint, {before['eval/pass@1']:.3f}):\n\n"
+        + report.table(curve_header, curve_rows)
+    )
+    for name, err in failures.items():
+        md += f"\n\n{name} did not run: `{err.splitlines()[-1][:300]}`"
+    results = {"args": vars(a), "stats": stats, "failures": failures}
+    report.emit(
+        "GRPO step vs TRL", md, results, Path(__file__).with_suffix(".json"), append=a.append
+    )
+
+
+if __name__ == "__main__":
+    main()
