@@ -15,7 +15,10 @@ memory per phase, and wall time to a held-out accuracy target.
    hyperparameters mapped one to one (``trl_config`` below): 64 prompts x 8 completions of at
    most 40 tokens at temperature 1, one optimizer step per batch (AdamW lr 1e-4, betas
    (0.9, 0.99), constant schedule, grad-norm clip 1.0), PPO clip 0.2, group-normalised
-   advantages (unbiased std), the token-mean loss over the whole batch, no KL, fp32.
+   advantages (unbiased std), the token-mean loss over the whole batch, no KL, fp32. Two
+   differences are each framework's own design and stay: treadle's PPO ratio divides by the
+   engine's sampled-token logprobs (TRL, with one update per batch, by the trainer's own, so its
+   ratio is exactly 1), and the advantage's std guard is 1e-6 in treadle, 1e-4 in TRL.
 4. Accuracy: every ``--eval-every`` steps each framework's weights are scored on the same 200
    held-out prompts by the same evaluator (treadle's ``evaluate`` with its vLLM engine: pass@1
    over 8 samples at T=1, greedy accuracy); TRL's weights are snapshotted during training
@@ -27,7 +30,9 @@ sync; TRL: ``on_step_begin`` to ``on_step_end``, generation to optimizer step). 
 time adds what happens between steps (treadle: metrics, the rollout buffer, samples,
 checkpoints every 20 steps; TRL: its logging). Peak memory per phase is the process's VmHWM
 reset at the start of each phase (``treadle.observe.timed``), read the same way for both;
-treadle's includes its vLLM engine's reserved KV cache, TRL-hf has no engine.
+treadle's includes its vLLM engine's reserved KV cache, TRL-hf has no engine. The phase columns
+leave out treadle's weight sync (its own phase, in the step time); TRL's vLLM mode would sync
+inside its generation.
 """
 
 from __future__ import annotations
@@ -61,8 +66,12 @@ def trl_config(cfg, out: Path, steps: int, generation: str, micro_batch: int):
     from trl import GRPOConfig
 
     r, t, a = cfg.rollout, cfg.trainer, cfg.algorithm
+    # Only the settings mapped below may differ from treadle's defaults: refuse anything else.
     assert a.advantage == "grpo" and a.policy_loss == "ppo" and a.loss_agg == "token-mean"
     assert a.kl.coef == 0 and t.mini_batches == 1 and t.weight_decay == 0
+    assert a.entropy_coef == 0 and a.importance_sampling == "none" and a.dual_clip == 0
+    assert not a.dynamic_sampling and not a.overlong_filter and a.overlong_cache == 0
+    assert not r.stop and not t.bf16_autocast and t.lr_schedule == "constant"
     batch = r.prompts_per_step * r.n  # completions per optimizer step
     return GRPOConfig(
         output_dir=str(out / "trl_output"),
@@ -391,7 +400,6 @@ def write(stats: dict, failures: dict, a: argparse.Namespace, before: dict) -> N
         vals = [v for v in vals if v is not None]
         return statistics.median(vals) if vals else None
 
-    base = stats["treadle"]
     header = [
         "framework", "step s (median)", "vs treadle",
         *[f"{ph} s" for ph in PHASES], *[f"{ph} peak GiB" for ph in PHASES],
@@ -402,16 +410,27 @@ def write(stats: dict, failures: dict, a: argparse.Namespace, before: dict) -> N
         step = med(name, "step_s")
         ratio = step / med("treadle", "step_s")
         tt = med(name, "time_to_target_s")
-        target_step = stats[name][0]["target_step"]
+        target_step = med(name, "target_step")
+        versus = f"{ratio:.2f}x slower" if ratio >= 1 else f"{1 / ratio:.2f}x faster"
         rows.append([
-            name, f"{step:.2f}", "1.00x" if name == "treadle" else f"{ratio:.2f}x slower",
+            name, f"{step:.2f}", "-" if name == "treadle" else versus,
             *[f"{med(name, 'phase_s', ph):.2f}" for ph in PHASES],
             *[f"{med(name, 'peak_gib', ph):.2f}" for ph in PHASES],
-            f"{tt:.0f} s (step {target_step})" if tt is not None else "not reached",
+            f"{tt:.0f} s (step {target_step:.0f})" if tt is not None else "not reached",
             f"{med(name, 'final_pass1'):.3f}", f"{med(name, 'final_greedy'):.3f}",
         ])  # fmt: skip
-    curve_header = ["framework", *[f"step {s}" for s in base[0]["curve"]]]
-    curve_rows = [[n, *[f"{v:.3f}" for v in stats[n][0]["curve"].values()]] for n in stats]
+    steps = sorted({s for n in stats for s in stats[n][0]["curve"]})
+    curve_header = ["framework", *[f"step {s}" for s in steps]]
+    curve_rows = [
+        [
+            n,
+            *[
+                f"{stats[n][0]['curve'][s]:.3f}" if s in stats[n][0]["curve"] else "-"
+                for s in steps
+            ],
+        ]
+        for n in stats
+    ]
     md = (
         report.table(header, rows)
         + f"\n\nHeld-out pass@1 (200 prompts, 8 samples at T=1) by RL step, first repetition "

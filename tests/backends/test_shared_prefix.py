@@ -52,7 +52,7 @@ def test_pack_with_shared_prefix_golden_layout():
     assert mb.sample_tokens.tolist() == [0, 1, 2, 3, 0, 1, 4, 5, 6]  # 4 + 3 + 2 tokens
     assert mb.seq_lens == [4, 3, 2] and mb.num_tokens == 7 and mb.shared
     # Attention rows: each sample's positions, right-padded with 0 to width 4.
-    assert mb.attn_gather.tolist() == [[0, 1, 2, 3], [0, 1, 4, 0], [5, 6, 0, 0]]
+    assert [g.tolist() for g in mb.attn_gather] == [[[0, 1, 2, 3], [0, 1, 4, 0], [5, 6, 0, 0]]]
     # Output of each position from (row, column), flattened row * 4 + column: the prefix from
     # row 0, token 5 from row 1 column 2 (= 6), tokens 6 7 from row 2 columns 0 1 (= 8, 9).
     assert mb.attn_scatter.tolist() == [0, 1, 2, 3, 6, 8, 9]
@@ -63,6 +63,16 @@ def test_pack_with_shared_prefix_golden_layout():
     plain = pack(samples, [0, 1, 2])
     assert plain.input_ids.tolist() == [[1, 2, 3, 4, 1, 2, 5, 6, 7]] and not plain.shared
     assert plain.prev.tolist() == [-1, 0, 1, 2, -1, 4, 5, -1, 7]
+
+
+def test_rows_of_very_different_lengths_get_their_own_attention_chunk():
+    # A 3-token sample then an 8-token one: 2 x 3 < 8, so the short row is not padded to 8.
+    # Rows longest first: chunk 0 = [the 8-token sample] (width 8), chunk 1 = [the 3-token
+    # one] (width 3); flat outputs: chunk 0 at 0..7, chunk 1 at 8..10.
+    mb = pack([sample([9, 10, 11], 1, "b"), sample(list(range(1, 9)), 1, "a")], [0, 1], True)
+    assert [g.tolist() for g in mb.attn_gather] == [[[3, 4, 5, 6, 7, 8, 9, 10]], [[0, 1, 2]]]
+    # Packed positions 0-2 (the short sample) read outputs 8-10; positions 3-10 read 0-7.
+    assert mb.attn_scatter.tolist() == [8, 9, 10, 0, 1, 2, 3, 4, 5, 6, 7]
 
 
 def test_plan_shared_keeps_a_group_together_and_counts_its_prefix_once():
@@ -98,7 +108,7 @@ def batch() -> list[TrainSample]:
 def test_shared_prefix_logprobs_equal_each_sample_alone(tiny_qwen2):
     model = tiny_qwen2(0).eval()
     b = TorchBackend(model, TrainerConfig(micro_batch_tokens=64), 1, trainable=False)
-    assert b.packed_attention  # Qwen2 passes the layout to its attention
+    assert b.packing == "shared"  # Qwen2 passes the layout to its attention
     samples = batch()
     mb = b._micro_batches(samples)
     assert any(m.shared for m in mb)  # the prompts really are shared
@@ -117,7 +127,7 @@ def test_shared_prefix_update_equals_plain_packing(tiny_qwen2):
     objective = PolicyObjective.from_config(AlgorithmConfig(), max_tokens=16)
     shared = TorchBackend(tiny_qwen2(0), TrainerConfig(micro_batch_tokens=40, grad_clip=0), 1)
     plain = TorchBackend(tiny_qwen2(0), TrainerConfig(micro_batch_tokens=40, grad_clip=0), 1)
-    plain.packed_attention, plain._logits_to_keep = False, False
+    plain.packing, plain._logits_to_keep = "plain", False
     assert not any(m.shared for m in plain._micro_batches(samples))
     m1, m2 = shared.train_step(samples, objective), plain.train_step(samples, objective)
     for key in ("loss", "grad_norm", "entropy/mean", "clip/fraction", "ratio/mean"):
@@ -135,7 +145,7 @@ def test_shared_prefix_update_equals_plain_packing(tiny_qwen2):
 def test_shared_prefix_values_equal_each_sample_alone(tiny_value_model):
     model = tiny_value_model.eval()
     b = TorchBackend(model, TrainerConfig(micro_batch_tokens=64), 1, trainable=False, head="value")
-    assert b.packed_attention
+    assert b.packing == "shared"
     for s, v in zip(batch(), b.compute_values(batch()), strict=True):
         alone = model(input_ids=torch.tensor([s.token_ids])).logits[0, :, 0]
         expected = torch.cat([torch.zeros(1), alone[:-1]])  # value of the state before each token
@@ -160,9 +170,62 @@ def test_a_model_without_the_layout_falls_back_to_its_own_attention(tiny_qwen2):
     model = NoKwargsQwen2(copy.deepcopy(base.config)).eval()
     model.load_state_dict(base.state_dict())
     b = TorchBackend(model, TrainerConfig(micro_batch_tokens=64), 1, trainable=False)
-    assert not b.packed_attention  # the probe saw the TypeError and turned it off
+    assert b.packing == "plain"  # the probe saw the TypeError and turned sharing off
     assert not any(m.shared for m in b._micro_batches(batch()))
     for s, lp in zip(batch(), b.compute_logprobs(batch()), strict=True):
         torch.testing.assert_close(
             torch.tensor(lp), manual_logprobs(base, s.token_ids), atol=1e-5, rtol=0
         )
+
+
+@torch.no_grad()
+def test_a_windowed_model_keeps_its_own_attention(tiny_qwen2):
+    """Qwen2 with a 4-token sliding window applies it through its mask alone, which the
+    per-sample attention does not see: the backend must pack plainly (transformers' own
+    attention, window included) and stay exact on samples longer than the window."""
+    from conftest import tiny_qwen2_config
+
+    torch.manual_seed(0)
+    config = tiny_qwen2_config(use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    model = Qwen2ForCausalLM(config).float().eval()
+    b = TorchBackend(model, TrainerConfig(micro_batch_tokens=64), 1, trainable=False)
+    assert b.packing == "plain"
+    samples = batch()
+    assert max(len(s) for s in samples) > 4
+    for s, lp in zip(samples, b.compute_logprobs(samples), strict=True):
+        torch.testing.assert_close(
+            torch.tensor(lp), manual_logprobs(model, s.token_ids), atol=1e-5, rtol=0
+        )
+
+
+class NoPositionsQwen2(Qwen2ForCausalLM):
+    """A model that ignores position_ids and keyword arguments: a packed row is one sequence."""
+
+    def forward(self, input_ids=None, position_ids=None, use_cache=None, logits_to_keep=0):
+        return super().forward(
+            input_ids=input_ids, use_cache=use_cache, logits_to_keep=logits_to_keep
+        )
+
+
+@torch.no_grad()
+def test_a_model_that_cannot_be_packed_trains_one_sample_per_micro_batch(tiny_qwen2):
+    base = tiny_qwen2(0).eval()
+    model = NoPositionsQwen2(copy.deepcopy(base.config)).eval()
+    model.load_state_dict(base.state_dict())
+    b = TorchBackend(model, TrainerConfig(micro_batch_tokens=64), 1, trainable=False)
+    assert b.packing == "single"
+    assert all(len(m.seq_lens) == 1 for m in b._micro_batches(batch()))
+    for s, lp in zip(batch(), b.compute_logprobs(batch()), strict=True):
+        torch.testing.assert_close(
+            torch.tensor(lp), manual_logprobs(base, s.token_ids), atol=1e-5, rtol=0
+        )
+
+
+def test_the_probe_is_not_fooled_by_dropout_in_train_mode():
+    """A model with dropout, built in train mode: the probe compares in eval mode."""
+    from conftest import tiny_qwen2_config
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(tiny_qwen2_config(attention_dropout=0.5)).float().train()
+    b = TorchBackend(model, TrainerConfig(micro_batch_tokens=64), 1)
+    assert b.packing == "shared" and model.training

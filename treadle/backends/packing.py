@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -40,8 +41,10 @@ class MicroBatch:
     position_ids: torch.Tensor  # [1, N]
     prev: torch.Tensor  # [N] long: position of the token before each token in its sample, -1 first
     sample_tokens: torch.Tensor  # [sum(seq_lens)] long: each sample's token positions, in order
-    attn_gather: torch.Tensor  # [S, T] long: attention row s = sample s's positions, 0-padded
-    attn_scatter: torch.Tensor  # [N] long: which (row * T + column) computes each token's output
+    attn_gather: tuple[torch.Tensor, ...]
+    """Attention rows in chunks of similar length: chunk ``c`` is ``[S_c, T_c]`` long, each row
+    one sample's positions (its shared prefix included), right-padded with 0."""
+    attn_scatter: torch.Tensor  # [N] long: index into the chunks' concatenated [S_c * T_c] outputs
     loss_mask: torch.Tensor  # [N] bool
     behavior_logprobs: torch.Tensor  # [N]
     advantages: torch.Tensor  # [N]
@@ -53,7 +56,12 @@ class MicroBatch:
 
     def to(self, device: torch.device) -> MicroBatch:
         """The same micro-batch with its tensors on ``device``."""
-        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+
+        def move(t):
+            if isinstance(t, tuple):
+                return tuple(x.to(device, non_blocking=True) for x in t)
+            return None if t is None else t.to(device, non_blocking=True)
+
         return dataclasses.replace(
             self,
             **{
@@ -196,8 +204,7 @@ def pack(
                 src.append((j, t))
                 scatter.append((j, t))
                 rows[j].append(n)
-    width = max(len(r) for r in rows)
-    gather = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long)
+    gather, where = _attention_chunks(rows)
 
     def per_token(xs, dtype):
         return torch.tensor([xs(chosen[j])[t] for j, t in src], dtype=dtype)
@@ -213,7 +220,7 @@ def pack(
         prev=torch.tensor(prev, dtype=torch.long),
         sample_tokens=torch.tensor([n for r in rows for n in r], dtype=torch.long),
         attn_gather=gather,
-        attn_scatter=torch.tensor([r * width + c for r, c in scatter], dtype=torch.long),
+        attn_scatter=torch.tensor([where[r] + c for r, c in scatter], dtype=torch.long),
         loss_mask=per_token(lambda s: s.loss_mask, torch.bool),
         behavior_logprobs=per_token(lambda s: s.behavior_logprobs, torch.float32),
         advantages=per_token(lambda s: s.advantages, torch.float32),
@@ -225,10 +232,39 @@ def pack(
     )
 
 
-def plan(samples: Sequence[TrainSample], budget: int, share_prefix: bool) -> list[list[int]]:
-    """The micro-batches :func:`pack` is given: shared-prefix bins, or plain first-fit bins."""
-    if share_prefix:
+def _attention_chunks(rows: list[list[int]]) -> tuple[tuple[torch.Tensor, ...], list[int]]:
+    """Attention rows grouped longest first into chunks whose rows are at least half the
+    chunk's longest (so padding at most doubles a row, and one long sample does not pad a
+    hundred short ones to its length). Returns each chunk's ``[S_c, T_c]`` gather and, per row,
+    where its column 0 lands in the chunks' concatenated flat outputs."""
+    order = sorted(range(len(rows)), key=lambda j: -len(rows[j]))
+    chunks: list[list[int]] = []
+    for j in order:
+        if not chunks or 2 * len(rows[j]) < len(rows[chunks[-1][0]]):
+            chunks.append([])
+        chunks[-1].append(j)
+    gathers, where, offset = [], [0] * len(rows), 0
+    for chunk in chunks:
+        width = len(rows[chunk[0]])
+        gathers.append(torch.tensor([rows[j] + [0] * (width - len(rows[j])) for j in chunk]))
+        for r, j in enumerate(chunk):
+            where[j] = offset + r * width
+        offset += len(chunk) * width
+    return tuple(gathers), where
+
+
+Packing = Literal["shared", "plain", "single"]
+"""How a backend packs: ``shared`` (per-sample attention, a group's prompt once), ``plain``
+(samples concatenated, the model's own attention over the block mask of position_ids) or
+``single`` (one sample per micro-batch, for a model whose attention cannot be packed)."""
+
+
+def plan(samples: Sequence[TrainSample], budget: int, packing: Packing) -> list[list[int]]:
+    """The micro-batches :func:`pack` is given under ``packing``."""
+    if packing == "shared":
         return plan_shared_micro_batches(samples, budget)
+    if packing == "single":
+        return [[i] for i in range(len(samples))]
     return plan_micro_batches([len(s) for s in samples], budget)
 
 

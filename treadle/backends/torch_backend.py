@@ -8,6 +8,7 @@ optional bf16 autocast (weights and optimizer state stay fp32).
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 import time
 from collections.abc import Iterator, Sequence
@@ -19,10 +20,16 @@ from transformers import PreTrainedModel
 from treadle.algorithms.aggregation import StepTotals
 from treadle.algorithms.correction import mismatch_metrics
 from treadle.algorithms.objectives import Objective
-from treadle.backends.packed_attention import PackedAttentionUnavailable, packed_attention
-from treadle.backends.packing import MicroBatch, TokenOutputs, pack, plan
+from treadle.backends.packed_attention import (
+    PackedAttentionUnavailable,
+    packed_attention,
+    windowed,
+)
+from treadle.backends.packing import MicroBatch, Packing, TokenOutputs, pack, plan
 from treadle.config import TrainerConfig
 from treadle.types import TrainSample
+
+logger = logging.getLogger(__name__)
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
@@ -121,8 +128,9 @@ class TorchBackend:
             model.requires_grad_(False)
         # After the optimizer holds the parameters (the probe's forward gathers a sharded
         # model's parameters; it reshards them, but the optimizer must never see the gathered).
-        self.packed_attention = self._probe_packed_attention()
-        """Whether micro-batches attend per sample and share their groups' prompts."""
+        self.packing: Packing = self._probe_packing()
+        """``shared`` (per-sample attention, a group's prompt computed once), ``plain`` (the
+        model's own attention over packed samples) or ``single`` (one sample a micro-batch)."""
 
     def forward(
         self, mb: MicroBatch, entropy_grad: bool = False, loss_tokens_only: bool = False
@@ -165,7 +173,7 @@ class TorchBackend:
         kwargs = {"input_ids": mb.input_ids, "position_ids": mb.position_ids, "use_cache": False}
         if keep is not None:
             kwargs["logits_to_keep"] = keep
-        if self.packed_attention and len(mb.seq_lens) > 1:
+        if self.packing == "shared" and len(mb.seq_lens) > 1:
             with packed_attention(self.model):
                 return self.model(
                     **kwargs, packed_gather=mb.attn_gather, packed_scatter=mb.attn_scatter
@@ -174,44 +182,59 @@ class TorchBackend:
         return self.model(**kwargs).logits
 
     @torch.no_grad()
-    def _probe_packed_attention(self) -> bool:
-        """Whether this model computes a packed, prefix-sharing micro-batch exactly as it
-        computes each sample alone with its own attention (three tiny forwards, once)."""
-        vocab = self.model.config.vocab_size if hasattr(self.model.config, "vocab_size") else 8
+    def _probe_packing(self) -> Packing:
+        """How this model's micro-batches can be packed exactly: three tiny samples (two sharing
+        a prompt) packed each way must give each sample's logits alone (computed once, in eval
+        mode, so dropout cannot fail a check)."""
+        vocab = getattr(self.model.config, "vocab_size", None) or 8
 
         def probe(ids: list[int], prompt: int, group: str) -> TrainSample:
             n = len(ids)
-            ids = [i % vocab for i in ids]
             zeros = [0.0] * n
-            mask = [t >= prompt for t in range(n)]
-            return TrainSample(ids, mask, zeros, zeros, 0, group)
+            return TrainSample(
+                [i % vocab for i in ids], [t >= prompt for t in range(n)], zeros, zeros, 0, group
+            )
 
         samples = [probe([1, 2, 3, 4], 2, "a"), probe([1, 2, 5], 2, "a"), probe([6, 7], 1, "b")]
-        mb = pack(samples, [0, 1, 2], share_prefix=True).to(self.device)
+        dtype = next(self.model.parameters()).dtype
+        tol = 1e-3 if dtype == torch.float32 else 5e-2
         was_training = self.model.training
         self.model.eval()
         try:
-            self.packed_attention = True
-            packed = self._model_forward(mb, None)[0].float()[mb.sample_tokens]
-        except (PackedAttentionUnavailable, TypeError):  # TypeError: forward takes no kwargs
-            return False
+            alone = torch.cat(
+                [
+                    self.model(input_ids=torch.tensor([s.token_ids], device=self.device)).logits[0]
+                    for s in samples
+                ]
+            ).float()
+
+            def exact(packing: Packing) -> bool:
+                mb = pack(samples, [0, 1, 2], share_prefix=packing == "shared").to(self.device)
+                self.packing = packing
+                try:
+                    out = self._model_forward(mb, None)[0].float()[mb.sample_tokens]
+                except (PackedAttentionUnavailable, TypeError):  # TypeError: no kwargs taken
+                    return False
+                return torch.allclose(out, alone, atol=tol, rtol=tol)
+
+            if not windowed(self.model.config) and exact("shared"):
+                return "shared"
+            if exact("plain"):
+                return "plain"
+            logger.warning(
+                "%s computes packed samples differently from each sample alone (its attention "
+                "does not follow position_ids); training one sample per micro-batch",
+                type(self.model).__name__,
+            )
+            return "single"
         finally:
             self.model.train(was_training)
             _reshard(self.model)
-        alone = torch.cat(
-            [
-                self.model(input_ids=torch.tensor([s.token_ids], device=self.device)).logits[0]
-                for s in samples
-            ]
-        ).float()
-        _reshard(self.model)
-        tol = 1e-3 if next(self.model.parameters()).dtype == torch.float32 else 5e-2
-        return torch.allclose(packed, alone, atol=tol, rtol=tol)
 
     def _micro_batches(self, samples: Sequence[TrainSample]) -> list[MicroBatch]:
         return [
-            pack(samples, idx, self.packed_attention).to(self.device)
-            for idx in plan(samples, self.cfg.micro_batch_tokens, self.packed_attention)
+            pack(samples, idx, self.packing == "shared").to(self.device)
+            for idx in plan(samples, self.cfg.micro_batch_tokens, self.packing)
         ]
 
     @torch.no_grad()

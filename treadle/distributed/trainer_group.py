@@ -131,9 +131,9 @@ class TrainerWorker:
         self.backend = TorchBackend(model, cfg, total_steps, temperature)
         self._sync_group = None
 
-    def packed_attention(self) -> bool:
-        """Whether this rank's backend packs shared prefixes (the driver plans with it)."""
-        return self.backend.packed_attention
+    def packing(self) -> str:
+        """How this rank's backend packs micro-batches (the driver plans with it)."""
+        return self.backend.packing
 
     def pid(self) -> int:
         return os.getpid()
@@ -367,7 +367,7 @@ class TrainerGroup:
         ]
         ray.get([w.pid.remote() for w in self.workers])  # all ranks up (raises if one failed)
         # Every rank probed the same model the same way; the driver plans micro-batches with it.
-        self.packed_attention = ray.get(self.workers[0].packed_attention.remote())
+        self.packing = ray.get(self.workers[0].packing.remote())
         self.model, self.optimizer = _Proxy(self, "model"), _Proxy(self, "optimizer")
         self.scheduler = _Proxy(self, "scheduler")
 
@@ -375,8 +375,7 @@ class TrainerGroup:
         """Each rank's sample indices and the micro-batch count every rank runs."""
         parts = balance([len(s) for s in samples], len(self.workers))
         budget = self.trainer_cfg.micro_batch_tokens
-        share = self.packed_attention
-        counts = [len(plan([samples[i] for i in p], budget, share)) for p in parts]
+        counts = [len(plan([samples[i] for i in p], budget, self.packing)) for p in parts]
         return parts, max(counts)
 
     def train_step(self, samples: Sequence[TrainSample], objective: Objective) -> dict[str, float]:
