@@ -122,7 +122,7 @@ def measure(name: str, reps: int, budget: int, plain: bool) -> dict:
         trainer = TrainerConfig(lr=1e-5, micro_batch_tokens=budget, bf16_autocast=bf16)
         backend = TorchBackend(model, trainer, 100)
         if no_sharing:  # packing as before: prompts per sample, the model's own attention
-            backend.packed_attention, backend._logits_to_keep = False, False
+            backend.packing, backend._logits_to_keep = "plain", False
         backend.train_step(samples[:64], objective)  # warm-up
         times = []
         for _ in range(reps):
