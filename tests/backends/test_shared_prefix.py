@@ -164,18 +164,25 @@ class NoKwargsQwen2(Qwen2ForCausalLM):
         )
 
 
-@torch.no_grad()
-def test_a_model_without_the_layout_falls_back_to_its_own_attention(tiny_qwen2):
-    base = tiny_qwen2(0).eval()
-    model = NoKwargsQwen2(copy.deepcopy(base.config)).eval()
+def probed_copy(cls: type, base: Qwen2ForCausalLM) -> tuple[TorchBackend, list[list[float]]]:
+    """``base``'s weights in a model of class ``cls``, its backend (the probe has run) and its
+    logprobs of :func:`batch`, checked against ``base`` computing each sample alone."""
+    model = cls(copy.deepcopy(base.config)).eval()
     model.load_state_dict(base.state_dict())
     b = TorchBackend(model, TrainerConfig(micro_batch_tokens=64), 1, trainable=False)
-    assert b.packing == "plain"  # the probe saw the TypeError and turned sharing off
-    assert not any(m.shared for m in b._micro_batches(batch()))
-    for s, lp in zip(batch(), b.compute_logprobs(batch()), strict=True):
+    out = b.compute_logprobs(batch())
+    for s, lp in zip(batch(), out, strict=True):
         torch.testing.assert_close(
             torch.tensor(lp), manual_logprobs(base, s.token_ids), atol=1e-5, rtol=0
         )
+    return b, out
+
+
+@torch.no_grad()
+def test_a_model_without_the_layout_falls_back_to_its_own_attention(tiny_qwen2):
+    b, _ = probed_copy(NoKwargsQwen2, tiny_qwen2(0).eval())
+    assert b.packing == "plain"  # the probe saw the TypeError and turned sharing off
+    assert not any(m.shared for m in b._micro_batches(batch()))
 
 
 @torch.no_grad()
@@ -209,16 +216,9 @@ class NoPositionsQwen2(Qwen2ForCausalLM):
 
 @torch.no_grad()
 def test_a_model_that_cannot_be_packed_trains_one_sample_per_micro_batch(tiny_qwen2):
-    base = tiny_qwen2(0).eval()
-    model = NoPositionsQwen2(copy.deepcopy(base.config)).eval()
-    model.load_state_dict(base.state_dict())
-    b = TorchBackend(model, TrainerConfig(micro_batch_tokens=64), 1, trainable=False)
+    b, _ = probed_copy(NoPositionsQwen2, tiny_qwen2(0).eval())
     assert b.packing == "single"
     assert all(len(m.seq_lens) == 1 for m in b._micro_batches(batch()))
-    for s, lp in zip(batch(), b.compute_logprobs(batch()), strict=True):
-        torch.testing.assert_close(
-            torch.tensor(lp), manual_logprobs(base, s.token_ids), atol=1e-5, rtol=0
-        )
 
 
 def test_the_probe_is_not_fooled_by_dropout_in_train_mode():

@@ -74,7 +74,7 @@ def test_runs_off_the_main_thread() -> None:
     assert results == [Score(reward=1.0, correct=True)]
 
 
-@pytest.mark.skipif(not (DATA / "gsm8k").is_dir(), reason="shared data folder not present")
+@pytest.mark.skipif(not (DATA / "gsm8k").is_dir(), reason=f"needs {DATA / 'gsm8k'}")
 def test_gsm8k_golds() -> None:
     rows = [json.loads(line) for line in (DATA / "gsm8k" / "test.jsonl").open()]
     golds = [row["answer"].split("####")[-1].strip() for row in rows]
@@ -87,7 +87,7 @@ def test_gsm8k_golds() -> None:
     assert (len(golds), right, off_by_one) == (1319, 1319, 0)
 
 
-@pytest.mark.skipif(not (DATA / "math500").is_dir(), reason="shared data folder not present")
+@pytest.mark.skipif(not (DATA / "math500").is_dir(), reason=f"needs {DATA / 'math500'}")
 def test_math500_golds_verify_against_themselves() -> None:
     rows = [json.loads(line) for line in (DATA / "math500" / "test.jsonl").open()]
     reward = MathVerifyReward()
