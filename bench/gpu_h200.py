@@ -45,7 +45,7 @@ import report  # noqa: E402
 import torch  # noqa: E402
 from rollout_throughput import hf_generate, prompts_for  # noqa: E402
 from shapes import random_qwen2  # noqa: E402
-from update_phase import batch, model_flops, padding  # noqa: E402
+from update_phase import batch, matmul_peak, model_flops, padding  # noqa: E402
 
 H200_BF16_PEAK = 790e12  # FLOP/s, dense bf16 (measured 769-798 on these machines)
 VOCAB = {"0.5M": 2048, "3M": 4096, "0.5B": 151936, "1.5B": 151936}
@@ -62,19 +62,6 @@ class Clock:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
-
-
-def matmul_peak(device: torch.device, n: int, reps: int = 10) -> float:
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        torch.mm(a, b)
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        torch.mm(a, b)
-    sync(device)
-    return 2 * n**3 * reps / (time.perf_counter() - t0)
 
 
 def save_model(name: str, folder: Path) -> int:
@@ -209,7 +196,7 @@ def main() -> None:
     sizes = (args.sizes or ("0.5M,3M" if args.dry_run else "0.5B,1.5B")).split(",")
     if args.dry_run:
         args.micro_batch_tokens, args.new_tokens, args.reps = 4096, 16, 2
-    peak = matmul_peak(device, 2048 if args.dry_run else 8192)
+    peak = matmul_peak(torch.bfloat16, 2048 if args.dry_run else 8192, 10, device.type)
     print(f"{device}: bf16 matmul peak {peak / 1e12:.1f} TFLOP/s", flush=True)
     rows, skipped = [], []
     with tempfile.TemporaryDirectory() as tmp:

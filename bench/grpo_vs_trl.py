@@ -386,17 +386,9 @@ def main() -> None:
             except RuntimeError as e:
                 failures[name] = str(e)
                 print(f"{name} failed:\n{e}", flush=True)
-    before = runs["treadle"][0]["eval"].get(0) or json_before(out / "treadle_0")
+    before = runs["treadle"][0]["eval"][0]  # the shared SFT checkpoint, logged at step 0
     stats = {name: [summarize(r, before, a.target) for r in rs] for name, rs in runs.items() if rs}
     write(stats, failures, a, before)
-
-
-def json_before(run_dir: Path) -> dict:
-    b = json.loads((run_dir / "before_rl.json").read_text())
-    return {
-        "eval/pass@1": b["accuracy_before_rl"],
-        "eval/greedy_accuracy": b["greedy_accuracy_before_rl"],
-    }
 
 
 def write(stats: dict, failures: dict, a: argparse.Namespace, before: dict) -> None:

@@ -39,14 +39,19 @@ from shapes import random_qwen2
 VOCAB = {"0.5M": 2048, "3M": 4096, "25M": 16384}
 
 
-def matmul_peak(dtype: torch.dtype, n: int = 2048, reps: int = 5) -> float:
-    """Best FLOP/s of ``torch.mm`` on ``n x n`` operands in ``dtype``."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+def matmul_peak(dtype: torch.dtype, n: int = 2048, reps: int = 5, device: str = "cpu") -> float:
+    """Best FLOP/s of ``torch.mm`` on ``n x n`` operands in ``dtype`` on ``device``."""
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
     torch.mm(a, b)
     best = 0.0
     for _ in range(reps):
+        if a.is_cuda:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         torch.mm(a, b)
+        if a.is_cuda:
+            torch.cuda.synchronize()
         best = max(best, 2 * n**3 / (time.perf_counter() - t0))
     return best
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from treadle.backends.packing import pack, plan_micro_batches, unpack
+from treadle.backends.packing import pack, plan_micro_batches
 from treadle.types import TrainSample
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -87,9 +87,10 @@ def test_pack_ref_logprobs_only_when_every_sample_has_them():
     assert pack([*with_ref, sample([6, 7])], [0, 1, 2]).ref_logprobs is None
 
 
-def test_unpack_splits_by_sequence_length():
+def test_per_sample_splits_by_sequence_length():
+    mb = pack([sample([1, 2, 3, 4]), sample([5, 6, 7])], [0, 1])  # 4 + 3 tokens, no sharing
     values = torch.arange(7, dtype=torch.float32)
-    assert unpack(values, [4, 3]) == [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]
+    assert mb.per_sample(values) == [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]
 
 
 def logprobs_alone(model, ids: list[int]) -> torch.Tensor:

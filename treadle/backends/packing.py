@@ -48,7 +48,9 @@ class MicroBatch:
     loss_mask: torch.Tensor  # [N] bool
     behavior_logprobs: torch.Tensor  # [N]
     advantages: torch.Tensor  # [N]
-    segment_ids: torch.Tensor  # [N] long: index (0 .. S-1) of the sample each token counts for
+    segments: torch.Tensor
+    """``[N]`` long: index (0 .. S-1) of the packed sample each token belongs to (a shared
+    prefix's tokens count for the group's first sample; they are never trained on)."""
     ref_logprobs: torch.Tensor | None  # [N], None without a reference model
     old_logprobs: torch.Tensor | None  # [N], None unless the trainer recomputed them
     values: torch.Tensor | None  # [N] critic values before the update, None without a critic
@@ -79,12 +81,6 @@ class MicroBatch:
     def shared(self) -> bool:
         """Whether some positions serve several samples (a shared prefix)."""
         return sum(self.seq_lens) != self.num_tokens
-
-    @property
-    def segments(self) -> torch.Tensor:
-        """``[N]`` index (0 .. S-1) of the packed sample each token belongs to (a shared
-        prefix's tokens count for the group's first sample; they are never trained on)."""
-        return self.segment_ids
 
     def per_sample(self, values: torch.Tensor) -> list[list[float]]:
         """Per-sample lists ``[L]`` of a per-token tensor ``[N]`` (shared positions repeated
@@ -136,10 +132,10 @@ def shared_prefix_len(samples: Sequence[TrainSample]) -> int:
     return limit
 
 
-def _groups(samples: Sequence[TrainSample], order: Sequence[int]) -> list[list[int]]:
-    """``order`` split by ``group_id``, groups in order of first appearance."""
+def _groups(samples: Sequence[TrainSample]) -> list[list[int]]:
+    """Sample indices split by ``group_id``, groups in order of first appearance."""
     groups: dict[str, list[int]] = {}
-    for i in order:
+    for i in range(len(samples)):
         groups.setdefault(samples[i].group_id, []).append(i)
     return list(groups.values())
 
@@ -151,7 +147,7 @@ def plan_shared_micro_batches(samples: Sequence[TrainSample], budget: int) -> li
     decreasing by that cost. A chunk over the budget on its own (one long sample) is alone."""
     chunks: list[list[int]] = []
     costs: list[int] = []
-    for group in _groups(samples, range(len(samples))):
+    for group in _groups(samples):
         p = shared_prefix_len([samples[i] for i in group])
         chunk, cost = [], 0
         for i in group:
@@ -175,9 +171,7 @@ def pack(
     ``share_prefix`` the prefix a group's samples share (:func:`shared_prefix_len`) is packed
     once, before their remaining tokens."""
     chosen = [samples[i] for i in index]
-    groups = (
-        _groups(chosen, range(len(chosen))) if share_prefix else [[j] for j in range(len(chosen))]
-    )
+    groups = _groups(chosen) if share_prefix else [[j] for j in range(len(chosen))]
     ids, pos, prev, seg, src = [], [], [], [], []  # src: (sample, token) each position copies
     rows: list[list[int]] = [[] for _ in chosen]
     scatter: list[tuple[int, int]] = []  # (row, column) whose query output is each position's
@@ -224,7 +218,7 @@ def pack(
         loss_mask=per_token(lambda s: s.loss_mask, torch.bool),
         behavior_logprobs=per_token(lambda s: s.behavior_logprobs, torch.float32),
         advantages=per_token(lambda s: s.advantages, torch.float32),
-        segment_ids=torch.tensor(seg, dtype=torch.long),
+        segments=torch.tensor(seg, dtype=torch.long),
         ref_logprobs=optional(lambda s: s.ref_logprobs),
         old_logprobs=optional(lambda s: s.old_logprobs),
         values=optional(lambda s: s.values),
@@ -266,8 +260,3 @@ def plan(samples: Sequence[TrainSample], budget: int, packing: Packing) -> list[
     if packing == "single":
         return [[i] for i in range(len(samples))]
     return plan_micro_batches([len(s) for s in samples], budget)
-
-
-def unpack(values: torch.Tensor, seq_lens: Sequence[int]) -> list[list[float]]:
-    """Split a flat ``[N]`` tensor back into per-sample lists."""
-    return [chunk.tolist() for chunk in torch.split(values.detach().float().cpu(), list(seq_lens))]

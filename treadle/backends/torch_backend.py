@@ -111,9 +111,8 @@ class TorchBackend:
         self.head = head
         self.temperature = temperature if temperature > 0 else 1.0
         self.device = next(model.parameters()).device
-        # Per-sequence attention of packed micro-batches (the model's own over a block mask if
-        # its forward turns out not to pass the layout on), and the output layer only where a
-        # loss reads it, when the model's forward takes transformers' ``logits_to_keep``.
+        # The output layer only where a loss reads it, when the model's forward takes
+        # transformers' ``logits_to_keep``.
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
@@ -197,6 +196,7 @@ class TorchBackend:
 
         samples = [probe([1, 2, 3, 4], 2, "a"), probe([1, 2, 5], 2, "a"), probe([6, 7], 1, "b")]
         dtype = next(self.model.parameters()).dtype
+        # Packing only reorders float sums (~1e-6 in fp32); a wrong layout moves logits by O(1).
         tol = 1e-3 if dtype == torch.float32 else 5e-2
         was_training = self.model.training
         self.model.eval()
