@@ -65,7 +65,7 @@ def sync(device: torch.device) -> None:
 
 
 def save_model(name: str, folder: Path) -> int:
-    from treadle.models import build_tokenizer
+    from treadle.store.models import build_tokenizer
 
     # A small real tokenizer for the engines; the model's vocabulary is the size's own (token
     # ids past the tokenizer's are still valid model inputs and outputs).
@@ -77,7 +77,8 @@ def save_model(name: str, folder: Path) -> int:
 
 
 def engine_for(folder: Path):
-    from treadle.engines import EngineSpec, build_engine
+    from treadle.core.protocols import EngineSpec
+    from treadle.rollout.engines import build_engine
 
     spec = EngineSpec(str(folder), dtype="bfloat16", max_model_len=1024, kv_cache_gib=8)
     try:
@@ -91,7 +92,7 @@ def engine_for(folder: Path):
 def rollout(name, folder, device, args) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from treadle.engines import SamplingParams
+    from treadle.core.protocols import SamplingParams
 
     label, engine = engine_for(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(device).eval()
@@ -145,9 +146,9 @@ def rollout(name, folder, device, args) -> dict:
 
 
 def update(name, device, args) -> dict:
-    from treadle.algorithms.objectives import PolicyObjective
-    from treadle.backends.torch_backend import TorchBackend
     from treadle.config import AlgorithmConfig, TrainerConfig
+    from treadle.train.objectives import PolicyObjective
+    from treadle.train.torch_backend import TorchBackend
 
     samples = batch(VOCAB[name])
     model = random_qwen2(name, VOCAB[name]).to(device)

@@ -29,7 +29,7 @@ Step time is each framework's own step timer (treadle: ``time/step_s``, generati
 sync; TRL: ``on_step_begin`` to ``on_step_end``, generation to optimizer step). Training wall
 time adds what happens between steps (treadle: metrics, the rollout buffer, samples,
 checkpoints every 20 steps; TRL: its logging). Peak memory per phase is the process's VmHWM
-reset at the start of each phase (``treadle.observe.timed``), read the same way for both;
+reset at the start of each phase (``treadle.store.observe.timed``), read the same way for both;
 treadle's includes its vLLM engine's reserved KV cache, TRL-hf has no engine. The phase columns
 leave out treadle's weight sync (its own phase, in the step time); TRL's vLLM mode would sync
 inside its generation.
@@ -125,9 +125,9 @@ def run_trl(args: argparse.Namespace) -> None:
     from trl import GRPOTrainer
 
     from treadle.config import load_config
-    from treadle.data import TaskSampler, load_dataset, render_prompt
-    from treadle.observe import _reset_peaks, _vm_hwm, timed
     from treadle.rewards.reasoning_gym import ReasoningGymReward
+    from treadle.store.data import TaskSampler, load_dataset, render_prompt
+    from treadle.store.observe import _reset_peaks, _vm_hwm, timed
 
     cfg = load_config(RECIPE, [])
     torch.set_num_threads(cfg.run.threads)
@@ -228,10 +228,11 @@ def evaluate_snapshots(cfg, held_out, sft: str, snapshots: dict[int, Path]) -> d
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer
 
-    from treadle.engines import EngineSpec, build_engine
-    from treadle.evaluate import evaluate
-    from treadle.loop import sampling_params
+    from treadle.core.protocols import EngineSpec
+    from treadle.jobs.loop import sampling_params
     from treadle.rewards.pool import RewardPool
+    from treadle.rollout.engines import build_engine
+    from treadle.rollout.evaluate import evaluate
 
     max_len = min(AutoConfig.from_pretrained(sft).max_position_embeddings, 8192)
     spec = EngineSpec(sft, cfg.model.dtype, cfg.run.seed, max_len, cfg.rollout.kv_cache_gib)
@@ -280,7 +281,7 @@ def run_treadle(out: Path, sft: Path, steps: int, every: int, log: Path) -> dict
         ],
         log,
     )  # fmt: skip
-    from treadle.observe import read_metrics
+    from treadle.store.observe import read_metrics
 
     rows = read_metrics(out / "metrics.jsonl")
     summary = json.loads((out / "summary.json").read_text())

@@ -15,10 +15,10 @@ import sys
 import time
 from pathlib import Path
 
+from treadle.core.types import Message, Task
 from treadle.rewards.code import CodeReward, code_payload
 from treadle.rewards.math_verify import MathVerifyReward
 from treadle.rewards.pool import RewardPool
-from treadle.types import Message, Task
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import report

@@ -38,7 +38,7 @@ VOCAB = {"0.5M": 2048, "3M": 4096, "25M": 16384, "0.5B": None}  # None: the Qwen
 def build(name: str, folder: Path) -> int:
     from transformers import AutoTokenizer
 
-    from treadle.models import build_tokenizer
+    from treadle.store.models import build_tokenizer
 
     vocab = VOCAB[name]
     if vocab is None:
@@ -84,7 +84,8 @@ def hf_generate(model, prompts: list[list[int]], new_tokens: int, pad: int, eos:
 def measure(name: str, args, tmp: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from treadle.engines import EngineSpec, SamplingParams, build_engine
+    from treadle.core.protocols import EngineSpec, SamplingParams
+    from treadle.rollout.engines import build_engine
 
     folder = tmp / name
     params = build(name, folder)

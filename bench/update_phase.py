@@ -58,7 +58,7 @@ def matmul_peak(dtype: torch.dtype, n: int = 2048, reps: int = 5, device: str = 
 
 def batch(vocab: int, seed: int = 0):
     """512 samples: 64 groups of 8 completions (8-40 tokens) sharing a 24-40-token prompt."""
-    from treadle.types import TrainSample
+    from treadle.core.types import TrainSample
 
     g = torch.Generator().manual_seed(seed)
     samples = []
@@ -99,7 +99,7 @@ def model_flops(model, micro) -> float:
 
 def padding(samples, budget: int) -> tuple[float, float]:
     """Real / computed tokens for packed micro-batches and for the same micro-batches padded."""
-    from treadle.backends.packing import plan_micro_batches
+    from treadle.train.packing import plan_micro_batches
 
     lengths = [len(s) for s in samples]
     plan = plan_micro_batches(lengths, budget)
@@ -110,9 +110,9 @@ def padding(samples, budget: int) -> tuple[float, float]:
 
 
 def measure(name: str, reps: int, budget: int, plain: bool) -> dict:
-    from treadle.algorithms.objectives import PolicyObjective
-    from treadle.backends.torch_backend import TorchBackend
     from treadle.config import AlgorithmConfig, TrainerConfig
+    from treadle.train.objectives import PolicyObjective
+    from treadle.train.torch_backend import TorchBackend
 
     vocab = VOCAB[name]
     samples = batch(vocab)

@@ -43,7 +43,7 @@ BUCKET_MB = 64
 
 
 def build(name: str, folder: Path) -> int:
-    from treadle.models import build_tokenizer
+    from treadle.store.models import build_tokenizer
 
     model = random_qwen2(name, VOCAB[name])
     model.save_pretrained(folder)
@@ -65,13 +65,13 @@ class _Peer:
     """A bare process of a 2-rank gloo group: the raw-broadcast baseline."""
 
     def join(self, host, port, rank, prefix):
-        from treadle.distributed.weight_sync import new_sync_group
+        from treadle.cluster.transports import new_sync_group
 
         torch.set_num_threads(1)
         self.group = new_sync_group(host, port, rank, 2, prefix, "gloo")
 
     def broadcast(self, nbytes: int, bucket_bytes: int, reps: int) -> list[float]:
-        from treadle.distributed.weight_sync import broadcast
+        from treadle.cluster.transports import broadcast
 
         buffers = [
             torch.ones(min(bucket_bytes, nbytes - off) // 4, dtype=torch.float32)
@@ -95,7 +95,7 @@ def memcpy(nbytes: int, reps: int) -> float:
 def raw_broadcast(nbytes: int, reps: int) -> float:
     import ray
 
-    from treadle.distributed.trainer_group import free_port
+    from treadle.cluster.placement import free_port
 
     peer = ray.remote(num_cpus=0)(_Peer)
     a, b = peer.remote(), peer.remote()
@@ -110,15 +110,17 @@ def raw_broadcast(nbytes: int, reps: int) -> float:
 
 
 def measure(name: str, reps: int, tmp: Path) -> dict:
-    from treadle.backends.torch_backend import TorchBackend
+    from treadle.cluster import close_ray_roles
+    from treadle.cluster.engine_group import EngineGroup
+    from treadle.cluster.placement import place
+    from treadle.cluster.trainer_group import TrainerGroup
+    from treadle.cluster.transports import RaySync
     from treadle.config import PlacementConfig, TrainerConfig
-    from treadle.distributed import close_ray_roles
-    from treadle.distributed.engine_group import EngineGroup
-    from treadle.distributed.placement import place
-    from treadle.distributed.trainer_group import TrainerGroup
-    from treadle.distributed.weight_sync import InProcessSync, RaySync
-    from treadle.engines import EngineSpec, build_engine
-    from treadle.models import load_model
+    from treadle.core.protocols import EngineSpec
+    from treadle.rollout.engines import build_engine
+    from treadle.store.models import load_model
+    from treadle.train.torch_backend import TorchBackend
+    from treadle.train.weight_sync import InProcessSync
 
     folder = tmp / name
     params = build(name, folder)

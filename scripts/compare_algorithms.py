@@ -75,8 +75,8 @@ def main() -> int:
 
 
 def write_results(out: Path, rows: list[dict], steps: int) -> None:
-    from treadle.checkpoint import write_json_atomic, write_text_atomic
-    from treadle.report import plot_comparison
+    from treadle.store.checkpoint import write_json_atomic, write_text_atomic
+    from treadle.store.report import plot_comparison
 
     lines = [
         f"| algorithm | held-out pass@1 before | after {steps} steps | greedy after | "

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from treadle.config import load_config
-from treadle.errors import UserError
+from treadle.core.errors import UserError
 
 DEFAULT = Path(__file__).resolve().parents[1] / "recipes" / "default.yaml"
 # File data needs no worked steps and a reward that can score it.
@@ -136,7 +136,7 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(results, name):
 
 
 def test_sft_only_with_a_missing_model_folder_leaves_no_run_dir(tmp_path, monkeypatch):
-    from treadle.pipeline import sft_only
+    from treadle.jobs.train import sft_only
 
     monkeypatch.chdir(tmp_path)
     cfg = load_config(DEFAULT, [*SMALL, "model.path=/nonexistent"])
@@ -146,7 +146,7 @@ def test_sft_only_with_a_missing_model_folder_leaves_no_run_dir(tmp_path, monkey
 
 
 def test_template_typo_fails_before_the_run_dir_exists(tmp_path, monkeypatch):
-    from treadle.pipeline import train
+    from treadle.jobs.train import train
 
     monkeypatch.chdir(tmp_path)
     # The typo is caught while loading the config, before train() could create anything.
@@ -158,7 +158,7 @@ def test_template_typo_fails_before_the_run_dir_exists(tmp_path, monkeypatch):
 def test_prompts_too_long_for_the_context_fail_before_sft(tmp_path, monkeypatch):
     import time
 
-    from treadle.pipeline import train
+    from treadle.jobs.train import train
 
     monkeypatch.chdir(tmp_path)
     # 500 completion tokens + any prompt exceed the 512-token context: refused before the

@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # Our own progress bars report the run; transformers' per-save/load bars only add noise.
     transformers.utils.logging.disable_progress_bar()
-    from treadle.errors import UserError
+    from treadle.core.errors import UserError
 
     try:
         return _run(args)
@@ -93,7 +93,7 @@ def _run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from treadle.config import load_config
-    from treadle.errors import UserError
+    from treadle.core.errors import UserError
 
     console = Console()
     if args.command == "inspect":
@@ -116,7 +116,7 @@ def _run(args: argparse.Namespace) -> int:
         raise UserError("train: pass a recipe, e.g. treadle train recipes/default.yaml")
     cfg = load_config(recipe, overrides)
     if args.command == "sft":
-        from treadle.pipeline import sft_only
+        from treadle.jobs.train import sft_only
 
         folder = sft_only(cfg, console)
         console.print(
@@ -133,18 +133,18 @@ def _run(args: argparse.Namespace) -> int:
         uvicorn.run(build_app(RewardPool.from_config(cfg.reward)), host=args.host, port=args.port)
         return 0
     if args.command == "reward-check":
-        from treadle.reward_check import check_gold, report
+        from treadle.jobs.reward_check import check_gold, report
 
         result = check_gold(cfg)
         report(result, console)
         return 1 if result.failures else 0
     if args.command == "dpo":
-        from treadle.dpo import run_dpo
+        from treadle.jobs.dpo import run_dpo
 
         folder = run_dpo(cfg, console)
         console.print(f"DPO model: {folder} (held-out summary: dpo_summary.json beside it)")
         return 0
-    from treadle.pipeline import train
+    from treadle.jobs.train import train
 
     train(cfg, resume=args.resume, console=console)
     return 0
@@ -158,12 +158,12 @@ def _positive(text: str) -> int:
 
 
 def _inspect(args: argparse.Namespace, console) -> int:
-    from treadle.inspect_run import open_run, print_step, replay_step
+    from treadle.jobs.inspect_run import open_run, print_step, replay_step
 
     _, buffer = open_run(args.run_dir)
     steps = buffer.steps()
     if not steps:
-        from treadle.errors import UserError
+        from treadle.core.errors import UserError
 
         raise UserError(f"inspect {args.run_dir}: the buffer holds no step yet")
     step = steps[-1] if args.step is None else args.step

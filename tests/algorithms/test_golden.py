@@ -21,7 +21,7 @@ from treadle.algorithms.advantages import (
     remax,
     rloo,
 )
-from treadle.algorithms.aggregation import AGGREGATIONS, StepTotals
+from treadle.algorithms.aggregation import AGGREGATIONS
 from treadle.algorithms.correction import IS_CORRECTIONS, mismatch_metrics
 from treadle.algorithms.losses import (
     KL_ESTIMATORS,
@@ -38,6 +38,7 @@ from treadle.algorithms.losses import (
     vanilla_pg,
 )
 from treadle.algorithms.shaping import soft_overlong_penalty, varied_groups
+from treadle.core.batch import StepTotals
 
 approx = pytest.approx
 T = torch.tensor

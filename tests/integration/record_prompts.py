@@ -1,4 +1,4 @@
-"""Driver for a test: ``python record_prompts.py RECIPE OUT.json`` runs ``treadle.pipeline.train``
+"""Driver for a test: ``python record_prompts.py RECIPE OUT.json`` runs ``treadle.jobs.train.train``
 on RECIPE and writes the prompt token ids the RL loop sent to the engine into OUT.json.
 
 Imports stay inside ``main``: reward workers are spawned and re-import this file.
@@ -12,9 +12,9 @@ def main() -> None:
     import sys
     from pathlib import Path
 
-    import treadle.loop as loop
+    import treadle.jobs.loop as loop
     from treadle.config import load_config
-    from treadle.pipeline import train
+    from treadle.jobs.train import train
 
     recorded: list[dict] = []
     original = loop.generate

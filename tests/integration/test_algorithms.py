@@ -11,7 +11,7 @@ from rich.console import Console
 from safetensors.torch import load_file
 
 from treadle.config import load_config
-from treadle.pipeline import train
+from treadle.jobs.train import train
 
 from .runs import REPO, TINY_RUN, is_finite_number, metric_rows
 

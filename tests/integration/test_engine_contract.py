@@ -12,11 +12,12 @@ import math
 import pytest
 import torch
 
-from treadle.backends.torch_backend import TorchBackend
 from treadle.config import TrainerConfig
-from treadle.engines import EngineSpec, SamplingParams, build_engine
-from treadle.models import end_of_turn_ids, load_model
-from treadle.types import FinishReason
+from treadle.core.protocols import EngineSpec, SamplingParams
+from treadle.core.types import FinishReason
+from treadle.rollout.engines import build_engine
+from treadle.store.models import end_of_turn_ids, load_model
+from treadle.train.torch_backend import TorchBackend
 
 from .tiny import (
     ATOL,

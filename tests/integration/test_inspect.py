@@ -8,11 +8,11 @@ import shutil
 import pytest
 from rich.console import Console
 
-from treadle.buffer import RolloutBuffer
 from treadle.cli import main
 from treadle.config import load_config
-from treadle.inspect_run import replay_step
-from treadle.pipeline import train
+from treadle.jobs.inspect_run import replay_step
+from treadle.jobs.train import train
+from treadle.store.buffer import RolloutBuffer
 
 from .runs import TINY_RUN, step_rows
 

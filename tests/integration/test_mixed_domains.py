@@ -10,7 +10,7 @@ import pytest
 from rich.console import Console
 
 from treadle.config import load_config
-from treadle.pipeline import train
+from treadle.jobs.train import train
 
 from .runs import REPO, TINY_RUN, is_finite_number, metric_rows
 

@@ -11,10 +11,10 @@ import signal
 import pytest
 from rich.console import Console
 
-from treadle.buffer import RolloutBuffer
 from treadle.config import load_config
-from treadle.inspect_run import replay_step
-from treadle.pipeline import train
+from treadle.jobs.inspect_run import replay_step
+from treadle.jobs.train import train
+from treadle.store.buffer import RolloutBuffer
 
 from .runs import TINY_RUN, is_finite_number, step_rows
 
@@ -44,7 +44,7 @@ def ray_session():
 
 
 def test_disaggregated_run_survives_a_killed_engine_worker(tmp_path, monkeypatch, one_torch_thread):
-    from treadle.distributed.engine_group import EngineGroup
+    from treadle.cluster.engine_group import EngineGroup
 
     original = EngineGroup.generate
     calls = {"n": 0}

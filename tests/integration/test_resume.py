@@ -10,9 +10,9 @@ import torch
 from rich.console import Console
 from transformers import AutoModelForCausalLM
 
-from treadle.buffer import RolloutBuffer
 from treadle.config import load_config
-from treadle.pipeline import train
+from treadle.jobs.train import train
+from treadle.store.buffer import RolloutBuffer
 
 from .runs import TINY_RUN as OVERRIDES
 from .runs import is_finite_number, metric_rows, step_rows

@@ -9,10 +9,10 @@ from rewards.tiny_rm import train_tiny_reward_model
 from rich.console import Console
 
 from treadle.config import load_config
-from treadle.observe import read_samples, samples_path
-from treadle.pipeline import train
+from treadle.core.types import Message, Task
+from treadle.jobs.train import train
 from treadle.rewards.reward_model import RewardModelReward
-from treadle.types import Message, Task
+from treadle.store.observe import read_samples, samples_path
 
 from .runs import REPO, TINY_RUN, metric_rows
 

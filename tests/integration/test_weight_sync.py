@@ -16,13 +16,14 @@ import math
 import pytest
 import torch
 
-from treadle.algorithms.objectives import PolicyObjective
-from treadle.backends.torch_backend import TorchBackend
 from treadle.config import AlgorithmConfig, TrainerConfig
-from treadle.engines import EngineSpec, SamplingParams, build_engine
-from treadle.models import load_model
-from treadle.rollout import assign_advantages, build_samples, outcome_rewards
-from treadle.types import Rollout, RolloutGroup
+from treadle.core.protocols import EngineSpec, SamplingParams
+from treadle.core.types import Rollout, RolloutGroup
+from treadle.rollout.engines import build_engine
+from treadle.rollout.samples import assign_advantages, build_samples, outcome_rewards
+from treadle.store.models import load_model
+from treadle.train.objectives import PolicyObjective
+from treadle.train.torch_backend import TorchBackend
 
 from .tiny import (
     ATOL,

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from treadle.algorithms.objectives import SFTObjective
-from treadle.backends.torch_backend import TorchBackend
 from treadle.config import TinyModelConfig, TrainerConfig
-from treadle.data import render_prompt
-from treadle.models import build_tiny_model, build_tokenizer, end_of_turn_ids, save_model
-from treadle.types import Message, Task, TrainSample
+from treadle.core.types import Message, Task, TrainSample
+from treadle.store.data import render_prompt
+from treadle.store.models import build_tiny_model, build_tokenizer, end_of_turn_ids, save_model
+from treadle.train.objectives import SFTObjective
+from treadle.train.torch_backend import TorchBackend
 
 ATOL = 1e-4
 """Engine vs trainer logprob tolerance (nats) in fp32; both run the same fp32 math."""
@@ -49,7 +49,7 @@ TINY_RECIPE_MODEL = {
 def vllm_import_error() -> str | None:
     """None when treadle's vLLM engine imports, else a skip reason that says why not."""
     try:
-        importlib.import_module("treadle.engines.vllm_engine")
+        importlib.import_module("treadle.rollout.engines.vllm_engine")
     except Exception as e:  # vllm raises more than ImportError on unsupported platforms
         return (
             f"vLLM is not importable here ({type(e).__name__}: {e}); install treadle[vllm] "

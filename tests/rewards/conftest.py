@@ -7,7 +7,7 @@ import json
 import pytest
 import reasoning_gym
 
-from treadle.types import Task
+from treadle.core.types import Task
 
 
 def rg_task(dataset: str, **config: int) -> Task:

@@ -6,8 +6,8 @@ import os
 import threading
 import time
 
+from treadle.core.types import Task
 from treadle.rewards.base import Score
-from treadle.types import Task
 
 
 class ScriptedReward:

@@ -6,7 +6,7 @@ import importlib
 
 import pytest
 
-from treadle.errors import UserError
+from treadle.core.errors import UserError
 from treadle.rewards.base import REWARD_FUNCTIONS, build_reward_function
 from treadle.rewards.extract import Extraction
 from treadle.rewards.math_verify import MathVerifyReward

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from treadle.errors import UserError
+from treadle.core.errors import UserError
+from treadle.core.types import Message, Task
 from treadle.rewards.base import build_reward_function
 from treadle.rewards.code import (
     CodeReward,
@@ -20,7 +21,6 @@ from treadle.rewards.code import (
     humaneval_payload,
     mbpp_payload,
 )
-from treadle.types import Message, Task
 
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
 HUMANEVAL = SHARED / "humaneval" / "HumanEval.jsonl.gz"

@@ -8,9 +8,9 @@ from collections.abc import Callable
 
 import pytest
 
+from treadle.core.types import Message, Task
 from treadle.rewards.base import REWARD_FUNCTIONS, RewardFunction, Score, build_reward_function
 from treadle.rewards.code import code_payload
-from treadle.types import Message, Task
 
 from .fake_rewards import ScriptedReward
 

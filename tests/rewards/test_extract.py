@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from treadle.errors import UserError
+from treadle.core.errors import UserError
 from treadle.rewards.extract import Extraction, extract_answer, parse_extraction
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from treadle.errors import UserError
+from treadle.core.errors import UserError
+from treadle.core.types import Task
 from treadle.rewards.base import Score
 from treadle.rewards.format import FormatReward
-from treadle.types import Task
 
 TASK = Task(task_id="t/0", messages=(), answer="", domain="math")
 

@@ -15,10 +15,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from treadle.errors import UserError
+from treadle.core.errors import UserError
+from treadle.core.types import Message, Task
 from treadle.rewards.base import Score, build_reward_function
 from treadle.rewards.judge import JudgeReward
-from treadle.types import Message, Task
 
 SEEN: list[dict] = []
 

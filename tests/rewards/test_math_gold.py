@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from treadle.core.types import Message, Task
 from treadle.rewards.math_verify import MathVerifyReward
-from treadle.types import Message, Task
 
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
 GSM8K = SHARED / "gsm8k" / "test.jsonl"

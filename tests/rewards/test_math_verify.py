@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from treadle.errors import UserError
+from treadle.core.errors import UserError
+from treadle.core.types import Task
 from treadle.rewards.base import Score
 from treadle.rewards.math_verify import MathVerifyReward
-from treadle.types import Task
 
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 

@@ -11,11 +11,12 @@ import types
 
 import pytest
 
-from treadle.errors import UserError
+from treadle.config import RewardConfig, RewardSpec
+from treadle.core.errors import UserError
+from treadle.core.types import Task
 from treadle.rewards.base import Score
-from treadle.rewards.pool import RewardConfig, RewardPool, RewardSpec
+from treadle.rewards.pool import RewardPool
 from treadle.rewards.reasoning_gym import ReasoningGymReward
-from treadle.types import Task
 
 from .fake_rewards import ScriptedReward, UnpicklableReward
 

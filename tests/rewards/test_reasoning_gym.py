@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
+from treadle.core.types import Task
 from treadle.rewards.base import Score
 from treadle.rewards.reasoning_gym import ReasoningGymReward
-from treadle.types import Task
 
 
 @pytest.mark.parametrize(

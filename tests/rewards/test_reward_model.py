@@ -14,12 +14,12 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, Qwen2Config
 
-from treadle.errors import UserError
-from treadle.models import build_tokenizer
+from treadle.core.errors import UserError
+from treadle.core.types import Message, Task
 from treadle.rewards.base import build_reward_function
 from treadle.rewards.pool import RewardPool
 from treadle.rewards.reward_model import RewardModelReward
-from treadle.types import Message, Task
+from treadle.store.models import build_tokenizer
 
 from .tiny_rm import pair, train_tiny_reward_model
 

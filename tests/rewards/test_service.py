@@ -12,9 +12,9 @@ import httpx
 import pytest
 import uvicorn
 
+from treadle.core.types import Message, Task
 from treadle.rewards.pool import RewardPool
 from treadle.rewards.service import RewardClient, RewardServiceError, build_app
-from treadle.types import Message, Task
 
 from .fake_rewards import LengthReward
 
@@ -91,7 +91,7 @@ def test_a_down_service_gives_a_clear_error_not_a_hang():
 def test_remote_reward_function_through_a_pool(service, chain_sum_task):
     # A training-side pool whose only function is the remote service (itself a LengthReward
     # pool): each sample's score comes back from the service, in order.
-    from treadle.rewards.pool import RewardConfig, RewardSpec
+    from treadle.config import RewardConfig, RewardSpec
 
     cfg = RewardConfig(functions=[RewardSpec("remote", params={"url": service})], workers=2)
     with RewardPool.from_config(cfg) as pool:

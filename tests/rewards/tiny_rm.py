@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
-from treadle.models import build_tokenizer
+from treadle.store.models import build_tokenizer
 
 
 def pair(a: int, b: int) -> tuple[str, str]:

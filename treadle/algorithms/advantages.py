@@ -291,6 +291,3 @@ ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {
     "gae": gae,
 }
 """``algorithm.advantage`` names; every member has the :data:`Estimator` signature."""
-
-GROUP_BASELINES = frozenset({"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"})
-"""Estimators whose baseline is the other samples of the prompt: they need ``rollout.n >= 2``."""

@@ -9,25 +9,11 @@ mean of micro-batch means would weight tokens by how they happened to be packed)
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from treadle.algorithms.losses import segment_sum
-
-
-@dataclass(frozen=True)
-class StepTotals:
-    """Counts over all micro-batches of one optimizer step."""
-
-    tokens: int
-    """Trained (masked-in) tokens."""
-    sequences: int
-    """Samples with at least one trained token (a fully masked sample is not counted)."""
-    constant: float = 1.0
-    """Normaliser of ``seq-mean-token-sum-norm`` in tokens (the generation budget,
-    ``rollout.max_tokens``); the objective that uses it sets it."""
-
+from treadle.core.batch import StepTotals
 
 Aggregation = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, StepTotals], torch.Tensor]
 

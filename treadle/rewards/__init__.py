@@ -4,8 +4,9 @@ Implementations are not imported here: :func:`build_reward_function` imports the
 names, so a run pays only for the verifiers it uses.
 """
 
+from treadle.config import RewardConfig, RewardSpec
 from treadle.rewards.base import REWARD_FUNCTIONS, RewardFunction, Score, build_reward_function
-from treadle.rewards.pool import BatchScores, RewardConfig, RewardPool, RewardSpec
+from treadle.rewards.pool import BatchScores, RewardPool
 
 __all__ = [
     "REWARD_FUNCTIONS",

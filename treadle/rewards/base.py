@@ -12,8 +12,8 @@ import inspect
 from dataclasses import dataclass
 from typing import Protocol
 
-from treadle.errors import UserError
-from treadle.types import Task
+from treadle.core.errors import UserError
+from treadle.core.types import Task
 
 
 @dataclass(frozen=True)

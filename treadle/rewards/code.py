@@ -1,23 +1,19 @@
 """A reward for model-written Python: run it against the task's tests in the sandbox.
 
-The task's ``payload`` is a JSON object (see :func:`code_payload`)::
-
-    {"prefix": "...", "tests": ["assert f(1) == 2", ...]}
-
-``prefix`` goes before the model's code (HumanEval's function signature and docstring, MBPP's
-test imports); each entry of ``tests`` is one test, passed when it raises nothing.
+The task's ``payload`` is a :class:`~treadle.core.types.CodeTests` in JSON: a ``prefix`` that goes
+before the model's code (HumanEval's function signature and docstring, MBPP's test imports) and
+the ``tests``, each passed when it raises nothing.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Sequence
 
-from treadle.errors import UserError
+from treadle.core.errors import UserError
+from treadle.core.types import CodeTests, Task
 from treadle.rewards.base import Score
 from treadle.rewards.sandbox import SandboxLimits, run_tests
-from treadle.types import Task
 
 _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 
@@ -29,8 +25,8 @@ def extract_code(response: str) -> str:
 
 
 def code_payload(prefix: str, tests: Sequence[str]) -> str:
-    """The ``Task.payload`` of a code task."""
-    return json.dumps({"prefix": prefix, "tests": list(tests)})
+    """The ``Task.payload`` of a code task (:class:`~treadle.core.types.CodeTests`)."""
+    return CodeTests(prefix, tuple(tests)).to_payload()
 
 
 def humaneval_payload(row: dict) -> str:
@@ -81,11 +77,12 @@ class CodeReward:
             ValueError: the task's payload is not a code payload (a data bug, not the model's).
         """
         try:
-            payload = json.loads(task.payload)
-            prefix, tests = payload["prefix"], payload["tests"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"task {task.task_id}: payload is not a code payload ({e})") from e
-        result = run_tests(f"{prefix}\n{extract_code(response)}", tests, self.limits)
+            code = CodeTests.from_payload(task.payload)
+        except ValueError as e:
+            raise ValueError(f"task {task.task_id}: payload is {e}") from e
+        result = run_tests(
+            f"{code.prefix}\n{extract_code(response)}", list(code.tests), self.limits
+        )
         all_passed = bool(result.passed) and all(result.passed)
         reward = result.fraction if self.mode == "fraction" else float(all_passed)
         return Score(reward=reward, correct=all_passed)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from enum import StrEnum
 
-from treadle.errors import UserError
+from treadle.core.errors import UserError
 
 
 class Extraction(StrEnum):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import re
 
-from treadle.errors import UserError
+from treadle.core.errors import UserError
+from treadle.core.types import Task
 from treadle.rewards.base import Score
-from treadle.types import Task
 
 DEFAULT_PATTERN = r"(?:(?!</?answer>).)*<answer>(?:(?!</?answer>).)+</answer>"
 """Optional reasoning text, then exactly one non-empty ``<answer>...</answer>`` block at the end."""

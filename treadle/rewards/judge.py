@@ -13,9 +13,9 @@ import time
 
 import httpx
 
-from treadle.errors import UserError
+from treadle.core.errors import UserError
+from treadle.core.types import Task
 from treadle.rewards.base import Score
-from treadle.types import Task
 
 DEFAULT_RUBRIC = (
     "You grade answers. Judge whether the RESPONSE correctly and completely answers the TASK; "

@@ -7,9 +7,9 @@ import threading
 
 import math_verify
 
+from treadle.core.types import Task
 from treadle.rewards.base import Score
 from treadle.rewards.extract import Extraction, extract_answer, parse_extraction
-from treadle.types import Task
 
 # math-verify's own per-step timeout, in whole seconds (it uses signal.alarm). A step that runs
 # out counts as a wrong answer inside math-verify; the pool's timeout is the outer guard.

@@ -24,14 +24,15 @@ import time
 import traceback
 from collections.abc import Sequence
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import TracebackType
 
 import pebble
 
-from treadle.errors import UserError
+from treadle.config import RewardConfig, routes_to
+from treadle.core.errors import UserError
+from treadle.core.types import Task
 from treadle.rewards.base import RewardFunction, Score, build_reward_function
-from treadle.types import Task
 
 logger = logging.getLogger(__name__)
 
@@ -40,44 +41,6 @@ logger = logging.getLogger(__name__)
 _START_METHOD = "spawn"
 # How long a fresh pool may take to start one worker (spawn + imports), in seconds.
 _STARTUP_TIMEOUT_S = 120.0
-
-
-def routes_to(domains, domain: str) -> bool:
-    """Whether a function limited to ``domains`` (empty: every domain) scores ``domain``."""
-    return not domains or domain in domains
-
-
-@dataclass
-class RewardSpec:
-    """One reward function of the mix."""
-
-    name: str
-    """A key of :data:`treadle.rewards.base.REWARD_FUNCTIONS`, e.g. ``"math_verify"``."""
-    weight: float = 1.0
-    """Multiplier of this function's reward in the total (unitless)."""
-    params: dict[str, str] = field(default_factory=dict)
-    """Constructor keyword arguments of the function, e.g. ``{"extract": "boxed"}``."""
-    domains: list[str] = field(default_factory=list)
-    """Task domains this function scores (``Task.domain``, e.g. ``[math]``); empty: every
-    domain. A sample gets the weighted sum of the functions routed to its domain."""
-
-    def scores(self, domain: str) -> bool:
-        return routes_to(self.domains, domain)
-
-
-@dataclass
-class RewardConfig:
-    """The ``reward`` section of the config: which functions, and how they are run."""
-
-    functions: list[RewardSpec]
-    """Reward functions; the first is the primary verifier whose ``correct`` is reported."""
-    timeout_s: float = 5.0
-    """Wall-clock limit of one function on one sample, in seconds (ignored when workers=0, and
-    by batched functions such as ``reward_model``, which take their own ``timeout_s``)."""
-    fallback: float = 0.0
-    """Reward a function gives a sample when it raised or timed out on it."""
-    workers: int = 2
-    """Worker processes; 0 scores in the calling process (debugging: no timeout)."""
 
 
 @dataclass

@@ -9,9 +9,9 @@ from typing import Any
 
 import reasoning_gym
 
+from treadle.core.types import Task
 from treadle.rewards.base import Score
 from treadle.rewards.extract import extract_answer, parse_extraction
-from treadle.types import Task
 
 _Scorer = Callable[[str | None, dict[str, Any]], float]
 

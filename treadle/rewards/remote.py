@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
-from treadle.errors import UserError
+from treadle.core.errors import UserError
+from treadle.core.types import Task
 from treadle.rewards.base import Score
 from treadle.rewards.service import RewardClient
-from treadle.types import Task
 
 
 class RemoteReward:

@@ -34,9 +34,9 @@ from collections.abc import Sequence
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
-from treadle.errors import UserError
+from treadle.core.errors import UserError
+from treadle.core.types import Task
 from treadle.rewards.base import Score
-from treadle.types import Task
 
 PLACEMENTS = ("colocated", "separate")
 _DTYPES = ("float32", "bfloat16")

@@ -22,9 +22,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from treadle.core.types import Message, Task
 from treadle.rewards.base import Score
 from treadle.rewards.pool import RewardPool
-from treadle.types import Message, Task
 
 
 class RewardServiceError(RuntimeError):

@@ -1,0 +1,193 @@
+"""The Ray roles on this CPU: a 2-rank FSDP2 trainer group over gloo, a vLLM engine worker,
+every weight-sync transport, parity with single-process training, and an engine worker killed
+while it generates."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import threading
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from treadle.config import AlgorithmConfig, PlacementConfig, TinyModelConfig, TrainerConfig
+from treadle.core.protocols import EngineSpec, SamplingParams
+from treadle.core.types import Task, TrainSample
+from treadle.rollout.generate import Generated, check_policy_version
+from treadle.store.checkpoint import save_model_atomic
+from treadle.store.models import build_tiny_model, build_tokenizer, load_model
+from treadle.train.objectives import PolicyObjective
+from treadle.train.torch_backend import TorchBackend
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("ray") is None or importlib.util.find_spec("vllm") is None,
+        reason="needs ray and vllm (scripts/install.sh installs both)",
+    ),
+]
+
+TRAINER = TrainerConfig(lr=1e-3, micro_batch_tokens=96, grad_clip=1.0)
+OBJECTIVE = PolicyObjective.from_config(AlgorithmConfig(), 8)
+
+
+@pytest.fixture(scope="module")
+def roles(tmp_path_factory):
+    import ray
+
+    from treadle.cluster import close_ray_roles
+    from treadle.cluster.engine_group import EngineGroup
+    from treadle.cluster.placement import place
+    from treadle.cluster.trainer_group import TrainerGroup
+
+    folder = tmp_path_factory.mktemp("ray") / "model"
+    tokenizer = build_tokenizer([f"{a} + {b} = {a + b}" for a in range(30) for b in range(30)], 300)
+    tiny = TinyModelConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+    )
+    save_model_atomic(build_tiny_model(tiny, tokenizer, seed=0), tokenizer, folder)
+    cfg = PlacementConfig(mode="disaggregated", trainers=2, engines=1)
+    placement = place(cfg)
+    trainers = TrainerGroup(cfg, placement, folder, TRAINER, 20, 1.0)
+    engines = EngineGroup("vllm", EngineSpec(str(folder), max_model_len=256), placement, 1)
+    prompts = [tokenizer.encode(f"{a} + {b} =") for a in range(4) for b in range(4)]
+    yield folder, trainers, engines, prompts
+    close_ray_roles(trainers, engines)
+    ray.shutdown()
+
+
+def samples_from(prompts, completions) -> list[TrainSample]:
+    """Train samples with a reward of +1 for an even first token, -1 otherwise (any signal that
+    moves the weights)."""
+    out = []
+    for p, group in zip(prompts, completions, strict=True):
+        for c in group:
+            n, adv = len(c.token_ids), 1.0 if c.token_ids[0] % 2 == 0 else -1.0
+            out.append(
+                TrainSample(
+                    token_ids=[*p, *c.token_ids],
+                    loss_mask=[False] * len(p) + [True] * n,
+                    behavior_logprobs=[0.0] * len(p) + list(c.logprobs),
+                    advantages=[0.0] * len(p) + [adv] * n,
+                    policy_version=c.policy_version,
+                    group_id=str(p),
+                )
+            )
+    return out
+
+
+def max_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    return max(abs(x - y) for u, v in zip(a, b, strict=True) for x, y in zip(u, v, strict=True))
+
+
+def test_fsdp_group_matches_single_process_training(roles, tmp_path, one_torch_thread):
+    folder, trainers, engines, prompts = roles
+    params = SamplingParams(n=4, max_tokens=8, seed=0)
+    samples = samples_from(prompts, engines.generate(prompts, params))  # the same data for both
+    single = TorchBackend(load_model(folder, "float32")[0], TRAINER, 20, 1.0)
+    for step in range(3):
+        a = single.train_step(samples, OBJECTIVE)
+        b = trainers.train_step(samples, OBJECTIVE)
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), step
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), step
+        assert b["perf/tokens"] == a["perf/tokens"]
+    trainers.save_pretrained(tmp_path / "group")
+    group = AutoModelForCausalLM.from_pretrained(tmp_path / "group", dtype=torch.float32)
+    ours = dict(single.model.named_parameters())
+    diffs = [(ours[n] - p).abs().max().item() for n, p in group.named_parameters()]
+    assert len(diffs) == len(ours) and max(diffs) <= 1e-5
+    # The trainer group's logprobs are the single process's too.
+    assert (
+        max_diff(trainers.compute_logprobs(samples[:8]), single.compute_logprobs(samples[:8]))
+        < 1e-5
+    )
+
+
+@pytest.mark.parametrize("transport", ["collective", "shared_memory", "disk"])
+def test_each_transport_makes_the_engine_serve_the_trainer_weights(
+    roles, tmp_path, transport, one_torch_thread
+):
+    from treadle.cluster.transports import RaySync
+
+    _, trainers, engines, prompts = roles
+    sync = RaySync(transport, trainers, engines, "float32", bucket_mb=1, disk_dir=tmp_path)
+    version = engines.policy_version + 1
+    samples = samples_from(prompts, engines.generate(prompts, SamplingParams(n=2, max_tokens=8)))
+    trainers.train_step(samples, OBJECTIVE)  # new weights the engine has not seen
+    stale = max_diff(engines.prompt_logprobs([s.token_ids for s in samples[:6]]),
+                     trainers.compute_logprobs(samples[:6]))  # fmt: skip
+    report = sync.sync(version)
+    assert report["sync/bytes"] > 0 and report["sync/seconds"] > 0
+    fresh = max_diff(engines.prompt_logprobs([s.token_ids for s in samples[:6]]),
+                     trainers.compute_logprobs(samples[:6]))  # fmt: skip
+    assert fresh < 1e-4 < stale  # fp32: the engine now computes what the trainer does
+    out = engines.generate(prompts[:2], SamplingParams(n=2, max_tokens=4))
+    assert {c.policy_version for g in out for c in g} == {version}
+
+
+def test_a_skipped_sync_is_detected(roles, one_torch_thread):
+    from treadle.core.errors import StaleWeightsError
+
+    _, trainers, engines, prompts = roles
+    samples = samples_from(prompts, engines.generate(prompts, SamplingParams(n=2, max_tokens=8)))
+    trainers.train_step(samples, OBJECTIVE)  # the trainer steps ...
+    trainer_version = engines.policy_version + 1  # ... and its sync is skipped on purpose
+    out = engines.generate(prompts[:2], SamplingParams(n=2, max_tokens=4))
+    # The engine would silently sample from the old weights ...
+    assert max_diff(engines.prompt_logprobs([s.token_ids for s in samples[:4]]),
+                    trainers.compute_logprobs(samples[:4])) > 1e-3  # fmt: skip
+    generated = [Generated(Task(f"t{i}", (), "", "d"), tuple(p), tuple(g))
+                 for i, (p, g) in enumerate(zip(prompts[:2], out, strict=True))]  # fmt: skip
+    # ... and the loop's check refuses its completions.
+    with pytest.raises(StaleWeightsError, match=f"trainer is at version {trainer_version}"):
+        check_policy_version(generated, trainer_version)
+
+
+def test_a_killed_engine_worker_is_replaced_and_its_requests_retried(roles, one_torch_thread):
+    from treadle.cluster.transports import RaySync
+
+    _, trainers, engines, prompts = roles
+    sync = RaySync("shared_memory", trainers, engines, "float32", bucket_mb=1)
+    sync.sync(engines.policy_version + 1)
+    (pid,) = engines.pids()
+    many = prompts * 8  # 128 prompts x 8 samples x 48 tokens: seconds of generation
+    killer = threading.Timer(1.0, os.kill, (pid, signal.SIGKILL))
+    killer.start()
+    out = engines.generate(many, SamplingParams(n=8, max_tokens=48, seed=1))
+    killer.join()
+    assert engines.restarts == 1 and engines.pids() != [pid]
+    assert len(out) == len(many) and all(len(g) == 8 for g in out)
+    assert {c.policy_version for g in out for c in g} == {engines.policy_version}
+    # The new worker serves the current weights, not the ones it started from.
+    samples = samples_from(prompts[:3], engines.generate(prompts[:3], SamplingParams(n=1)))
+    assert max_diff(engines.prompt_logprobs([s.token_ids for s in samples]),
+                    trainers.compute_logprobs(samples)) < 1e-4  # fmt: skip
+    assert torch.get_num_threads() == 1
+
+
+def test_an_engine_killed_before_a_sync_is_replaced_and_the_sync_completes(roles, one_torch_thread):
+    from treadle.cluster.transports import RaySync
+
+    _, trainers, engines, prompts = roles
+    sync = RaySync("collective", trainers, engines, "float32", bucket_mb=1)
+    sync.sync(engines.policy_version + 1)  # the collective group is up
+    samples = samples_from(prompts, engines.generate(prompts, SamplingParams(n=2, max_tokens=8)))
+    trainers.train_step(samples, OBJECTIVE)
+    restarts = engines.restarts
+    (pid,) = engines.pids()
+    os.kill(pid, signal.SIGKILL)  # dies between the update and the sync
+    version = engines.policy_version + 1
+    sync.sync(version)  # the broadcast fails, the worker is replaced, the sync is redone
+    assert engines.restarts == restarts + 1 and engines.pids() != [pid]
+    assert engines.policy_version == version
+    assert max_diff(engines.prompt_logprobs([s.token_ids for s in samples[:4]]),
+                    trainers.compute_logprobs(samples[:4])) < 1e-4  # fmt: skip
+    assert trainers.compute_logprobs([]) == []

@@ -1,0 +1,124 @@
+"""The loop's dynamic-sampling collection with a fake engine and reward pool (no model)."""
+
+from __future__ import annotations
+
+from treadle.config import Config
+from treadle.core.protocols import SamplingParams
+from treadle.core.types import Completion, FinishReason, Message, Task
+from treadle.jobs.loop import RLParts, collect_rollouts
+from treadle.rewards.base import Score
+from treadle.rewards.pool import BatchScores
+from treadle.store.data import TaskSampler
+from treadle.store.models import build_tokenizer
+
+
+class FakeEngine:
+    """Returns n one-token completions per prompt and counts generate calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def generate(self, prompts, params):
+        self.calls += 1
+        return [
+            [Completion((7,), (-0.5,), FinishReason.STOP, 0, f"{i}") for i in range(params.n)]
+            for _ in prompts
+        ]
+
+
+def Batch(scores: list[Score]) -> BatchScores:
+    return BatchScores(scores, 0, 0, 0.0, cached=0, failed=[False] * len(scores))
+
+
+class ConstantPool:
+    """Every completion gets the same reward: every group has zero variance."""
+
+    def score(self, items):
+        return Batch([Score(1.0, True) for _ in items])
+
+
+class VariedForPrompt:
+    """Reward varies within the group only for tasks whose id is in ``varied``."""
+
+    def __init__(self, varied: set[str]) -> None:
+        self.varied = varied
+
+    def score(self, items):
+        return Batch(
+            [Score(float(t.task_id in self.varied and text == "0"), False) for t, text in items]
+        )
+
+
+TASKS = tuple(Task(f"t{i}", (Message("user", f"q {i}"),), "1", "math") for i in range(20))
+
+
+def parts(pool, **algorithm) -> RLParts:
+    cfg = Config()
+    cfg.rollout.prompts_per_step, cfg.rollout.n = 4, 2
+    cfg.algorithm.dynamic_sampling = True
+    for key, value in algorithm.items():
+        setattr(cfg.algorithm, key, value)
+    tokenizer = build_tokenizer([f"q {i}" for i in range(20)], 300)
+    return RLParts(
+        cfg, None, FakeEngine(), tokenizer, pool, None, None, None,
+        TaskSampler(TASKS, 0), (), None, None, None,
+    )  # fmt: skip
+
+
+PARAMS = SamplingParams(n=2, temperature=1.0, top_p=1.0, max_tokens=4)
+
+
+def test_g_dynamic_sampling_stops_after_max_rounds_when_every_group_is_flat():
+    p = parts(ConstantPool(), max_sampling_rounds=3)
+    t: dict[str, float] = {}
+    batch = collect_rollouts(p, PARAMS, t)
+    # 3 rounds x 4 prompts, all flat: nothing kept, and it returned (no endless loop).
+    assert p.engine.calls == 3 and batch.groups == []
+    assert batch.metrics["filter/rounds"] == 3.0
+    assert batch.metrics["filter/dropped_groups"] == 12.0
+    assert batch.metrics["filter/kept_groups"] == 0.0
+    assert t["time/generate_s"] >= 0 and t["time/filter_s"] >= 0
+
+
+def test_dynamic_sampling_refills_until_the_batch_is_full_then_cuts_it():
+    varied = {f"t{i}" for i in range(0, 20, 3)}  # 7 of the 20 prompts vary
+    p = parts(VariedForPrompt(varied), max_sampling_rounds=10)
+    # The same seeded order the loop's sampler draws: count rounds until 4 varied prompts.
+    order = [t.task_id for t in TaskSampler(TASKS, 0).next_batch(40)]
+    kept, rounds, dropped = 0, 0, 0
+    while kept < 4:
+        draw = order[4 * rounds : 4 * rounds + 4]
+        rounds += 1
+        kept += sum(t in varied for t in draw)
+        dropped += sum(t not in varied for t in draw)
+    batch = collect_rollouts(p, PARAMS, {})
+    assert len(batch.groups) == 4  # exactly prompts_per_step groups, all varied
+    assert all(g.task.task_id in varied for g in batch.groups)
+    assert batch.metrics["filter/rounds"] == rounds == p.engine.calls
+    assert batch.metrics["filter/dropped_groups"] == dropped
+
+
+def test_without_dynamic_sampling_flat_groups_are_kept():
+    p = parts(ConstantPool(), dynamic_sampling=False)
+    batch = collect_rollouts(p, PARAMS, {})
+    assert len(batch.groups) == 4 and p.engine.calls == 1
+    assert "filter/rounds" not in batch.metrics
+
+
+def test_rollout_metrics_per_domain():
+    from treadle.core.types import Rollout, RolloutGroup
+    from treadle.jobs.loop import rollout_metrics
+
+    def group(task_id, domain, rewards):
+        c = Completion((7,), (-0.5,), FinishReason.STOP, 0, "x")
+        rollouts = tuple(Rollout(c, r, r > 0, grader_failed=r == 0.5) for r in rewards)
+        return RolloutGroup(Task(task_id, (Message("user", "q"),), "1", domain), (1,), rollouts)
+
+    m = rollout_metrics([group("a", "math", [1.0, 0.0]), group("b", "code", [0.5, 0.5, 0.0, 0.0])])
+    # math: rewards 1, 0 -> mean 0.5, accuracy 1/2; code: mean 0.25, accuracy 2/4;
+    # overall: (1 + 0 + 0.5 + 0.5) / 6 = 0.3333
+    assert m["domain/math/reward"] == 0.5 and m["domain/math/accuracy"] == 0.5
+    assert m["domain/code/reward"] == 0.25 and m["domain/code/accuracy"] == 0.5
+    assert m["domain/code/samples"] == 4.0
+    assert (m["domain/code/grader_failures"], m["domain/math/grader_failures"]) == (2.0, 0.0)
+    assert abs(m["reward/mean"] - 2 / 6) < 1e-12

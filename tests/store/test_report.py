@@ -1,0 +1,138 @@
+"""Tests for treadle.store.report: the run plot, the summary table and summary.json."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import struct
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from treadle.core.errors import UserError
+from treadle.store.observe import MetricsLogger, read_metrics
+from treadle.store.report import (
+    build_run_figure,
+    format_summary_value,
+    plot_run,
+    print_summary,
+    summary_table,
+    write_summary,
+)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    """Width and height from the PNG's IHDR chunk (bytes 16..24, big-endian)."""
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC
+    width, height = struct.unpack(">II", data[16:24])
+    return width, height
+
+
+def _write_run(run_dir: Path) -> Path:
+    with MetricsLogger(run_dir, tensorboard=False) as metrics:
+        metrics.log(0, {"eval/pass@1": 0.2, "eval/pass@k": 0.5})
+        for step in range(1, 11):
+            metrics.log(step, {"reward/mean": 0.1 * step, "time/step_s": 3.0})
+        metrics.log(5, {"eval/pass@1": 0.35, "eval/pass@k": 0.6})
+        metrics.log(10, {"eval/pass@1": 0.45, "eval/pass@k": 0.7})
+    return run_dir / "metrics.jsonl"
+
+
+def test_plot_run_writes_a_png(tmp_path: Path) -> None:
+    metrics_path = _write_run(tmp_path / "run")
+    out = plot_run(metrics_path, tmp_path / "plots" / "run.png")
+    assert out == tmp_path / "plots" / "run.png"
+    # 12 x 4.5 inches at 120 dpi = 1440 x 540 pixels
+    assert _png_size(out) == (1440, 540)
+    assert out.stat().st_size > 20_000  # two panels of lines, text and a legend, not a blank
+    assert [p.name for p in out.parent.iterdir()] == ["run.png"]  # no temporary file left
+
+
+def test_figure_draws_only_the_logged_metrics(tmp_path: Path) -> None:
+    rows = read_metrics(_write_run(tmp_path))
+    fig = build_run_figure(rows, "demo")
+    reward_ax, eval_ax = fig.axes
+    (reward_line,) = reward_ax.get_lines()
+    assert list(reward_line.get_xdata()) == list(range(1, 11))
+    assert list(reward_line.get_ydata()) == pytest.approx([0.1 * s for s in range(1, 11)])
+    # eval/greedy_accuracy was never logged: no line, no crash
+    labels = [line.get_label() for line in eval_ax.get_lines()]
+    assert labels == ["pass@1 (sampled)", "pass@k"]
+    assert list(eval_ax.get_lines()[0].get_xdata()) == [0, 5, 10]
+    assert list(eval_ax.get_lines()[0].get_ydata()) == pytest.approx([0.2, 0.35, 0.45])
+    assert [t.get_text() for t in eval_ax.get_legend().get_texts()] == labels
+    assert eval_ax.get_xlabel() == "step" and reward_ax.get_ylabel() == "mean reward"
+
+
+def test_plot_survives_missing_and_null_metrics(tmp_path: Path) -> None:
+    with MetricsLogger(tmp_path, tensorboard=False) as metrics:
+        metrics.log(1, {"loss": 0.5, "reward/mean": math.nan})
+        metrics.log(2, {"loss": 0.4, "reward/mean": 0.25})
+    fig = build_run_figure(read_metrics(tmp_path / "metrics.jsonl"), "sparse")
+    reward_ax, eval_ax = fig.axes
+    assert list(reward_ax.get_lines()[0].get_xdata()) == [2]  # the NaN (null) step is skipped
+    assert eval_ax.get_lines() == []
+    assert [t.get_text() for t in eval_ax.texts] == ["no eval accuracy logged"]
+    assert _png_size(plot_run(tmp_path / "metrics.jsonl", tmp_path / "p.png")) == (1440, 540)
+
+
+def test_plot_of_an_empty_run(tmp_path: Path) -> None:
+    (tmp_path / "metrics.jsonl").write_text("")
+    out = plot_run(tmp_path / "metrics.jsonl", tmp_path / "p.png")
+    assert out.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_plot_of_a_missing_file_is_a_user_error(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="does not exist"):
+        plot_run(tmp_path / "metrics.jsonl", tmp_path / "p.png")
+    assert not (tmp_path / "p.png").exists()
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "shown"),
+    [
+        ("eval/pass@1_before", 0.4567, "45.7%"),
+        ("eval/greedy_accuracy_after", 0.5, "50.0%"),
+        ("correct_fraction", 1.0, "100.0%"),
+        ("time/total_s", 1234.56, "1234.6 s"),
+        ("steps", 200, "200"),
+        ("reward/mean_final", 0.012345, "0.01235"),
+        ("model", "Qwen/Qwen3-0.6B", "Qwen/Qwen3-0.6B"),
+        ("eval/pass@1_after", math.nan, "nan"),
+    ],
+)
+def test_format_summary_value(name: str, value: float | str, shown: str) -> None:
+    assert format_summary_value(name, value) == shown
+
+
+def test_summary_table_rows_and_print() -> None:
+    summary = {"eval/pass@1_before": 0.25, "eval/pass@1_after": 0.4, "time/total_s": 61.25}
+    table = summary_table(summary)
+    assert [c.header for c in table.columns] == ["result", "value"]
+    assert list(table.columns[0].cells) == list(summary)
+    assert list(table.columns[1].cells) == ["25.0%", "40.0%", "61.2 s"]
+
+    out = io.StringIO()
+    print_summary(Console(file=out, width=80, force_terminal=False), summary)
+    text = out.getvalue()
+    assert "Run summary" in text
+    assert "eval/pass@1_after" in text and "40.0%" in text
+
+
+def test_write_summary_is_json_in_order(tmp_path: Path) -> None:
+    path = write_summary(tmp_path, {"z_first": 1.5, "a_second": "text", "bad": math.inf})
+    assert path == tmp_path / "summary.json"
+    assert list(json.loads(path.read_text())) == ["z_first", "a_second", "bad"]
+    assert json.loads(path.read_text()) == {"z_first": 1.5, "a_second": "text", "bad": None}
+
+
+def test_unmeasured_summary_value_shows_a_dash():
+    # eval.greedy=false leaves the greedy accuracies None; the table must not crash on them.
+    from treadle.store.report import format_summary_value
+
+    assert format_summary_value("greedy_accuracy_after_rl", None) == "-"

@@ -1,0 +1,270 @@
+"""The engine group: M rollout workers, each wrapping an inference engine, behind the engine
+Protocol.
+
+Layers, one job each: :class:`EngineGroup` (driver side: routes prompts, restarts dead workers
+and retries their requests, checks the policy version of what comes back) -> :class:`EngineWorker`
+(one Ray actor: owns an engine and receives weights) -> the
+:class:`~treadle.rollout.engines.InferenceEngine` adapter (vLLM or transformers, as in
+single-process mode).
+
+Routing keeps a prompt's ``n`` samples on one worker (one request with ``n``) and deals prompts
+longest first to the worker with the least expected work (prompt + generated tokens).
+
+Faults: a worker that dies while a step is generating (its process killed, out of memory) is
+replaced by a new worker loaded with the current weights, and the prompts it had are sent
+again; results are stored by prompt position, so each prompt's samples come back exactly once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from treadle.core.protocols import EngineSpec, SamplingParams
+from treadle.core.types import Completion
+
+logger = logging.getLogger(__name__)
+
+
+class EngineWorker:
+    """One rollout worker (a Ray actor): an inference engine and the receiving end of the
+    weight-sync transports.
+
+    Args:
+        engine: a key of :data:`treadle.rollout.engines.ENGINES` (``vllm`` or ``hf``).
+        spec: what the engine starts from.
+        threads: torch / OpenMP threads of this process.
+        version: the policy version of ``spec.model_dir``'s weights.
+    """
+
+    def __init__(self, engine: str, spec: EngineSpec, threads: int, version: int = 0) -> None:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # share the cores; threads set below
+        torch.set_num_threads(threads)
+        from treadle.rollout.engines import build_engine
+
+        self.engine = build_engine(engine, spec)
+        self.engine.policy_version = version
+        self._sync_group = None
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        return self.engine.generate(prompts, params)
+
+    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        return self.engine.prompt_logprobs(sequences)
+
+    def _apply(self, named: list[tuple[str, torch.Tensor]], version: int, **extra) -> dict:
+        from treadle.cluster.transports import fingerprint
+
+        got = fingerprint(named)
+        self.engine.update_weights(iter(named), version=version)
+        size = sum(t.numel() * t.element_size() for _, t in named)
+        return {"version": self.engine.policy_version, "checksum": got, "bytes": size, **extra}
+
+    def update_weights(self, named: list[tuple[str, torch.Tensor]], version: int) -> dict:
+        """Weights pickled from the driver (the control run, tests)."""
+        return self._apply(named, version)
+
+    def load_buckets(self, packed, version: int) -> dict:
+        """Shared-memory transport: ``packed`` is trainer rank 0's ``(buckets, checksum)``,
+        mapped from Ray's object store without a copy."""
+        from treadle.cluster.transports import Bucket
+
+        buckets, expected = packed
+        named = [nt for b in buckets for nt in Bucket.from_numpy(b).tensors()]
+        return self._apply(named, version, expected=expected)
+
+    def load_safetensors(self, path: str, version: int) -> dict:
+        """Disk transport: read the file trainer rank 0 wrote."""
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt") as f:
+            order = json.loads(f.metadata()["order"])  # the trainer's send order
+            named = [(k, f.get_tensor(k)) for k in order]
+        return self._apply(named, version)
+
+    def join_sync_group(
+        self, host: str, port: int, rank: int, world: int, prefix: str, backend: str
+    ) -> None:
+        from treadle.cluster.transports import new_sync_group
+
+        self._sync_group = new_sync_group(host, port, rank, world, prefix, backend)
+
+    def receive_broadcast(self, layout, bucket_bytes: int, version: int) -> dict:
+        """Collective transport: receive every bucket rank 0 broadcasts, then load them."""
+        from treadle.cluster.transports import broadcast, plan_buckets
+
+        named = []
+        for bucket in plan_buckets(layout, bucket_bytes):
+            broadcast(self._sync_group, bucket.flat)
+            named += bucket.tensors()
+        return self._apply(named, version)
+
+
+def worker_seed(seed: int, worker: int, restarts: int) -> int:
+    """The sampling seed of engine ``worker`` after ``restarts`` restarts in the group: workers
+    sharing one seed would draw the same random numbers for different prompts, and a restarted
+    worker would replay its predecessor's."""
+    return seed + 1000 * worker + 7919 * restarts
+
+
+def route(prompt_lengths: Sequence[int], n: int, max_tokens: int, workers: int) -> list[list[int]]:
+    """Prompt indices per worker: each prompt (with its ``n`` samples) to one worker, longest
+    first to the worker with the least expected tokens (``n * (prompt + max_tokens)``)."""
+    load = [0] * workers
+    out: list[list[int]] = [[] for _ in range(workers)]
+    for i in sorted(range(len(prompt_lengths)), key=lambda i: -prompt_lengths[i]):
+        w = min(range(workers), key=lambda w: (load[w], w))
+        out[w].append(i)
+        load[w] += n * (prompt_lengths[i] + max_tokens)
+    return [sorted(ws) for ws in out]
+
+
+class EngineGroup:
+    """``placement.engines`` rollout workers behind the
+    :class:`~treadle.rollout.engines.InferenceEngine` Protocol.
+
+    Args:
+        engine: engine name (``rollout.engine``).
+        spec: engine start spec (the weights at ``spec.model_dir`` are policy version ``version``).
+        slots, placement: where each worker goes.
+        threads: threads per worker.
+        restarts: how many worker restarts a run allows before it fails.
+        version: the policy version of the starting weights.
+    """
+
+    def __init__(
+        self,
+        engine: str,
+        spec: EngineSpec,
+        placement,
+        threads: int,
+        restarts: int = 3,
+        version: int = 0,
+    ) -> None:
+        import ray
+
+        self._actor = ray.remote(max_restarts=0)(EngineWorker)
+        self.engine, self.spec, self.placement, self.threads = engine, spec, placement, threads
+        self.restarts_left = restarts
+        self.restarts = 0
+        self.start_version = version  # the policy version of spec.model_dir's weights
+        self.policy_version = version
+        self.restore = None  # set by the weight-sync transport: (worker, version) -> None
+        self.workers = [self._start(j, version) for j in range(len(placement.engines))]
+        ray.get([w.pid.remote() for w in self.workers])
+
+    def _start(self, j: int, version: int):
+        spec = dataclasses.replace(self.spec, seed=worker_seed(self.spec.seed, j, self.restarts))
+        options = self.placement.options(self.placement.engines[j])
+        return self._actor.options(**options).remote(self.engine, spec, self.threads, version)
+
+    def dead(self) -> list[int]:
+        """Indices of workers that do not answer (their process died)."""
+        import ray
+
+        out = []
+        for j, w in enumerate(self.workers):
+            try:
+                ray.get(w.pid.remote(), timeout=60)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                out.append(j)
+        return out
+
+    def pids(self) -> list[int]:
+        import ray
+
+        return ray.get([w.pid.remote() for w in self.workers])
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[list[Completion]]:
+        """``params.n`` completions per prompt, in prompt order (each carries the policy version
+        that sampled it; the loop checks it against the trainer's).
+
+        Raises:
+            RuntimeError: workers died more often than ``placement.engine_restarts`` allows.
+        """
+        import ray
+
+        results: list[list[Completion] | None] = [None] * len(prompts)
+        plan = route([len(p) for p in prompts], params.n, params.max_tokens, len(self.workers))
+        pending = {j: idx for j, idx in enumerate(plan) if idx}
+        while pending:
+            refs = {
+                j: self.workers[j].generate.remote([list(prompts[i]) for i in idx], params)
+                for j, idx in pending.items()
+            }
+            retry = {}
+            for j, ref in refs.items():
+                try:
+                    outs = ray.get(ref)
+                except ray.exceptions.RayActorError as error:
+                    self.replace(j, error)
+                    retry[j] = pending[j]  # its unfinished requests go to the new worker
+                    continue
+                for i, completions in zip(pending[j], outs, strict=True):
+                    results[i] = completions
+            pending = retry
+        return results
+
+    def replace(self, j: int, error: Exception, version: int | None = None) -> None:
+        """Start a new worker ``j`` in place of a dead one and give it the trainer's current
+        weights as policy ``version`` (default: the version last synced).
+
+        Raises:
+            RuntimeError: no restarts left (``placement.engine_restarts``).
+        """
+        import ray
+
+        if self.restarts_left <= 0:
+            raise RuntimeError(
+                f"engine worker {j} died ({error}) and no restarts are left "
+                "(placement.engine_restarts)"
+            ) from error
+        self.restarts_left -= 1
+        self.restarts += 1
+        logger.warning("engine worker %d died (%s); starting a new one", j, type(error).__name__)
+        ray.kill(self.workers[j])
+        # The new worker starts from the initial weights, then gets the current ones.
+        version = self.policy_version if version is None else version
+        worker = self._start(j, self.start_version)
+        ray.get(worker.pid.remote())
+        if version != self.start_version:
+            if self.restore is None:
+                raise RuntimeError("engine group has no weight transport to restore weights from")
+            self.restore(worker, version)
+        self.workers[j] = worker
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Send weights from the driver to every worker (pickled: for the control run and
+        tests; training syncs go through a transport)."""
+        import ray
+
+        named = [(k, v.detach().cpu()) for k, v in weights]
+        ray.get([w.update_weights.remote(named, version) for w in self.workers])
+        self.policy_version = version
+
+    def prompt_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        import ray
+
+        return ray.get(self.workers[0].prompt_logprobs.remote([list(s) for s in sequences]))
+
+    def close(self) -> None:
+        import ray
+
+        for w in self.workers:
+            ray.kill(w)
+        self.workers = []

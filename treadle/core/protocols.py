@@ -1,0 +1,155 @@
+"""The Protocols at the seams the RL loop drives, and the small value types their methods take.
+
+- :class:`InferenceEngine`: token ids in; sampled token ids, their logprobs and finish reasons
+  out (a single engine, or an engine group of Ray workers behind the same methods).
+- :class:`TrainingBackend`: logprobs, values and optimizer steps over flat samples, and its
+  weights (a single-process backend, or an FSDP2 trainer group behind the same methods).
+- :class:`Objective`: what a training backend minimises: a micro-batch's share of the step's
+  loss (:mod:`treadle.train.objectives`).
+- :class:`WeightSync`: the trainer -> engine transport.
+
+The reward side's Protocol,
+:class:`treadle.rewards.base.RewardFunction`, lives with its registry: only the reward pool
+drives it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from treadle.core.batch import MicroBatch, StepTotals, TokenOutputs
+from treadle.core.types import Completion, TrainSample
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample completions."""
+
+    n: int = 1
+    """Samples per prompt."""
+    temperature: float = 1.0
+    """0 means greedy decoding."""
+    top_p: float = 1.0
+    max_tokens: int = 32
+    """Most new tokens per completion."""
+    stop: tuple[str, ...] = ()
+    """Stop strings (the end-of-turn token always stops)."""
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What every engine needs to start."""
+
+    model_dir: str
+    """Local Hugging Face folder with the initial weights and the tokenizer."""
+    dtype: str = "float32"
+    seed: int = 0
+    max_model_len: int = 512
+    """Most tokens of prompt + completion."""
+    kv_cache_gib: float = 1.0
+    """KV-cache memory the engine reserves (GiB)."""
+
+
+class InferenceEngine(Protocol):
+    """Token ids in; token ids, sampled-token logprobs and finish reasons out.
+
+    Implementations: :class:`treadle.rollout.engines.vllm_engine.VLLMEngine`,
+    :class:`treadle.rollout.engines.hf_engine.HFEngine` and, over Ray workers,
+    :class:`treadle.cluster.engine_group.EngineGroup`.
+    """
+
+    policy_version: int
+    """Version of the weights being served (optimizer steps since the start; 0 = as loaded)."""
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[list[Completion]]:
+        """``params.n`` completions of each prompt (token ids ``[P]``), in prompt order; each
+        carries the policy version that sampled it."""
+        ...
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Serve these weights (Hugging Face names) as policy ``version`` from now on, in place,
+        without a restart."""
+        ...
+
+    def prompt_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Logprob (nats) of each token given the ones before it, ``[L]`` per sequence (index 0
+        is 0.0), at temperature 1: used to verify weight sync against the trainer."""
+        ...
+
+    def close(self) -> None:
+        """Release the engine (its memory, processes); idempotent."""
+        ...
+
+
+class Objective(Protocol):
+    """A training objective: one micro-batch's share of the optimizer step's scalar loss.
+
+    Implementations: :mod:`treadle.train.objectives` (policy, value and SFT objectives).
+    """
+
+    entropy_grad: bool
+    """Whether the loss differentiates through the entropy (the backend then keeps its graph)."""
+    def __call__(
+        self, out: TokenOutputs, batch: MicroBatch, totals: StepTotals
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """This micro-batch's share of the step's scalar loss, and metrics (each a
+        :class:`~treadle.core.metrics.Metric` declaring how it is reduced)."""
+        ...
+
+
+class TrainingBackend(Protocol):
+    """Computes logprobs and values of flat samples, runs optimizer steps on them, and hands its
+    weights and optimizer state to weight sync and checkpoints.
+
+    Implementations: :class:`treadle.train.torch_backend.TorchBackend` (one process) and
+    :class:`treadle.cluster.trainer_group.TrainerGroup` (FSDP2 ranks as Ray actors).
+    """
+
+    def compute_logprobs(self, samples: Sequence[TrainSample]) -> list[list[float]]:
+        """Per-token logprobs (nats) ``[L]`` of each sample's tokens under the current weights;
+        index 0 (no context) is 0.0."""
+        ...
+
+    def compute_values(self, samples: Sequence[TrainSample]) -> list[list[float]]:
+        """Per-token values ``[L]`` of each sample (a critic: the value of the state before each
+        token; index 0 is 0.0)."""
+        ...
+
+    def train_step(self, samples: Sequence[TrainSample], objective: Objective) -> dict[str, float]:
+        """One RL/SFT/critic step over ``samples`` (one or more optimizer steps, each the sum of
+        the objective's micro-batch shares); returns its metrics."""
+        ...
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The current weights, whole, in Hugging Face naming (for weight sync)."""
+        ...
+
+
+class WeightSync(Protocol):
+    """Pushes the trainer's current weights to every engine and checks they arrived.
+
+    Implementations: :class:`treadle.train.weight_sync.InProcessSync` (one process) and
+    :class:`treadle.cluster.transports.RaySync` (shared memory, collective, disk).
+    """
+
+    name: str
+    """The transport, e.g. ``in_process`` or ``collective``."""
+
+    def sync(self, version: int) -> dict[str, float]:
+        """Make every engine serve the trainer's weights as policy ``version``.
+
+        Returns:
+            ``sync/seconds``, ``sync/bytes`` (what one engine received) and ``sync/gb_per_s``.
+
+        Raises:
+            StaleWeightsError: an engine reports another version or checksum.
+        """
+        ...

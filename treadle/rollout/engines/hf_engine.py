@@ -1,0 +1,103 @@
+"""Fallback engine: transformers ``generate`` on a model of its own, in this process."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from treadle.core.protocols import EngineSpec, SamplingParams
+from treadle.core.types import Completion, FinishReason
+
+
+class HFEngine:
+    """Batched ``model.generate`` with left padding; slower than vLLM, with no extra install."""
+
+    def __init__(self, spec: EngineSpec):
+        self.policy_version = 0
+        self._model = AutoModelForCausalLM.from_pretrained(
+            spec.model_dir, dtype=getattr(torch, spec.dtype)
+        )
+        self._tokenizer = AutoTokenizer.from_pretrained(spec.model_dir)
+        self._model.eval()
+        self._model.requires_grad_(False)
+        gen = self._model.generation_config
+        eos = gen.eos_token_id
+        self._eos = set(eos if isinstance(eos, list) else [eos])
+        self._pad = gen.pad_token_id if gen.pad_token_id is not None else min(self._eos)
+        torch.manual_seed(spec.seed)
+
+    @torch.no_grad()
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[list[Completion]]:
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self._pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        greedy = params.temperature == 0
+        config = GenerationConfig(
+            do_sample=not greedy,
+            temperature=None if greedy else params.temperature,
+            top_p=None if greedy else params.top_p,
+            top_k=None if greedy else 0,  # 0: no default top-50 cut; sample the full distribution
+            max_new_tokens=params.max_tokens,
+            num_return_sequences=params.n,
+            eos_token_id=sorted(self._eos),
+            pad_token_id=self._pad,
+            return_dict_in_generate=True,
+            output_scores=True,
+            stop_strings=list(params.stop) or None,
+        )
+        out = self._model.generate(
+            input_ids=ids, attention_mask=mask, generation_config=config, tokenizer=self._tokenizer
+        )
+        new = out.sequences[:, width:]  # [B * n, T]
+        # Scores are the processed logits (after temperature / top-p): the sampled distribution.
+        logprobs = torch.stack([F.log_softmax(s.float(), -1) for s in out.scores], 1)
+        picked = logprobs.gather(-1, new[..., None])[..., 0]  # [B * n, T]
+        rows = [
+            self._completion(new[r].tolist(), picked[r].tolist(), params.stop)
+            for r in range(new.shape[0])
+        ]
+        return [rows[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]
+
+    def _completion(
+        self, tokens: list[int], logprobs: list[float], stop: Sequence[str]
+    ) -> Completion:
+        end = next((t + 1 for t, tok in enumerate(tokens) if tok in self._eos), None)
+        if stop:  # the first token whose text completes a stop string ends the completion
+            for t in range(1, (end or len(tokens)) + 1):
+                text = self._tokenizer.decode(tokens[:t], skip_special_tokens=True)
+                if any(s in text for s in stop):
+                    end = t
+                    break
+        reason = FinishReason.STOP if end is not None else FinishReason.LENGTH
+        end = end or len(tokens)
+        return Completion(
+            token_ids=tuple(tokens[:end]),
+            logprobs=tuple(logprobs[:end]),
+            finish_reason=reason,
+            policy_version=self.policy_version,
+            text=self._tokenizer.decode(tokens[:end], skip_special_tokens=True),
+        )
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        self._model.load_state_dict(dict(weights), strict=True)
+        self.policy_version = version
+
+    @torch.no_grad()
+    def prompt_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        result = []
+        for seq in sequences:
+            ids = torch.tensor([list(seq)])
+            lp = F.log_softmax(self._model(input_ids=ids).logits[0, :-1].float(), -1)
+            result.append([0.0, *lp.gather(-1, ids[0, 1:, None])[:, 0].tolist()])
+        return result
+
+    def close(self) -> None:
+        del self._model

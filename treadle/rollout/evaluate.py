@@ -1,0 +1,71 @@
+"""Held-out accuracy: pass@1 at the sampling temperature, pass@k, and greedy accuracy."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from treadle.core.protocols import InferenceEngine, SamplingParams
+from treadle.core.types import Task
+from treadle.rewards.pool import RewardPool
+from treadle.rollout.generate import generate, score
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Accuracies are fractions in [0, 1] over held-out prompts."""
+
+    pass_at_1: float
+    """Mean over prompts of the share of ``k`` samples (training temperature) judged right."""
+    pass_at_k: float
+    """Share of prompts with at least one of ``k`` samples right."""
+    k: int
+    greedy_accuracy: float | None
+    """Share of prompts whose greedy completion is right (None when not measured)."""
+    mean_reward: float
+
+    def metrics(self) -> dict[str, float]:
+        out = {
+            "eval/pass@1": self.pass_at_1,
+            "eval/pass@k": self.pass_at_k,
+            "eval/reward": self.mean_reward,
+        }
+        if self.greedy_accuracy is not None:
+            out["eval/greedy_accuracy"] = self.greedy_accuracy
+        return out
+
+
+def evaluate(
+    engine: InferenceEngine,
+    tokenizer: PreTrainedTokenizerBase,
+    pool: RewardPool,
+    tasks: Sequence[Task],
+    params: SamplingParams,
+    *,
+    greedy: bool = True,
+) -> EvalResult:
+    """Sample ``params.n`` completions per held-out task (and a greedy one) and score them.
+
+    Raises:
+        ValueError: ``tasks`` is empty.
+    """
+    if not tasks:
+        raise ValueError("evaluate: no held-out tasks")
+    sampled = score(pool, generate(engine, tokenizer, tasks, params)).groups
+    per_prompt = [sum(r.correct for r in g.rollouts) / len(g.rollouts) for g in sampled]
+    rewards = [r.reward for g in sampled for r in g.rollouts]
+    greedy_acc = None
+    if greedy:
+        argmax = dataclasses.replace(params, n=1, temperature=0.0)
+        greedy_groups = score(pool, generate(engine, tokenizer, tasks, argmax)).groups
+        greedy_acc = sum(g.rollouts[0].correct for g in greedy_groups) / len(greedy_groups)
+    return EvalResult(
+        pass_at_1=sum(per_prompt) / len(per_prompt),
+        pass_at_k=sum(p > 0 for p in per_prompt) / len(per_prompt),
+        k=params.n,
+        greedy_accuracy=greedy_acc,
+        mean_reward=sum(rewards) / len(rewards),
+    )

@@ -1,0 +1,338 @@
+"""Prompts from local jsonl/parquet files or reasoning-gym, chat rendering, and the data position.
+
+A dataset is split once into training tasks and held-out tasks; held-out prompts are
+deduplicated against the training prompts so evaluation never sees a trained-on question.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from treadle.config import DataConfig
+from treadle.core.errors import UserError
+from treadle.core.types import CodeTests, Message, Task
+
+
+@dataclass(frozen=True)
+class Dataset:
+    train: tuple[Task, ...]
+    held_out: tuple[Task, ...]
+
+
+def load_dataset(cfg: DataConfig) -> Dataset:
+    """Build the training and held-out tasks the config names, mixing in ``cfg.mix``.
+
+    With a mix, each source contributes training prompts in proportion to its weight: source
+    ``i`` gets ``round(w_i / sum(w) * N)`` of the ``N`` training prompts of all sources (cycling
+    through its own when it has fewer), so a shuffled batch holds each domain in that ratio in
+    expectation. Held-out prompts of every source are kept, whatever the weights.
+
+    Raises:
+        UserError: unreadable or malformed file (naming file and line), a missing field, an
+            unknown reasoning-gym task, or too few prompts.
+    """
+    main = _load_source(cfg)
+    if not cfg.mix:
+        return main
+    parts = [(main, cfg.weight)]
+    for m in cfg.mix:
+        sub = dataclasses.replace(
+            cfg,
+            source=m.source,
+            path=m.path,
+            question_field=m.question_field,
+            answer_field=m.answer_field,
+            answer_pattern=m.answer_pattern,
+            task=m.task,
+            task_params=m.task_params,
+            size=m.size,
+            domain=m.domain,
+            eval_size=m.eval_size,
+            reasoning="none",
+            mix=[],
+        )
+        parts.append((_load_source(sub), m.weight))
+    total, weights = sum(len(d.train) for d, _ in parts), sum(w for _, w in parts)
+    train: list[Task] = []
+    for d, w in parts:
+        count = max(1, round(w / weights * total))
+        train += [d.train[i % len(d.train)] for i in range(count)]
+    held_out = [t for d, _ in parts for t in d.held_out]
+    return Dataset(tuple(train), tuple(held_out))
+
+
+def _load_source(cfg: DataConfig) -> Dataset:
+    if cfg.source in ("humaneval", "mbpp"):
+        tasks = _code_tasks(cfg)
+        if len(tasks) <= cfg.eval_size:
+            raise UserError(
+                f"data {cfg.source} {cfg.path}: {len(tasks)} tasks, too few to hold out "
+                f"{cfg.eval_size}"
+            )
+        cut = len(tasks) - cfg.eval_size
+        return Dataset(tuple(tasks[:cut][: cfg.size]), tuple(tasks[cut:]))
+    if cfg.source == "reasoning_gym":
+        train, held_out = _reasoning_gym(cfg)
+    else:
+        rows = read_rows(Path(cfg.path or ""), cfg.source)
+        tasks = [_file_task(cfg, row, where, i) for i, (row, where) in enumerate(rows)]
+        if len(tasks) <= cfg.eval_size:
+            raise UserError(
+                f"data.path {cfg.path}: {len(tasks)} usable rows, need more than "
+                f"data.eval_size={cfg.eval_size} (the held-out split); add data or lower it"
+            )
+        held_out = tasks[-cfg.eval_size :] if cfg.eval_size else []
+        train = tasks[: len(tasks) - cfg.eval_size][: cfg.size]
+        seen = {t.messages for t in train}
+        held_out = [t for t in held_out if t.messages not in seen]
+    if not train:
+        raise UserError(f"data: the dataset ({cfg.source} {cfg.path or cfg.task}) is empty")
+    return Dataset(tuple(train), tuple(held_out))
+
+
+def _code_tasks(cfg: DataConfig) -> list[Task]:
+    """HumanEval (``HumanEval.jsonl.gz``) or MBPP (``sanitized-mbpp.json``) as code tasks: the
+    gold answer is the canonical solution in a fenced block (what a demonstration shows), the
+    payload holds the tests the ``code`` reward runs."""
+    import ast
+    import gzip
+
+    path = Path(cfg.path or "")
+    if not path.is_file():
+        raise UserError(f"data.path {path}: file not found (a {cfg.source} file)")
+    try:
+        if cfg.source == "humaneval":
+            with gzip.open(path, "rt") if path.suffix == ".gz" else path.open() as f:
+                rows = [json.loads(line) for line in f if line.strip()]
+        else:
+            rows = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"data.path {path}: not a {cfg.source} file ({e})") from None
+
+    def listed(value: Any) -> list[str]:  # MBPP copies stringify their list columns
+        return ast.literal_eval(value) if isinstance(value, str) else list(value)
+
+    tasks = []
+    for i, r in enumerate(rows):
+        if cfg.source == "humaneval":
+            question = f"Complete this Python function:\n```python\n{r['prompt']}```"
+            solution = r["prompt"] + r["canonical_solution"]
+            # The model writes the whole function (the prompt is in its demonstration).
+            tests = CodeTests("", (f"{r['test']}\ncheck({r['entry_point']})",))
+        else:
+            asserts = listed(r["test_list"])
+            question = f"{r['prompt']}\nYour code should pass this test:\n{asserts[0]}"
+            solution = r["code"]
+            tests = CodeTests("\n".join(listed(r["test_imports"])), tuple(asserts))
+        tasks.append(
+            Task(
+                task_id=f"{cfg.source}/{r.get('task_id', i)}",
+                messages=_messages(cfg, question),
+                answer=f"```python\n{solution.rstrip()}\n```",
+                domain=cfg.domain,
+                payload=tests.to_payload(),
+            )
+        )
+    return tasks
+
+
+def _messages(cfg: DataConfig, question: str) -> tuple[Message, ...]:
+    system = (Message("system", cfg.system_prompt),) if cfg.system_prompt else ()
+    return (*system, Message("user", question))
+
+
+def _reasoning_gym(cfg: DataConfig) -> tuple[list[Task], list[Task]]:
+    import reasoning_gym
+
+    def make(size: int, seed: int) -> list[dict[str, Any]]:
+        try:
+            return list(
+                reasoning_gym.create_dataset(cfg.task, size=size, seed=seed, **cfg.task_params)
+            )
+        except (ValueError, TypeError, AssertionError, KeyError) as e:
+            raise UserError(
+                f"data.task {cfg.task} with data.task_params {cfg.task_params}: {e}"
+            ) from None
+
+    def task(entry: dict[str, Any], split: str, i: int) -> Task:
+        payload = json.dumps({"dataset": cfg.task, "entry": entry}, default=list)
+        return Task(
+            task_id=f"{cfg.task}/{split}/{i}",
+            messages=_messages(cfg, entry["question"]),
+            answer=str(entry["answer"]),
+            domain=cfg.domain,
+            payload=payload,
+            reasoning=_reasoning(cfg, entry),
+        )
+
+    train = [task(e, "train", i) for i, e in enumerate(make(cfg.size, cfg.seed))]
+    seen = {t.messages for t in train}
+    # Held-out prompts come from another seed; oversample, then drop trained-on questions.
+    pool = make(cfg.eval_size * 4 + 16, cfg.seed + 1_000_003) if cfg.eval_size else []
+    held_out: list[Task] = []
+    for i, e in enumerate(pool):
+        t = task(e, "eval", i)
+        if t.messages not in seen and len(held_out) < cfg.eval_size:
+            seen.add(t.messages)
+            held_out.append(t)
+    return train, held_out
+
+
+def _reasoning(cfg: DataConfig, entry: dict[str, Any]) -> str:
+    if cfg.reasoning == "none":
+        return ""
+    expression = entry.get("metadata", {}).get("expression")
+    if not isinstance(expression, str):
+        raise UserError(f"data.reasoning=chain_steps: task {cfg.task} has no metadata.expression")
+    return chain_steps(expression)
+
+
+def chain_steps(expression: str) -> str:
+    """Left-to-right worked steps of a chain of ``+``/``-`` on integers.
+
+    ``"4 - 1 - 7"`` -> ``"4 - 1 = 3, 3 - 7 = -4."``
+
+    Raises:
+        UserError: the expression holds another operator.
+    """
+    parts = expression.split()
+    if len(parts) < 3 or len(parts) % 2 == 0 or any(op not in "+-" for op in parts[1::2]):
+        raise UserError(f"data.reasoning=chain_steps: {expression!r} is not a +/- chain")
+    total, steps = int(parts[0]), []
+    for op, operand in zip(parts[1::2], parts[2::2], strict=True):
+        new = total + int(operand) if op == "+" else total - int(operand)
+        steps.append(f"{total} {op} {operand} = {new}")
+        total = new
+    return ", ".join(steps) + "."
+
+
+def render_demonstration(task: Task, template: str, answer: str | None = None) -> str:
+    """An SFT demonstration of ``task`` in ``template`` (fields ``{reasoning}``, ``{answer}``)."""
+    return template.format(
+        reasoning=task.reasoning, answer=task.answer if answer is None else answer
+    )
+
+
+def read_rows(path: Path, source: str, key: str = "data.path") -> list[tuple[dict[str, Any], str]]:
+    """The JSON objects of a jsonl file (or the rows of a parquet file), each with where it came
+    from (``file:line``) for error messages.
+
+    Raises:
+        UserError: naming ``key`` (the config key that gave the path) for a missing or unreadable
+            file, and ``file:line`` for a malformed line.
+    """
+    if not path.is_file():
+        what = "a directory, not a file" if path.is_dir() else "file not found"
+        raise UserError(f"{key} {path}: {what}")
+    if source == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.read_table(path)
+        except Exception as e:  # pyarrow raises several types for a bad file
+            raise UserError(f"{key} {path}: not a readable parquet file: {e}") from None
+        return [(row, f"{path} row {i}") for i, row in enumerate(table.to_pylist())]
+    rows = []
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{key} {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    for lineno, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(
+                f"{path}:{lineno}: malformed JSON line ({e.msg}); fix or remove it"
+            ) from None
+        if not isinstance(row, dict):
+            raise UserError(f"{path}:{lineno}: expected a JSON object per line")
+        rows.append((row, f"{path}:{lineno}"))
+    return rows
+
+
+@functools.cache
+def _answer_regex(pattern: str) -> re.Pattern[str]:
+    try:
+        regex = re.compile(pattern, flags=re.MULTILINE)
+    except re.error as e:
+        raise UserError(f"data.answer_pattern {pattern!r}: not a valid regex ({e})") from None
+    if regex.groups < 1:
+        raise UserError(f"data.answer_pattern {pattern!r}: needs a group (...) around the answer")
+    return regex
+
+
+def _file_task(cfg: DataConfig, row: dict[str, Any], where: str, index: int) -> Task:
+    for name, col in (("question_field", cfg.question_field), ("answer_field", cfg.answer_field)):
+        if col not in row:
+            raise UserError(f"{where}: no field {col!r} (data.{name}); fields are {sorted(row)}")
+    answer = str(row[cfg.answer_field])
+    if cfg.answer_pattern:
+        m = _answer_regex(cfg.answer_pattern).search(answer)
+        if not m:
+            raise UserError(
+                f"{where}: answer does not match data.answer_pattern {cfg.answer_pattern!r}"
+            )
+        answer = m.group(1).strip()
+        if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", answer):  # "1,000" -> "1000"
+            answer = answer.replace(",", "")
+    return Task(
+        task_id=f"{Path(cfg.path or '').stem}/{index}",
+        messages=_messages(cfg, str(row[cfg.question_field])),
+        answer=answer,
+        domain=cfg.domain,
+    )
+
+
+def render_prompt(tokenizer: PreTrainedTokenizerBase, task: Task) -> list[int]:
+    """Prompt token ids ``[P]``: the chat template over the task's messages, ready for a reply."""
+    text = tokenizer.apply_chat_template(
+        [{"role": m.role, "content": m.content} for m in task.messages],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+@dataclass
+class DataPosition:
+    """Where the sampler is: ``epoch`` passes done and ``offset`` tasks into the current one."""
+
+    epoch: int = 0
+    offset: int = 0
+
+
+class TaskSampler:
+    """Draws training tasks in a seeded shuffle per epoch; its position is part of the run state."""
+
+    def __init__(self, tasks: tuple[Task, ...], seed: int, position: DataPosition | None = None):
+        self._tasks = tasks
+        self._seed = seed
+        self.position = DataPosition(**vars(position)) if position else DataPosition()
+        self._order = self._shuffle(self.position.epoch)
+
+    def _shuffle(self, epoch: int) -> list[int]:
+        order = list(range(len(self._tasks)))
+        random.Random(self._seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def next_batch(self, k: int) -> list[Task]:
+        """The next ``k`` tasks; crossing an epoch boundary reshuffles."""
+        batch = []
+        while len(batch) < k:
+            if self.position.offset >= len(self._order):
+                self.position = DataPosition(self.position.epoch + 1, 0)
+                self._order = self._shuffle(self.position.epoch)
+            batch.append(self._tasks[self._order[self.position.offset]])
+            self.position.offset += 1
+        return batch

@@ -1,0 +1,165 @@
+"""Models and tokenizers without the hub: a local folder, or a tiny Qwen2 built from a config.
+
+The built tokenizer is a byte-level BPE trained on the task's own text, with every digit kept as
+its own token (as Qwen's tokenizer does) and a ChatML chat template, so a tiny model reads short
+prompts and the same code paths serve a real Qwen tokenizer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from treadle.config import TinyModelConfig
+from treadle.core.errors import UserError
+
+log = logging.getLogger(__name__)
+
+PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tokenizer(corpus: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer on ``corpus`` with ChatML special tokens.
+
+    Args:
+        corpus: texts the tokenizer should encode compactly (prompts and demonstrations).
+        vocab_size: target vocabulary size (tokens), at least 256 + 3 (bytes + special tokens).
+    """
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(r"\d"), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=max(vocab_size, 260),
+        special_tokens=[PAD, IM_START, IM_END],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=IM_END, pad_token=PAD, unk_token=None
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+def build_tiny_model(
+    cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int
+) -> Qwen2ForCausalLM:
+    """A Qwen2-architecture causal LM with seeded random weights and tied embeddings."""
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def load_model(
+    path: str | Path, dtype: str = "float32"
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a local Hugging Face causal-LM folder and its tokenizer.
+
+    Raises:
+        UserError: the folder does not exist or holds no loadable model/tokenizer.
+    """
+    folder = require_model_folder(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype))
+    except (OSError, ValueError) as e:
+        raise UserError(f"model.path {folder}: cannot load model or tokenizer: {e}") from None
+    if tokenizer.chat_template is None:
+        raise UserError(
+            f"model.path {folder}: the tokenizer has no chat template; add one "
+            "(chat_template.jinja or tokenizer_config.json) so prompts can be rendered"
+        )
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def load_critic(path: str | Path) -> PreTrainedModel:
+    """A critic for PPO: the model in ``path`` (a policy or a saved critic) with a one-output
+    value head (``AutoModelForTokenClassification``, ``num_labels=1``, no dropout) in fp32.
+    Loading a policy folder keeps its transformer weights and initialises the value head.
+
+    Raises:
+        UserError: the folder does not exist or holds no loadable model.
+    """
+    folder = require_model_folder(path)
+    try:
+        config = AutoConfig.from_pretrained(folder, num_labels=1)
+        config.classifier_dropout = 0.0  # a value model regresses: no dropout on its head
+        return AutoModelForTokenClassification.from_pretrained(
+            folder, config=config, dtype=torch.float32
+        )
+    except (OSError, ValueError) as e:
+        raise UserError(f"critic from {folder}: cannot load the model: {e}") from None
+
+
+def require_model_folder(path: str | Path) -> Path:
+    """``path`` as a folder that holds a Hugging Face model.
+
+    Raises:
+        UserError: no ``config.json`` there.
+    """
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise UserError(
+            f"model.path {folder}: no Hugging Face model folder there (config.json missing); "
+            "pass a local folder, or leave model.path unset to build the tiny model"
+        )
+    return folder
+
+
+def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Path) -> Path:
+    """Write model (safetensors) and tokenizer in Hugging Face format to ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def end_of_turn_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Token ids that end an assistant turn: eos, plus ``<|im_end|>`` when the vocabulary has it."""
+    ids = {tokenizer.eos_token_id}
+    im_end = tokenizer.convert_tokens_to_ids(IM_END)
+    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
+        ids.add(im_end)
+    return sorted(i for i in ids if i is not None)
