@@ -97,6 +97,7 @@ class Objective(Protocol):
 
     entropy_grad: bool
     """Whether the loss differentiates through the entropy (the backend then keeps its graph)."""
+
     def __call__(
         self, out: TokenOutputs, batch: MicroBatch, totals: StepTotals
     ) -> tuple[torch.Tensor, dict[str, float]]:
