@@ -24,7 +24,7 @@ import time
 import traceback
 from collections.abc import Sequence
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 
 import pebble
@@ -80,6 +80,18 @@ class _Skipped:
 
 SKIPPED = _Skipped()
 _Outcome = Score | _CallError | _Timeout | _Skipped
+
+
+@dataclass
+class _Tally:
+    """The calls of one batch that went wrong, over its unique samples."""
+
+    failures: int = 0
+    """Calls that raised (or returned a bad value, or whose worker died)."""
+    timeouts: int = 0
+    """Calls that ran past the timeout."""
+    failed: list[bool] = field(default_factory=list)
+    """``[N]`` whether any call on each unique sample raised or timed out."""
 
 
 class RewardPool:
@@ -173,24 +185,55 @@ class RewardPool:
         Raises:
             RuntimeError: the pool was closed, or its workers cannot start (e.g. they cannot
                 import a reward function's module).
+            ValueError: a task's domain is scored by no function.
         """
         if self._closed:
             raise RuntimeError("RewardPool.score called after close()")
         start = time.perf_counter()
-        fns = [fn for fn, _ in self.functions]
         # Identical (task, response) pairs, e.g. the same short answer sampled twice in a group,
         # are scored once: the functions are deterministic (their contract).
-        slot: dict[tuple[Task, str], int] = {}
-        index = [slot.setdefault((task, response), len(slot)) for task, response in samples]
-        unique = list(slot)
-        routed = [[self.routes(i, task.domain) for i in range(len(fns))] for task, _ in unique]
+        index, unique = _deduplicate(samples)
+        routed = self._route(unique)
+        batched = [is_batched(fn) for fn, _ in self.functions]
+        outcomes = self._run(unique, routed, batched)
+        tally = self._tally(unique, outcomes, batched)
+        scores = [self._combine(row) for row in outcomes]
+        seconds = time.perf_counter() - start
+        return BatchScores(
+            scores=[scores[i] for i in index],
+            failures=tally.failures,
+            timeouts=tally.timeouts,
+            seconds=seconds,
+            cached=len(samples) - len(unique),
+            failed=[tally.failed[i] for i in index],
+        )
+
+    def _route(self, unique: list[tuple[Task, str]]) -> list[list[bool]]:
+        """``[N][F]`` whether each function scores each sample's domain.
+
+        Raises:
+            ValueError: no function scores some sample's domain (the first such sample).
+        """
+        routed = [
+            [self.routes(i, task.domain) for i in range(len(self.functions))] for task, _ in unique
+        ]
         for (task, _), row in zip(unique, routed, strict=True):
             if not any(row):
                 raise ValueError(
                     f"task {task.task_id}: no reward function scores domain {task.domain!r}; "
                     "add it to a reward.functions[i].domains list (or leave one empty)"
                 )
-        batched = [is_batched(fn) for fn in fns]
+        return routed
+
+    def _run(
+        self, unique: list[tuple[Task, str]], routed: list[list[bool]], batched: list[bool]
+    ) -> list[list[_Outcome]]:
+        """Make every routed call; ``[N][F]`` outcomes (:data:`SKIPPED` where not routed).
+
+        The batched functions run here while the workers make the per-sample calls; without
+        workers, the per-sample calls run here too, after the batched ones.
+        """
+        fns = [fn for fn, _ in self.functions]
         sample_routed = [[on and not b for on, b in zip(r, batched, strict=True)] for r in routed]
         futures = None
         if self._workers is not None:  # start the per-sample calls, then run the batched ones
@@ -203,32 +246,30 @@ class RewardPool:
         if futures is not None:
             outcomes = self._workers.collect(futures)
         else:
-            outcomes = [
-                [
-                    _call(fn, task, response) if on else SKIPPED
-                    for fn, on in zip(fns, r, strict=True)
-                ]
-                for (task, response), r in zip(unique, sample_routed, strict=True)
-            ]
-        for f, results in by_batch.items():
+            outcomes = _call_here(fns, unique, sample_routed)
+        for f, results in by_batch.items():  # in sample order, as _call_batched returned them
             it = iter(results)
             for row, r in zip(outcomes, routed, strict=True):
                 if r[f]:
                     row[f] = next(it)
-        scores: list[Score] = []
-        failed: list[bool] = []
-        failures = timeouts = 0
-        for f in by_batch:  # a batched function fails for its whole batch: log that once
-            bad = [row[f] for row in outcomes if isinstance(row[f], _CallError | _Timeout)]
-            if bad:
-                what = "timed out" if isinstance(bad[0], _Timeout) else f"failed ({bad[0].message})"
-                logger.warning("reward %s %s on %d samples", fns[f].name, what, len(bad))
+        return outcomes
+
+    def _tally(
+        self, unique: list[tuple[Task, str]], outcomes: list[list[_Outcome]], batched: list[bool]
+    ) -> _Tally:
+        """Count the calls that raised or timed out, and log them.
+
+        A per-sample function's failure is logged per sample (its traceback at DEBUG level); a
+        batched function fails for its whole batch, so that is logged once per function.
+        """
+        fns = [fn for fn, _ in self.functions]
+        _log_batch_failures(fns, outcomes, batched)
+        tally = _Tally()
         for (task, _), row in zip(unique, outcomes, strict=True):
-            failed.append(any(isinstance(o, _CallError | _Timeout) for o in row))
-            for f, (fn, outcome) in enumerate(zip(fns, row, strict=True)):
-                quiet = f in by_batch
+            tally.failed.append(any(isinstance(o, _CallError | _Timeout) for o in row))
+            for fn, outcome, quiet in zip(fns, row, batched, strict=True):
                 if isinstance(outcome, _CallError):
-                    failures += 1
+                    tally.failures += 1
                     if quiet:
                         continue
                     logger.warning(
@@ -236,7 +277,7 @@ class RewardPool:
                     )
                     logger.debug("reward %s traceback:\n%s", fn.name, outcome.traceback)
                 elif isinstance(outcome, _Timeout):
-                    timeouts += 1
+                    tally.timeouts += 1
                     if quiet:
                         continue
                     logger.warning(
@@ -245,16 +286,7 @@ class RewardPool:
                         self.timeout_s,
                         task.task_id,
                     )
-            scores.append(self._combine(row))
-        seconds = time.perf_counter() - start
-        return BatchScores(
-            scores=[scores[i] for i in index],
-            failures=failures,
-            timeouts=timeouts,
-            seconds=seconds,
-            cached=len(samples) - len(unique),
-            failed=[failed[i] for i in index],
-        )
+        return tally
 
     def close(self) -> None:
         """Stop the workers (a running call is killed). Safe to call twice."""
@@ -403,6 +435,39 @@ def _call_batched(fn: RewardFunction, samples: list[tuple[Task, str]]) -> list[_
     except Exception as error:
         failure = _CallError(f"{type(error).__name__}: {error}", traceback.format_exc())
         return [failure] * len(samples)
+
+
+def _deduplicate(
+    samples: Sequence[tuple[Task, str]],
+) -> tuple[list[int], list[tuple[Task, str]]]:
+    """The distinct pairs of ``samples`` in first-seen order (``[U]``), and for each sample the
+    position of its pair among them (``[N]``)."""
+    slot: dict[tuple[Task, str], int] = {}
+    index = [slot.setdefault((task, response), len(slot)) for task, response in samples]
+    return index, list(slot)
+
+
+def _call_here(
+    fns: list[RewardFunction], samples: list[tuple[Task, str]], routed: list[list[bool]]
+) -> list[list[_Outcome]]:
+    """Run each routed function on each sample in this process; ``[N][F]`` outcomes."""
+    return [
+        [_call(fn, task, response) if on else SKIPPED for fn, on in zip(fns, r, strict=True)]
+        for (task, response), r in zip(samples, routed, strict=True)
+    ]
+
+
+def _log_batch_failures(
+    fns: list[RewardFunction], outcomes: list[list[_Outcome]], batched: list[bool]
+) -> None:
+    """One warning per batched function that raised or timed out, with how many samples."""
+    for f, fn in enumerate(fns):
+        if not batched[f]:
+            continue
+        bad = [row[f] for row in outcomes if isinstance(row[f], _CallError | _Timeout)]
+        if bad:
+            what = "timed out" if isinstance(bad[0], _Timeout) else f"failed ({bad[0].message})"
+            logger.warning("reward %s %s on %d samples", fn.name, what, len(bad))
 
 
 def _collect(future: pebble.ProcessFuture) -> _Outcome:

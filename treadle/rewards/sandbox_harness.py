@@ -19,6 +19,7 @@ import builtins
 import json
 import os
 import sys
+from collections.abc import Callable
 
 PRELOADED = (
     "abc", "array", "ast", "base64", "binascii", "bisect", "calendar", "cmath", "collections",
@@ -89,66 +90,35 @@ BUILTIN_EXCEPTIONS = {
 }
 
 
+# The program can reach this module (sys.modules['__main__']) and patch its globals and
+# functions, so the hook calls none of them: the helpers below run once, before the program, to
+# build the hook's state, which then lives only in its closure (as when this was one function).
+# The hook stays one closure: a nested helper closure would sit in the hook's frame, which
+# frame.f_back reaches (a known limit, see sandbox.py), and its cells could be rewritten.
 def install_guard(root: str, harness_file: str) -> None:
-    """Add the audit hook (PEP 578) that refuses what sandboxed code must not do."""
-    realpath, sep, startswith = os.path.realpath, os.sep, str.startswith
+    """Add the audit hook (PEP 578) that refuses what sandboxed code must not do.
+
+    ``root`` is the sandbox directory (the only place the program may change); ``harness_file``
+    the real path of this file, whose frames the hook keeps out of reach.
+    """
+    realpath, sep = os.path.realpath, os.sep
     readable = tuple(
         realpath(p) + sep
         for p in {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
     )
-    root = realpath(root) + sep
-    denied = frozenset(
-        {
-            "socket.__new__",
-            "socket.connect",
-            "socket.bind",
-            "socket.getaddrinfo",
-            "subprocess.Popen",
-            "os.system",
-            "os.exec",
-            "os.posix_spawn",
-            "os.spawn",
-            "os.fork",
-            "os.forkpty",
-            "os.kill",
-            "os.killpg",
-            "pty.spawn",
-            "ctypes.dlopen",
-            "ctypes.dlsym",
-            "ctypes.cdata",
-            "gc.get_objects",
-            "gc.get_referrers",
-            "gc.get_referents",
-            "sys._current_frames",
-            "sys.setprofile",
-            "sys.settrace",
-            "resource.prlimit",
-            "resource.setrlimit",
-            "os.setpriority",
-            "os.sched_setaffinity",
-            "signal.pidfd_send_signal",
-            "os.chdir",
-            "shutil.rmtree",
-        }
-    )
-    path_events = frozenset(
-        {
-            "os.remove",
-            "os.rmdir",
-            "os.mkdir",
-            "os.rename",
-            "os.chmod",
-            "os.chown",
-            "os.symlink",
-            "os.link",
-            "os.truncate",
-            "os.utime",
-            "os.mkfifo",
-            "os.mknod",
-            "os.setxattr",
-            "os.removexattr",
-        }
-    )
+    sys.addaudithook(_audit_hook(realpath(root) + sep, readable, harness_file))
+
+
+def _audit_hook(
+    root: str, readable: tuple[str, ...], harness_file: str
+) -> Callable[[str, tuple], None]:
+    """The hook of :func:`install_guard`. It raises PermissionError on the events of
+    :func:`_refused_events`, on imports of ctypes or ``_posixsubprocess`` (under any package),
+    on file-system changes outside ``root`` (a real path ending in ``os.sep``), on opening a
+    file outside it (reads under ``readable`` excepted), on reading a frame attribute and on
+    ``sys._getframe`` of a frame of ``harness_file``."""
+    realpath, sep, startswith = os.path.realpath, os.sep, str.startswith
+    denied, path_events = _refused_events(), _path_events()
     modules = frozenset({"_posixsubprocess", "_ctypes", "ctypes"})
     frame_attributes = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back"})
     deny = PermissionError
@@ -195,7 +165,70 @@ def install_guard(root: str, harness_file: str) -> None:
             if frame is not None and realpath(frame.f_code.co_filename) == harness_file:
                 raise deny("sandbox: the harness's frames are out of reach")
 
-    sys.addaudithook(hook)
+    return hook
+
+
+def _refused_events() -> frozenset[str]:
+    """Audit events refused whatever their arguments: network, subprocesses, signals, ctypes,
+    garbage-collector and frame introspection, resource limits, leaving the directory. A new
+    set on each call (not a module constant), so the hook's own copy is reachable only from it."""
+    return frozenset(
+        {
+            "socket.__new__",
+            "socket.connect",
+            "socket.bind",
+            "socket.getaddrinfo",
+            "subprocess.Popen",
+            "os.system",
+            "os.exec",
+            "os.posix_spawn",
+            "os.spawn",
+            "os.fork",
+            "os.forkpty",
+            "os.kill",
+            "os.killpg",
+            "pty.spawn",
+            "ctypes.dlopen",
+            "ctypes.dlsym",
+            "ctypes.cdata",
+            "gc.get_objects",
+            "gc.get_referrers",
+            "gc.get_referents",
+            "sys._current_frames",
+            "sys.setprofile",
+            "sys.settrace",
+            "resource.prlimit",
+            "resource.setrlimit",
+            "os.setpriority",
+            "os.sched_setaffinity",
+            "signal.pidfd_send_signal",
+            "os.chdir",
+            "shutil.rmtree",
+        }
+    )
+
+
+def _path_events() -> frozenset[str]:
+    """Audit events that change the file system at the path in their first argument (the
+    second too for rename, link and symlink); allowed only inside the sandbox directory."""
+    return frozenset(
+        {
+            "os.remove",
+            "os.rmdir",
+            "os.mkdir",
+            "os.rename",
+            "os.chmod",
+            "os.chown",
+            "os.symlink",
+            "os.link",
+            "os.truncate",
+            "os.utime",
+            "os.mkfifo",
+            "os.mknod",
+            "os.setxattr",
+            "os.removexattr",
+        }
+    )
 
 
 if __name__ == "__main__":
