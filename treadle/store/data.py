@@ -17,7 +17,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from treadle.config import DataConfig
+from treadle.config import DataConfig, SourceConfig
 from treadle.core.errors import UserError
 from treadle.core.types import CodeTests, Message, Task
 
@@ -45,21 +45,10 @@ def load_dataset(cfg: DataConfig) -> Dataset:
         return main
     parts = [(main, cfg.weight)]
     for m in cfg.mix:
-        sub = dataclasses.replace(
-            cfg,
-            source=m.source,
-            path=m.path,
-            question_field=m.question_field,
-            answer_field=m.answer_field,
-            answer_pattern=m.answer_pattern,
-            task=m.task,
-            task_params=m.task_params,
-            size=m.size,
-            domain=m.domain,
-            eval_size=m.eval_size,
-            reasoning="none",
-            mix=[],
-        )
+        # The main section with this source's fields: the same seed and system prompt, but no
+        # worked steps (data.reasoning is checked against the main source only).
+        shared = {f.name: getattr(m, f.name) for f in dataclasses.fields(SourceConfig)}
+        sub = dataclasses.replace(cfg, **shared, reasoning="none", mix=[])
         parts.append((_load_source(sub), m.weight))
     total, weights = sum(len(d.train) for d, _ in parts), sum(w for _, w in parts)
     train: list[Task] = []

@@ -1,0 +1,90 @@
+"""The ``algorithm`` section: advantage estimator, policy loss, KL to a reference, critic."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from treadle.config.fields import (
+    above,
+    at_least,
+    at_most,
+    below,
+    bounded,
+    finite,
+    off_or_above,
+    positive,
+)
+
+GROUP_BASELINES = frozenset({"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"})
+"""Advantage estimators whose baseline is the other samples of the prompt (its group): they need
+``rollout.n >= 2``, and only they lose all signal on a group whose rewards are equal."""
+
+
+@dataclass
+class KLConfig:
+    """KL to a frozen reference (the starting policy). ``coef`` 0 loads no reference model."""
+
+    coef: float = bounded(at_least(0.0), default=0.0)
+    estimator: Literal["k1", "k2", "k3", "low_var_k3"] = "k3"
+    """Per-token estimator of KL(policy || reference); see ALGORITHMS.md for each one."""
+    placement: Literal["loss", "reward"] = "loss"
+    """``loss``: ``coef * KL`` added to each token's loss (GRPO). ``reward``: ``-coef * KL`` of
+    the sampling policy added to each token's reward before advantages (InstructGPT PPO,
+    REINFORCE++, RLOO)."""
+
+
+@dataclass
+class CriticConfig:
+    """The value model of PPO (``algorithm.advantage=gae``): the policy's architecture and
+    starting weights with a one-output value head instead of the LM head."""
+
+    lr: float = bounded(finite(), positive(), default=1.0e-4)
+    value_clip: float = bounded(at_least(0.0), default=0.2)
+    """Clip of the value change per update around the old value (0: unclipped)."""
+
+
+@dataclass
+class AlgorithmConfig:
+    """The ``algorithm`` section: how rewards become advantages and advantages become a loss."""
+
+    advantage: Literal[
+        "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "gae"
+    ] = "grpo"
+    """Advantage estimator (``gae`` trains a critic; ``remax`` samples a greedy baseline)."""
+    policy_loss: Literal["ppo", "gspo", "vanilla"] = "ppo"
+    """``ppo``: clipped token ratio (DAPO's clip-higher when clip_eps_high > clip_eps_low);
+    ``gspo``: clipped sequence ratio; ``vanilla``: unclipped policy gradient."""
+    clip_eps_low: float = bounded(
+        at_least(0.0), below(1, "the ratio floor is 1 - eps"), default=0.2
+    )
+    clip_eps_high: float = bounded(at_least(0.0), default=0.2)
+    dual_clip: float = bounded(at_least(0.0), off_or_above(1), default=0.0)
+    """Dual-clip bound c (> 1) on negative-advantage tokens' loss (verl uses 3); 0: off."""
+    loss_agg: Literal[
+        "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+    ] = "token-mean"
+    """How per-token losses become the step's loss (``-norm`` divides by rollout.max_tokens)."""
+    kl: KLConfig = field(default_factory=KLConfig)
+    entropy_coef: float = bounded(at_least(0.0), default=0.0)
+    """Entropy bonus weight (the loss subtracts ``coef * entropy``); entropy is always logged."""
+    gamma: float = bounded(at_least(0.0), at_most(1), default=1.0)
+    """Per-token discount (GAE, REINFORCE++)."""
+    lam: float = bounded(at_least(0.0), at_most(1), default=0.95)
+    """GAE lambda."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal, sample more prompts to refill the batch."""
+    max_sampling_rounds: int = bounded(at_least(1), default=3)
+    """Dynamic sampling's cap on generation rounds per step; then the step trains on what it
+    has (logged as ``filter/kept_groups``)."""
+    overlong_filter: bool = False
+    """DAPO: truncated completions (hit rollout.max_tokens) are not trained on."""
+    overlong_cache: int = bounded(at_least(0), default=0)
+    """DAPO soft overlong punishment: the last this-many tokens of rollout.max_tokens cost up to
+    -1 reward, linearly (0: off)."""
+    importance_sampling: Literal["none", "tis_token", "tis_seq", "mis_token", "mis_seq"] = "none"
+    """Correction for the engine/trainer mismatch; anything but ``none`` recomputes the old
+    logprobs with the trainer before the update."""
+    is_threshold: float = bounded(finite(), above(1), default=2.0)
+    """C of the correction: TIS truncates weights at C; MIS drops weights outside [1/C, C]."""
+    critic: CriticConfig = field(default_factory=CriticConfig)

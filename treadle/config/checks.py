@@ -1,0 +1,136 @@
+"""Checks of a built config that types alone cannot express.
+
+One-field bounds are declared beside their fields (:mod:`treadle.config.fields`); the rules here
+relate fields to each other, or to what the code downstream supports.
+"""
+
+from __future__ import annotations
+
+import string
+
+from treadle.config.algorithm import GROUP_BASELINES
+from treadle.config.data import SourceConfig
+from treadle.config.fields import check_fields
+from treadle.config.sections import Config
+from treadle.core.errors import UserError
+
+
+def check(cfg: Config) -> None:
+    """Refuse a config that would fail later, or silently do something else than it says.
+
+    Raises:
+        UserError: naming the dotted key at fault and what was expected.
+    """
+    check_fields(cfg)
+    _check_placement(cfg)
+    _check_model(cfg)
+    _check_sources(cfg)
+    _check_algorithm(cfg)
+    _check_templates(cfg)
+
+
+def _check_placement(cfg: Config) -> None:
+    """What the Ray trainer group and its engines support."""
+    p = cfg.placement
+    if p.mode == "single":
+        return
+    if p.mode == "colocated" and p.engines > p.trainers:
+        raise UserError(
+            f"config placement.engines: colocated puts each engine in a trainer's bundle, so at "
+            f"most placement.trainers ({p.trainers}) engines, got {p.engines}"
+        )
+    if cfg.algorithm.kl.coef > 0 or cfg.algorithm.advantage == "gae":
+        raise UserError(
+            f"config placement.mode={p.mode}: the Ray trainer group does not host a reference "
+            "model or a critic yet; use placement.mode=single for KL (algorithm.kl.coef > 0) or "
+            "PPO with a critic (algorithm.advantage=gae)"
+        )
+    if cfg.trainer.bf16_autocast:
+        raise UserError(
+            f"config placement.mode={p.mode}: trainer.bf16_autocast is not supported by the "
+            "FSDP2 trainer group yet; set it to false"
+        )
+
+
+def _check_model(cfg: Config) -> None:
+    """Geometry of the built tiny model, which would otherwise fail deep inside torch or vLLM."""
+    if cfg.model.path is not None:
+        return
+    t = cfg.model.tiny
+    if t.num_attention_heads < 1 or t.hidden_size % t.num_attention_heads:
+        raise UserError("config model.tiny.hidden_size: must be a multiple of num_attention_heads")
+    if t.num_key_value_heads < 1 or t.num_attention_heads % t.num_key_value_heads:
+        raise UserError("config model.tiny.num_key_value_heads: must divide num_attention_heads")
+    if cfg.rollout.engine == "vllm" and t.hidden_size // t.num_attention_heads < 32:
+        raise UserError(
+            "config model.tiny.num_attention_heads: vLLM's CPU attention needs a head dim "
+            "(hidden_size / num_attention_heads) of at least 32"
+        )
+
+
+def _check_sources(cfg: Config) -> None:
+    """Every data source has its file, and the reward functions routed to it can score it."""
+    if not cfg.reward.functions:
+        raise UserError("config reward.functions: list at least one reward function")
+    sources: list[tuple[str, SourceConfig]] = [("data", cfg.data)]
+    sources += [(f"data.mix[{i}]", m) for i, m in enumerate(cfg.data.mix)]
+    for key, s in sources:
+        rg_functions = [
+            f for f in cfg.reward.functions if f.name == "reasoning_gym" and f.scores(s.domain)
+        ]
+        if s.source != "reasoning_gym" and rg_functions:
+            raise UserError(
+                f"config reward.functions: reasoning_gym scores only reasoning_gym tasks, but it "
+                f"is routed to {key}'s domain {s.domain!r} ({s.source}); use math_verify for file "
+                "data (e.g. reward.functions='[{name: math_verify}]'), or give it domains"
+            )
+        if s.source != "reasoning_gym" and not s.path:
+            raise UserError(f"config {key}.path: required for source={s.source}")
+    if cfg.data.reasoning != "none" and cfg.data.source != "reasoning_gym":
+        raise UserError("config data.reasoning: chain_steps needs data.source=reasoning_gym")
+
+
+def _check_algorithm(cfg: Config) -> None:
+    """Settings of the algorithm that contradict each other or the rollout."""
+    a = cfg.algorithm
+    if a.advantage in GROUP_BASELINES and cfg.rollout.n < 2:
+        raise UserError(
+            f"config rollout.n: algorithm.advantage={a.advantage} takes its baseline from the "
+            f"samples of each prompt (its group) and needs rollout.n >= 2 (got {cfg.rollout.n}); "
+            "with one sample per prompt use reinforce_pp, remax or gae"
+        )
+    if a.kl.coef > 0 and a.kl.placement == "loss" and a.kl.estimator == "k1":
+        raise UserError(
+            "config algorithm.kl.estimator: k1 as a loss term has zero expected gradient (its "
+            "gradient is the score function); use k2 or k3 as a loss, or "
+            "algorithm.kl.placement=reward for k1"
+        )
+    if a.dynamic_sampling and a.advantage not in GROUP_BASELINES:
+        raise UserError(
+            f"config algorithm.dynamic_sampling: drops groups whose rewards are all equal, which "
+            f"only carry no signal under a group baseline ({', '.join(sorted(GROUP_BASELINES))}); "
+            f"algorithm.advantage={a.advantage} still learns from them"
+        )
+    if a.overlong_cache > cfg.rollout.max_tokens:
+        raise UserError(
+            f"config algorithm.overlong_cache: must be at most rollout.max_tokens "
+            f"({cfg.rollout.max_tokens}), got {a.overlong_cache}"
+        )
+
+
+def _check_templates(cfg: Config) -> None:
+    """Demonstration templates name only the fields a demonstration fills in."""
+    for key, template in (
+        ("data.answer_template", cfg.data.answer_template),
+        ("sft.noise.loose_template", cfg.sft.noise.loose_template),
+    ):
+        try:
+            fields = {
+                name for _, name, _, _ in string.Formatter().parse(template) if name is not None
+            }
+        except ValueError as e:
+            raise UserError(f"config {key}: {e}") from None
+        if not fields <= {"answer", "reasoning"}:
+            raise UserError(
+                f"config {key}: only {{answer}} and {{reasoning}} may appear, got {sorted(fields)}"
+            )

@@ -1,0 +1,247 @@
+"""The sections of the config tree other than ``data`` and ``algorithm``, and the tree itself."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import Literal
+
+from treadle.config.algorithm import AlgorithmConfig
+from treadle.config.data import DataConfig
+from treadle.config.fields import at_least, bounded, finite, only, positive
+
+
+def routes_to(domains: Collection[str], domain: str) -> bool:
+    """Whether a function limited to ``domains`` (empty: every domain) scores ``domain``."""
+    return not domains or domain in domains
+
+
+@dataclass
+class RewardSpec:
+    """One reward function of the mix."""
+
+    name: str
+    """A key of :data:`treadle.rewards.base.REWARD_FUNCTIONS`, e.g. ``"math_verify"``."""
+    weight: float = 1.0
+    """Multiplier of this function's reward in the total (unitless)."""
+    params: dict[str, str] = field(default_factory=dict)
+    """Constructor keyword arguments of the function, e.g. ``{"extract": "boxed"}``."""
+    domains: list[str] = field(default_factory=list)
+    """Task domains this function scores (``Task.domain``, e.g. ``[math]``); empty: every
+    domain. A sample gets the weighted sum of the functions routed to its domain."""
+
+    def scores(self, domain: str) -> bool:
+        """Whether this function scores samples of ``domain``."""
+        return routes_to(self.domains, domain)
+
+
+@dataclass
+class RewardConfig:
+    """The ``reward`` section of the config: which functions, and how they are run."""
+
+    functions: list[RewardSpec]
+    """Reward functions; the first is the primary verifier whose ``correct`` is reported."""
+    timeout_s: float = 5.0
+    """Wall-clock limit of one function on one sample, in seconds (ignored when workers=0, and
+    by batched functions such as ``reward_model``, which take their own ``timeout_s``)."""
+    fallback: float = 0.0
+    """Reward a function gives a sample when it raised or timed out on it."""
+    workers: int = 2
+    """Worker processes; 0 scores in the calling process (debugging: no timeout)."""
+
+
+@dataclass
+class TinyModelConfig:
+    """A small Qwen2-architecture model built locally with seeded random weights."""
+
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    """Head dim = hidden_size / heads; vLLM's CPU attention needs a head dim of 32 or more."""
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 512
+    tokenizer_vocab_size: int = 512
+    """BPE vocabulary trained on the task's own text (digits stay single tokens)."""
+    tokenizer_path: str | None = None
+    """Use this local tokenizer folder (e.g. a real Qwen tokenizer) instead of training one."""
+
+
+@dataclass
+class ModelConfig:
+    """The ``model`` section: the policy's starting weights and the dtype the engine serves."""
+
+    path: str | None = None
+    """Local Hugging Face model folder (weights + tokenizer). None builds ``tiny``."""
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype the engine serves in; the trainer keeps fp32 master weights (for bf16 compute in
+    training use ``trainer.bf16_autocast``)."""
+
+
+@dataclass
+class NoiseConfig:
+    """Imperfect demonstrations for SFT: what real demonstration data looks like."""
+
+    loose_format_fraction: float = 0.0
+    """Share of demonstrations that write the answer in ``loose_template`` instead."""
+    loose_template: str = "{answer}"
+    """Same fields as ``data.answer_template``."""
+    wrong_answer_fraction: float = 0.0
+    """Share of demonstrations whose answer is off by 1 to 3 (numeric answers only)."""
+
+
+@dataclass
+class SFTConfig:
+    """The ``sft`` section: supervised warm-up on demonstrations before RL."""
+
+    steps: int = bounded(at_least(0), default=0)
+    """SFT warm-up optimizer steps before RL (0: none)."""
+    batch_size: int = bounded(at_least(1), default=64)
+    lr: float = bounded(positive(), default=1e-3)
+    warmup_steps: int = 10
+    noise: NoiseConfig = field(default_factory=NoiseConfig)
+
+
+@dataclass
+class DPOConfig:
+    """Direct Preference Optimization (``treadle dpo``) on pairs of a preferred (chosen) and a
+    dispreferred (rejected) response to one prompt, against the starting model as reference."""
+
+    path: str | None = None
+    """jsonl of preference pairs, one JSON object per line. None synthesises pairs from the
+    reasoning-gym data: the gold demonstration (``data.answer_template``) is chosen, the same
+    with an answer off by 1 to 3 is rejected."""
+    prompt_field: str = "prompt"
+    """Field of the prompt: a string (one user message) or a list of ``{role, content}``."""
+    chosen_field: str = "chosen"
+    """Field of the preferred response text."""
+    rejected_field: str = "rejected"
+    """Field of the dispreferred response text."""
+    beta: float = bounded(positive("e.g. 0.1"), finite(), default=0.1)
+    """Strength of the implicit KL constraint to the reference (beta of arXiv:2305.18290 eq. 7)."""
+    steps: int = bounded(at_least(1), default=100)
+    """Optimizer steps."""
+    batch_size: int = bounded(at_least(1), default=16)
+    """Preference pairs per optimizer step."""
+    lr: float = bounded(positive("e.g. 1e-5"), finite(), default=1e-5)
+    """Learning rate of the policy (the rest of the optimizer comes from ``trainer``)."""
+
+
+@dataclass
+class RolloutConfig:
+    """The ``rollout`` section: the inference engine and how it samples completions."""
+
+    engine: Literal["vllm", "hf"] = "vllm"
+    prompts_per_step: int = bounded(at_least(1), default=64)
+    n: int = bounded(at_least(1), default=8)
+    """Samples per prompt (the group size)."""
+    temperature: float = bounded(finite(), positive("RL samples n > 1 per prompt"), default=1.0)
+    # The engines report logprobs of the top-p-renormalised distribution; the trainer does not
+    # re-apply the nucleus cut, so the PPO ratio would be biased.
+    top_p: float = bounded(only(1.0, "the trainer does not apply top-p"), default=1.0)
+    max_tokens: int = bounded(at_least(1), default=32)
+    stop: list[str] = field(default_factory=list)
+    """Stop strings (the end-of-turn token always stops a completion)."""
+    kv_cache_gib: float = 1.0
+    """vLLM CPU KV-cache size (GiB)."""
+
+
+@dataclass
+class TrainerConfig:
+    """The ``trainer`` section: the policy's optimizer and how a batch is split into updates."""
+
+    lr: float = bounded(positive(), default=1e-4)
+    weight_decay: float = bounded(at_least(0.0), default=0.0)
+    betas: tuple[float, float] = (0.9, 0.99)
+    grad_clip: float = bounded(at_least(0.0), default=1.0)
+    """Max global grad norm; 0 turns clipping off (as ``max_grad_norm=0`` in transformers)."""
+    warmup_steps: int = bounded(at_least(0), default=0)
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    micro_batch_tokens: int = bounded(at_least(16), default=512)
+    """Token budget of one packed micro-batch (no padding is computed)."""
+    bf16_autocast: bool = False
+    """Autocast forward/backward to bf16 (helps on GPUs and bf16 CPUs); weights stay fp32."""
+    mini_batches: int = bounded(at_least(1), default=1)
+    """Optimizer steps per RL step (the batch is split; later ones are off-policy, clipped)."""
+
+
+@dataclass
+class EvalConfig:
+    """The ``eval`` section: held-out accuracy during and after training."""
+
+    every: int = bounded(at_least(0), default=0)
+    """Evaluate held-out accuracy every N RL steps (0: only before and after RL)."""
+    samples_per_prompt: int = bounded(at_least(1), default=8)
+    """pass@1 is averaged over these samples; pass@k uses k = this."""
+    greedy: bool = True
+    control_sft: bool = False
+    """After RL, also spend the same wall time on SFT from the SFT checkpoint and evaluate it."""
+
+
+@dataclass
+class RunConfig:
+    """The ``run`` section: its name, output folder, length, and checkpoints."""
+
+    name: str = "default"
+    output_dir: str = "runs"
+    seed: int = 0
+    steps: int = bounded(at_least(0), default=20)
+    """RL steps (one batch of rollouts each)."""
+    save_every: int = bounded(at_least(1), default=10)
+    keep_last: int = bounded(at_least(1), default=2)
+    samples_to_log: int = 16
+    """Completions saved per step under samples/."""
+    threads: int = 2
+    """torch intra-op threads (give each compute process its own cores)."""
+
+
+@dataclass
+class PlacementConfig:
+    """Where the roles run. ``single``: everything in this process, no cluster (the default).
+    ``colocated`` / ``disaggregated``: Ray actors in one placement group (a local Ray is started
+    when none is running): ``trainers`` FSDP2 trainer workers forming one torch.distributed group
+    and ``engines`` rollout workers; colocated puts engine ``j`` in trainer ``j``'s bundle (they
+    share its devices), disaggregated gives every worker its own bundle."""
+
+    mode: Literal["single", "colocated", "disaggregated"] = "single"
+    trainers: int = bounded(at_least(1), default=2)
+    """Trainer workers (FSDP2 ranks)."""
+    engines: int = bounded(at_least(1), default=1)
+    """Engine (rollout) workers, each with its own inference engine."""
+    trainer_cpus: float = bounded(at_least(0.0), default=1.0)
+    """CPUs of one trainer worker's bundle (Ray resources)."""
+    engine_cpus: float = bounded(at_least(0.0), default=1.0)
+    trainer_gpus: float = bounded(at_least(0.0), default=0.0)
+    """GPUs of one trainer worker's bundle (1 on a GPU cluster; 0 here)."""
+    engine_gpus: float = bounded(at_least(0.0), default=0.0)
+    threads: int = bounded(at_least(1), default=1)
+    """torch intra-op threads of each worker process (1 on a 2-core machine)."""
+    weight_sync: Literal["auto", "shared_memory", "collective", "disk"] = "auto"
+    """Trainer -> engine transport. ``auto``: shared memory when colocated, a collective
+    (bucketed broadcast over torch.distributed) when disaggregated. ``disk``: the reference."""
+    bucket_mb: int = bounded(at_least(1), default=64)
+    """Bucket size of the collective transport, in MiB."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend: ``auto`` is NCCL with GPUs, gloo without."""
+    engine_restarts: int = bounded(at_least(0), default=3)
+    """How many times a dead engine worker is restarted in one run before the run fails."""
+
+
+@dataclass
+class Config:
+    """The whole config tree: one section per component (``run``, ``model``, ``data``, ...)."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(
+        default_factory=lambda: RewardConfig(functions=[RewardSpec("reasoning_gym")])
+    )
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
