@@ -65,13 +65,13 @@ class _Peer:
     """A bare process of a 2-rank gloo group: the raw-broadcast baseline."""
 
     def join(self, host, port, rank, prefix):
-        from treadle.cluster.transports import new_sync_group
+        from treadle.cluster.buckets import new_sync_group
 
         torch.set_num_threads(1)
         self.group = new_sync_group(host, port, rank, 2, prefix, "gloo")
 
     def broadcast(self, nbytes: int, bucket_bytes: int, reps: int) -> list[float]:
-        from treadle.cluster.transports import broadcast
+        from treadle.cluster.buckets import broadcast
 
         buffers = [
             torch.ones(min(bucket_bytes, nbytes - off) // 4, dtype=torch.float32)

@@ -75,7 +75,7 @@ def main() -> int:
 
 
 def write_results(out: Path, rows: list[dict], steps: int) -> None:
-    from treadle.store.checkpoint import write_json_atomic, write_text_atomic
+    from treadle.store.atomic import write_json_atomic, write_text_atomic
     from treadle.store.report import plot_comparison
 
     lines = [

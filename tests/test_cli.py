@@ -136,7 +136,7 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(results, name):
 
 
 def test_sft_only_with_a_missing_model_folder_leaves_no_run_dir(tmp_path, monkeypatch):
-    from treadle.jobs.train import sft_only
+    from treadle.jobs.sft import sft_only
 
     monkeypatch.chdir(tmp_path)
     cfg = load_config(DEFAULT, [*SMALL, "model.path=/nonexistent"])

@@ -116,7 +116,7 @@ def _run(args: argparse.Namespace) -> int:
         raise UserError("train: pass a recipe, e.g. treadle train recipes/default.yaml")
     cfg = load_config(recipe, overrides)
     if args.command == "sft":
-        from treadle.jobs.train import sft_only
+        from treadle.jobs.sft import sft_only
 
         folder = sft_only(cfg, console)
         console.print(

@@ -17,7 +17,7 @@ from treadle.config import AlgorithmConfig, PlacementConfig, TinyModelConfig, Tr
 from treadle.core.protocols import EngineSpec, SamplingParams
 from treadle.core.types import Task, TrainSample
 from treadle.rollout.generate import Generated, check_policy_version
-from treadle.store.checkpoint import save_model_atomic
+from treadle.store.atomic import save_model_atomic
 from treadle.store.models import build_tiny_model, build_tokenizer, load_model
 from treadle.train.objectives import PolicyObjective
 from treadle.train.torch_backend import TorchBackend
@@ -57,7 +57,9 @@ def roles(tmp_path_factory):
     cfg = PlacementConfig(mode="disaggregated", trainers=2, engines=1)
     placement = place(cfg)
     trainers = TrainerGroup(cfg, placement, folder, TRAINER, 20, 1.0)
-    engines = EngineGroup("vllm", EngineSpec(str(folder), max_model_len=256), placement, 1)
+    engines = EngineGroup(
+        "vllm", EngineSpec(str(folder), max_model_len=256), placement, 1, trainers=trainers
+    )
     prompts = [tokenizer.encode(f"{a} + {b} =") for a in range(4) for b in range(4)]
     yield folder, trainers, engines, prompts
     close_ray_roles(trainers, engines)

@@ -5,17 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from treadle.cluster.buckets import Bucket, Bucketer, checksum, fingerprint, plan_buckets, verify
 from treadle.cluster.engine_group import route, worker_seed
 from treadle.cluster.placement import Slot, bundles
-from treadle.cluster.trainer_group import (
-    _keyed_by_name,
-    balance,
-    filler_of,
-    merge_rank_metrics,
-)
-from treadle.cluster.transports import Bucket, Bucketer, checksum, fingerprint, plan_buckets, verify
+from treadle.cluster.trainer_group import balance, filler_of
+from treadle.cluster.trainer_worker import keyed_by_name
 from treadle.config import PlacementConfig, load_config
 from treadle.core.errors import StaleWeightsError, UserError
+from treadle.core.metrics import Metric, merge_ranks
+from treadle.core.metrics import Reduction as R
 from treadle.core.types import TrainSample
 
 
@@ -91,20 +89,24 @@ def test_a_single_process_optimizer_state_is_rekeyed_by_parameter_name():
         "state": {0: {"step": 3}, 1: {"step": 3}},
         "param_groups": [{"lr": 0.1, "params": [0, 1]}],
     }
-    assert _keyed_by_name(state, ["w", "b"]) == {
+    assert keyed_by_name(state, ["w", "b"]) == {
         "state": {"w": {"step": 3}, "b": {"step": 3}},
         "param_groups": [{"lr": 0.1, "params": ["w", "b"]}],
     }
     named = {"state": {"w": {}}, "param_groups": [{"params": ["w"]}]}
-    assert _keyed_by_name(named, ["w"]) is named
+    assert keyed_by_name(named, ["w"]) is named
 
 
 def test_merged_rank_metrics_add_shares_and_keep_global_values():
+    SUM, MAX, STEP = R.SUM, R.MAX, R.STEP
+    loss, grad_norm, lr = Metric(0.25, SUM), Metric(2.0, STEP), Metric(1e-3, STEP)
     ranks = [
-        {"loss": 0.25, "grad_norm": 2.0, "lr": 1e-3, "ratio/max": 1.1, "perf/micro_batches": 2.0},
-        {"loss": 0.5, "grad_norm": 2.0, "lr": 1e-3, "perf/micro_batches": 2.0},  # no /max: no
-    ]  # trained token on this rank
-    assert merge_rank_metrics(ranks) == {
+        {"loss": loss, "grad_norm": grad_norm, "lr": lr, "ratio/max": Metric(1.1, MAX),
+         "perf/micro_batches": Metric(2.0, SUM)},
+        {"loss": Metric(0.5, SUM), "grad_norm": grad_norm, "lr": lr,
+         "perf/micro_batches": Metric(2.0, SUM)},  # no ratio/max: no trained token on this rank
+    ]  # fmt: skip
+    assert merge_ranks(ranks) == {
         "loss": 0.75,
         "grad_norm": 2.0,
         "lr": 1e-3,

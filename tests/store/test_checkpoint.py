@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -17,15 +18,17 @@ from transformers import (
 )
 
 from treadle.core.errors import UserError
+from treadle.core.protocols import OptimizerState
+from treadle.core.types import DataPosition
 from treadle.store import checkpoint
+from treadle.store.atomic import save_model_atomic, write_json_atomic
 from treadle.store.checkpoint import (
+    RunState,
     latest_checkpoint,
     list_checkpoints,
     load_trainer_state,
     read_checkpoint_state,
     save_checkpoint,
-    save_model_atomic,
-    write_json_atomic,
 )
 
 WORDS = ["<unk>", "<pad>", "<eos>", "one", "two", "three", "plus", "is"]
@@ -72,12 +75,45 @@ def _draw() -> tuple[list[float], float, list[float]]:
     return torch.rand(4).tolist(), random.random(), np.random.rand(3).tolist()
 
 
-STATE = {"data_position": {"epoch": 0, "index": 16}, "policy_version": 1, "seed": 7}
+STATE = RunState(step=1, policy_version=1, data_position=DataPosition(epoch=0, offset=16))
+
+
+@dataclasses.dataclass
+class Trainer:
+    """The checkpoint's view of a trainer (``Checkpointable``) over a bare model, optimizer and
+    schedule: what a training backend hands a checkpoint."""
+
+    model: torch.nn.Module | None
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+
+    def save_pretrained(self, folder: Path) -> None:
+        self.model.save_pretrained(folder)
+
+    def optimizer_state(self) -> OptimizerState:
+        return OptimizerState(self.optimizer.state_dict(), self.scheduler.state_dict())
+
+    def load_optimizer_state(self, state: OptimizerState) -> None:
+        self.optimizer.load_state_dict(state.optimizer)
+        self.scheduler.load_state_dict(state.scheduler)
+
+
+def save(run_dir, step, model, tokenizer, optimizer, scheduler, state=STATE, **kwargs):
+    """save_checkpoint of a bare model/optimizer/schedule at ``step``."""
+    trainer = Trainer(model, optimizer, scheduler)
+    return save_checkpoint(
+        run_dir, dataclasses.replace(state, step=step), trainer, tokenizer, **kwargs
+    )
+
+
+def load(ckpt, optimizer, scheduler) -> RunState:
+    """load_trainer_state into a bare optimizer/schedule."""
+    return load_trainer_state(ckpt, Trainer(None, optimizer, scheduler))
 
 
 def test_round_trip_restores_model_optimizer_scheduler_and_rng(tmp_path: Path, trained) -> None:
     model, tokenizer, optimizer, scheduler = trained
-    ckpt = save_checkpoint(tmp_path, 1, model, tokenizer, optimizer, scheduler, STATE)
+    ckpt = save(tmp_path, 1, model, tokenizer, optimizer, scheduler)
     expected_draws = _draw()  # what the run would have sampled next
     assert ckpt == tmp_path / "checkpoints" / "step_000001"
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000001\n"
@@ -93,9 +129,9 @@ def test_round_trip_restores_model_optimizer_scheduler_and_rng(tmp_path: Path, t
         assert name == name2
         assert torch.equal(p, q), name
     optimizer2, scheduler2 = _optimizer_and_scheduler(reloaded)
-    state = load_trainer_state(ckpt, optimizer2, scheduler2)
+    state = load(ckpt, optimizer2, scheduler2)
 
-    assert state == {**STATE, "step": 1}
+    assert state == dataclasses.replace(STATE, step=1)
     assert _draw() == expected_draws
     assert scheduler2.last_epoch == scheduler.last_epoch == 1
     assert scheduler2.get_last_lr() == scheduler.get_last_lr() == [5e-4]  # 1e-3 / (1 + 1)
@@ -119,14 +155,19 @@ def test_round_trip_restores_model_optimizer_scheduler_and_rng(tmp_path: Path, t
 
 
 def test_state_json_is_plain_json(tmp_path: Path, trained) -> None:
-    ckpt = save_checkpoint(tmp_path, 12, *trained, STATE)
-    assert json.loads((ckpt / "state.json").read_text()) == {**STATE, "step": 12}
-    assert read_checkpoint_state(ckpt)["step"] == 12
+    ckpt = save(tmp_path, 12, *trained)
+    assert json.loads((ckpt / "state.json").read_text()) == {
+        "schema_version": 1,
+        "step": 12,
+        "policy_version": 1,
+        "data_position": {"epoch": 0, "offset": 16},
+    }
+    assert read_checkpoint_state(ckpt).step == 12
 
 
 def test_latest_follows_the_newest_save(tmp_path: Path, trained) -> None:
-    save_checkpoint(tmp_path, 1, *trained, STATE)
-    second = save_checkpoint(tmp_path, 2, *trained, STATE)
+    save(tmp_path, 1, *trained)
+    second = save(tmp_path, 2, *trained)
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000002\n"
     assert latest_checkpoint(tmp_path) == second
     assert [step for step, _ in list_checkpoints(tmp_path)] == [1, 2]
@@ -136,7 +177,7 @@ def test_crash_while_saving_the_model_leaves_the_previous_checkpoint(
     tmp_path: Path, trained, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model, tokenizer, optimizer, scheduler = trained
-    first = save_checkpoint(tmp_path, 1, model, tokenizer, optimizer, scheduler, STATE)
+    first = save(tmp_path, 1, model, tokenizer, optimizer, scheduler)
 
     real_save = model.save_pretrained
 
@@ -146,7 +187,7 @@ def test_crash_while_saving_the_model_leaves_the_previous_checkpoint(
 
     monkeypatch.setattr(model, "save_pretrained", crash_midway)
     with pytest.raises(OSError, match="No space left"):
-        save_checkpoint(tmp_path, 2, model, tokenizer, optimizer, scheduler, STATE)
+        save(tmp_path, 2, model, tokenizer, optimizer, scheduler)
 
     ckpt_root = tmp_path / "checkpoints"
     assert sorted(p.name for p in ckpt_root.iterdir()) == ["latest", "step_000001"]
@@ -155,7 +196,7 @@ def test_crash_while_saving_the_model_leaves_the_previous_checkpoint(
 
 
 def test_leftovers_of_a_killed_save_are_ignored_then_cleaned(tmp_path: Path, trained) -> None:
-    first = save_checkpoint(tmp_path, 1, *trained, STATE)
+    first = save(tmp_path, 1, *trained)
     # A process killed mid-save leaves its temporary directory and maybe a temp pointer file.
     leftover = tmp_path / "checkpoints" / ".tmp_step_000002.x1y2"
     (leftover / "model").mkdir(parents=True)
@@ -164,7 +205,7 @@ def test_leftovers_of_a_killed_save_are_ignored_then_cleaned(tmp_path: Path, tra
 
     assert latest_checkpoint(tmp_path) == first
     assert [step for step, _ in list_checkpoints(tmp_path)] == [1]
-    save_checkpoint(tmp_path, 2, *trained, STATE)
+    save(tmp_path, 2, *trained)
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == ["latest", "step_000001", "step_000002"]
 
@@ -172,23 +213,23 @@ def test_leftovers_of_a_killed_save_are_ignored_then_cleaned(tmp_path: Path, tra
 def test_crash_before_latest_is_written_keeps_latest_valid(
     tmp_path: Path, trained, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    save_checkpoint(tmp_path, 1, *trained, STATE)
+    save(tmp_path, 1, *trained)
 
     def fail(path, text):
         raise OSError("killed")
 
     monkeypatch.setattr(checkpoint, "write_text_atomic", fail)
     with pytest.raises(OSError, match="killed"):
-        save_checkpoint(tmp_path, 2, *trained, STATE)
+        save(tmp_path, 2, *trained)
     # The new directory is complete (it was renamed into place); latest still names step 1.
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000001\n"
     assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step_000001"
-    assert read_checkpoint_state(tmp_path / "checkpoints" / "step_000002")["step"] == 2
+    assert read_checkpoint_state(tmp_path / "checkpoints" / "step_000002").step == 2
 
 
 def test_keep_last_deletes_older_checkpoints(tmp_path: Path, trained) -> None:
     for step in (1, 2, 3, 4):
-        save_checkpoint(tmp_path, step, *trained, STATE, keep_last=2)
+        save(tmp_path, step, *trained, keep_last=2)
     assert [step for step, _ in list_checkpoints(tmp_path)] == [3, 4]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
         "latest",
@@ -198,19 +239,22 @@ def test_keep_last_deletes_older_checkpoints(tmp_path: Path, trained) -> None:
 
 
 def test_saving_the_same_step_again_replaces_it(tmp_path: Path, trained) -> None:
-    save_checkpoint(tmp_path, 3, *trained, {**STATE, "policy_version": 3})
-    ckpt = save_checkpoint(tmp_path, 3, *trained, {**STATE, "policy_version": 4})
-    assert read_checkpoint_state(ckpt)["policy_version"] == 4
+    save(tmp_path, 3, *trained, dataclasses.replace(STATE, policy_version=3))
+    ckpt = save(tmp_path, 3, *trained, dataclasses.replace(STATE, policy_version=4))
+    assert read_checkpoint_state(ckpt).policy_version == 4
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_000003"]
 
 
 def test_bad_state_writes_nothing(tmp_path: Path, trained) -> None:
+    model, tokenizer, optimizer, scheduler = trained
     with pytest.raises(TypeError):
-        save_checkpoint(tmp_path, 1, *trained, {"path": Path("x")})  # type: ignore[dict-item]
-    with pytest.raises(ValueError, match="differs"):
-        save_checkpoint(tmp_path, 1, *trained, {"step": 2})
+        save_checkpoint(
+            tmp_path, {"path": Path("x")}, Trainer(model, optimizer, scheduler), tokenizer
+        )
+    with pytest.raises(ValueError, match="step must be >= 0"):
+        save(tmp_path, -1, *trained)
     with pytest.raises(ValueError, match="keep_last"):
-        save_checkpoint(tmp_path, 1, *trained, STATE, keep_last=0)
+        save(tmp_path, 1, *trained, keep_last=0)
     assert latest_checkpoint(tmp_path) is None
 
 
@@ -224,28 +268,28 @@ def test_latest_naming_a_missing_directory_is_a_user_error(tmp_path: Path) -> No
 def test_incomplete_or_corrupt_checkpoints_are_user_errors(tmp_path: Path, trained) -> None:
     model, tokenizer, optimizer, scheduler = trained
     with pytest.raises(UserError, match="does not exist"):
-        load_trainer_state(tmp_path / "checkpoints" / "step_000001", optimizer, scheduler)
+        load(tmp_path / "checkpoints" / "step_000001", optimizer, scheduler)
 
-    ckpt = save_checkpoint(tmp_path, 1, model, tokenizer, optimizer, scheduler, STATE)
+    ckpt = save(tmp_path, 1, model, tokenizer, optimizer, scheduler)
     (ckpt / "trainer_state.pt").write_bytes(b"not a torch file")
     with pytest.raises(UserError, match=r"trainer_state\.pt is corrupt"):
-        load_trainer_state(ckpt, optimizer, scheduler)
+        load(ckpt, optimizer, scheduler)
 
     (ckpt / "state.json").write_text("{truncated")
     with pytest.raises(UserError, match=r"state\.json is corrupt"):
-        load_trainer_state(ckpt, optimizer, scheduler)
+        load(ckpt, optimizer, scheduler)
 
     (ckpt / "trainer_state.pt").unlink()
     with pytest.raises(UserError, match=r"incomplete \(no trainer_state\.pt\)"):
-        load_trainer_state(ckpt, optimizer, scheduler)
+        load(ckpt, optimizer, scheduler)
 
 
 def test_optimizer_of_another_model_is_a_user_error(tmp_path: Path, trained) -> None:
-    ckpt = save_checkpoint(tmp_path, 1, *trained, STATE)
+    ckpt = save(tmp_path, 1, *trained)
     other = torch.nn.Linear(2, 2)
     optimizer, scheduler = _optimizer_and_scheduler(other)
     with pytest.raises(UserError, match="does not fit this run"):
-        load_trainer_state(ckpt, optimizer, scheduler)
+        load(ckpt, optimizer, scheduler)
 
 
 def test_write_json_atomic_replaces_whole_files(tmp_path: Path) -> None:
@@ -288,3 +332,26 @@ def test_crash_while_saving_a_model_folder_keeps_the_old_one(
         save_model_atomic(model, tokenizer, folder)
     assert [p.name for p in tmp_path.iterdir()] == ["final_model"]
     assert sorted(p.name for p in folder.iterdir()) == before
+
+
+def test_a_state_json_written_before_schema_versions_loads_as_version_1(tmp_path, trained) -> None:
+    ckpt = save(tmp_path, 40, *trained)
+    # What every checkpoint held before state.json had a schema version (sorted keys, no version).
+    old = {"data_position": {"epoch": 2, "offset": 448}, "policy_version": 40, "step": 40}
+    (ckpt / "state.json").write_text(json.dumps(old, indent=2, sort_keys=True) + "\n")
+    state = read_checkpoint_state(ckpt)
+    assert state == RunState(40, 40, DataPosition(epoch=2, offset=448), schema_version=1)
+
+
+def test_a_newer_schema_version_or_a_malformed_state_is_one_clear_error(tmp_path, trained) -> None:
+    ckpt = save(tmp_path, 3, *trained)
+    newer = {**STATE.to_json(), "schema_version": 7}
+    (ckpt / "state.json").write_text(json.dumps(newer))
+    with pytest.raises(
+        UserError, match=r"schema version 7, but this treadle reads versions up to 1"
+    ):
+        read_checkpoint_state(ckpt)
+    for broken in ({"step": 3}, {**STATE.to_json(), "step": "3"}, [3]):
+        (ckpt / "state.json").write_text(json.dumps(broken))
+        with pytest.raises(UserError, match=r"state\.json is not a checkpoint state"):
+            read_checkpoint_state(ckpt)

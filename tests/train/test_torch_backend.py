@@ -13,6 +13,7 @@ from treadle.algorithms.aggregation import token_mean
 from treadle.algorithms.losses import PolicyLossParams, ppo_clip
 from treadle.config import AlgorithmConfig, TrainerConfig
 from treadle.core.batch import MicroBatch, StepTotals, TokenOutputs
+from treadle.core.metrics import Metric, Reduction
 from treadle.core.types import TrainSample
 from treadle.train.objectives import PolicyObjective, SFTObjective
 from treadle.train.torch_backend import TorchBackend, lr_lambda
@@ -84,12 +85,14 @@ class AdvantageAsLoss:
     token-mean over the step."""
 
     entropy_grad = False
+    engine_sampled = True
 
     def __call__(self, out: TokenOutputs, batch: MicroBatch, totals: StepTotals):
         per_token = batch.advantages + 0.0 * out.logprobs
         m = batch.loss_mask.float()
         loss = token_mean(per_token, batch.loss_mask, batch.segments, totals)
-        return loss, {"obj/mean": float((per_token.detach() * m).sum() / m.sum())}
+        mean = float((per_token.detach() * m).sum() / m.sum())
+        return loss, {"obj/mean": Metric(mean, Reduction.MEAN)}
 
 
 advantage_as_loss = AdvantageAsLoss()
@@ -210,15 +213,17 @@ def offset_samples(model, offset: float) -> list[TrainSample]:
 
 
 def test_mismatch_metric_is_mean_abs_logprob_gap(tiny_qwen2):
-    # Every loss token's behavior logprob is 0.5 above the trainer's: mean |gap| = 0.5.
+    # Every loss token's behavior logprob is 0.5 above the trainer's: mean |gap| = 0.5 (measured
+    # for an objective on engine-sampled tokens, before the update).
     model = tiny_qwen2(0)
-    metrics = backend(model).train_step(offset_samples(model, 0.5), SFTObjective())
+    metrics = backend(model).train_step(offset_samples(model, 0.5), PPO)
     assert metrics["mismatch/abs_logprob_diff"] == pytest.approx(0.5, abs=1e-5)
 
 
 def test_mismatch_metric_with_two_mini_batches(tiny_qwen2):
+    # The first mini-batch's, before any update: the second would see the updated weights.
     model = tiny_qwen2(0)
-    metrics = backend(model, mini_batches=2).train_step(offset_samples(model, 0.5), SFTObjective())
+    metrics = backend(model, mini_batches=2).train_step(offset_samples(model, 0.5), PPO)
     assert metrics["mismatch/abs_logprob_diff"] == pytest.approx(0.5, abs=1e-5)
 
 
@@ -375,3 +380,10 @@ def test_value_head_outputs_are_aligned_like_logprobs(tiny_value_model):
         raw = model(input_ids=torch.tensor([ids])).logits[0, :, 0]
     # value of the state before token t = the head's output at position t - 1; 0 at t = 0
     assert values == pytest.approx([0.0, *raw[:-1].tolist()], abs=1e-6)
+
+
+def test_demonstrations_report_no_engine_mismatch(tiny_qwen2):
+    # SFT tokens were not sampled by an engine: nothing to compare their logprobs with.
+    model = tiny_qwen2(0)
+    metrics = backend(model).train_step(offset_samples(model, 0.5), SFTObjective())
+    assert not [name for name in metrics if name.startswith("mismatch/")]

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from treadle.core.metrics import Metric, Reduction
+
 LOG_RATIO_CLAMP = 20.0
 """Log-ratios are clamped to [-20, 20] before ``exp`` so one extreme token gives a large finite
 number (e^20 ~ 4.9e8), never inf or nan."""
@@ -36,17 +38,18 @@ PolicyLoss = Callable[
 """``(logprobs, old_logprobs, advantages, mask, segments, params) -> (loss [N], metrics)``."""
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
-    """Mean of ``x`` over ``mask`` (0.0 when nothing is masked in); masked-out values, even nan,
-    never enter."""
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> Metric:
+    """Mean of ``x`` ``[N]`` over ``mask`` ``[N]`` (0.0 when nothing is masked in), as a token-mean
+    metric; masked-out values, even nan, never enter."""
     x = x.detach()
     kept = torch.where(mask, x, torch.zeros_like(x))
-    return float(kept.sum() / mask.sum().clamp(min=1))
+    return Metric(float(kept.sum() / mask.sum().clamp(min=1)), Reduction.MEAN)
 
 
-def masked_max(x: torch.Tensor, mask: torch.Tensor) -> float:
-    """Max of ``x`` over ``mask`` (0.0 when nothing is masked in)."""
-    return float(x.detach()[mask].max()) if mask.any() else 0.0
+def masked_max(x: torch.Tensor, mask: torch.Tensor) -> Metric:
+    """Max of ``x`` ``[N]`` over ``mask`` ``[N]`` (0.0 when nothing is masked in), as a maximum
+    metric."""
+    return Metric(float(x.detach()[mask].max()) if mask.any() else 0.0, Reduction.MAX)
 
 
 def segment_sum(x: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 ``placement.mode`` picks the layout; the RL loop is the same in every mode: it sees a policy
 with ``train_step``/``compute_logprobs``, an engine with ``generate``, and a
-:class:`~treadle.core.protocols.WeightSync`. Ray is imported only in the Ray modes.
+:class:`~treadle.core.protocols.WeightSync`. Ray is imported only in the Ray modes, and this package
+only by them.
 """
 
 from __future__ import annotations
@@ -34,7 +35,14 @@ def build_ray_roles(cfg, spec, version: int, run_dir: Path):
         cfg.rollout.temperature,
     )
     engines = EngineGroup(
-        cfg.rollout.engine, spec, placement, p.threads, p.engine_restarts, version=version
+        cfg.rollout.engine,
+        spec,
+        placement,
+        p.threads,
+        p.engine_restarts,
+        version=version,
+        trainers=trainers,  # a restarted engine worker gets the current weights from them
+        bucket_mb=p.bucket_mb,
     )
     transport = p.weight_sync
     if transport == "auto":

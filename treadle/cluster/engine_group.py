@@ -25,6 +25,16 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from treadle.cluster.buckets import (
+    Bucket,
+    Received,
+    broadcast,
+    fingerprint,
+    new_sync_group,
+    plan_buckets,
+    verify,
+)
+from treadle.cluster.trainer_group import TrainerGroup
 from treadle.core.protocols import EngineSpec, SamplingParams
 from treadle.core.types import Completion
 
@@ -54,39 +64,41 @@ class EngineWorker:
         self._sync_group = None
 
     def pid(self) -> int:
+        """This worker's process id (a liveness probe)."""
         return os.getpid()
 
     def policy_version(self) -> int:
+        """The policy version its engine serves."""
         return self.engine.policy_version
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        """The engine's completions of these prompts (see the InferenceEngine Protocol)."""
         return self.engine.generate(prompts, params)
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """The engine's logprobs ``[L]`` of each sequence's tokens."""
         return self.engine.prompt_logprobs(sequences)
 
-    def _apply(self, named: list[tuple[str, torch.Tensor]], version: int, **extra) -> dict:
-        from treadle.cluster.transports import fingerprint
-
+    def _apply(
+        self, named: list[tuple[str, torch.Tensor]], version: int, expected: float | None = None
+    ) -> Received:
         got = fingerprint(named)
         self.engine.update_weights(iter(named), version=version)
         size = sum(t.numel() * t.element_size() for _, t in named)
-        return {"version": self.engine.policy_version, "checksum": got, "bytes": size, **extra}
+        return Received(self.engine.policy_version, got, size, expected)
 
-    def update_weights(self, named: list[tuple[str, torch.Tensor]], version: int) -> dict:
+    def update_weights(self, named: list[tuple[str, torch.Tensor]], version: int) -> Received:
         """Weights pickled from the driver (the control run, tests)."""
         return self._apply(named, version)
 
-    def load_buckets(self, packed, version: int) -> dict:
+    def load_buckets(self, packed, version: int) -> Received:
         """Shared-memory transport: ``packed`` is trainer rank 0's ``(buckets, checksum)``,
         mapped from Ray's object store without a copy."""
-        from treadle.cluster.transports import Bucket
-
         buckets, expected = packed
         named = [nt for b in buckets for nt in Bucket.from_numpy(b).tensors()]
         return self._apply(named, version, expected=expected)
 
-    def load_safetensors(self, path: str, version: int) -> dict:
+    def load_safetensors(self, path: str, version: int) -> Received:
         """Disk transport: read the file trainer rank 0 wrote."""
         from safetensors import safe_open
 
@@ -98,14 +110,11 @@ class EngineWorker:
     def join_sync_group(
         self, host: str, port: int, rank: int, world: int, prefix: str, backend: str
     ) -> None:
-        from treadle.cluster.transports import new_sync_group
-
+        """Join the collective weight-sync group as ``rank`` (trainer rank 0 is rank 0)."""
         self._sync_group = new_sync_group(host, port, rank, world, prefix, backend)
 
-    def receive_broadcast(self, layout, bucket_bytes: int, version: int) -> dict:
+    def receive_broadcast(self, layout, bucket_bytes: int, version: int) -> Received:
         """Collective transport: receive every bucket rank 0 broadcasts, then load them."""
-        from treadle.cluster.transports import broadcast, plan_buckets
-
         named = []
         for bucket in plan_buckets(layout, bucket_bytes):
             broadcast(self._sync_group, bucket.flat)
@@ -134,15 +143,19 @@ def route(prompt_lengths: Sequence[int], n: int, max_tokens: int, workers: int) 
 
 class EngineGroup:
     """``placement.engines`` rollout workers behind the
-    :class:`~treadle.rollout.engines.InferenceEngine` Protocol.
+    :class:`~treadle.core.protocols.InferenceEngine` Protocol.
 
     Args:
         engine: engine name (``rollout.engine``).
         spec: engine start spec (the weights at ``spec.model_dir`` are policy version ``version``).
-        slots, placement: where each worker goes.
+        placement: where each worker goes.
         threads: threads per worker.
         restarts: how many worker restarts a run allows before it fails.
         version: the policy version of the starting weights.
+        trainers: where a restarted worker gets the trainer's current weights (through Ray's
+            object store, in ``bucket_mb`` buckets); None: a worker can only be restarted while
+            the policy is still at ``version``.
+        bucket_mb: bucket size of that transfer, in MiB.
     """
 
     def __init__(
@@ -153,6 +166,8 @@ class EngineGroup:
         threads: int,
         restarts: int = 3,
         version: int = 0,
+        trainers: TrainerGroup | None = None,
+        bucket_mb: int = 64,
     ) -> None:
         import ray
 
@@ -162,7 +177,7 @@ class EngineGroup:
         self.restarts = 0
         self.start_version = version  # the policy version of spec.model_dir's weights
         self.policy_version = version
-        self.restore = None  # set by the weight-sync transport: (worker, version) -> None
+        self.trainers, self.bucket_bytes = trainers, bucket_mb * 2**20
         self.workers = [self._start(j, version) for j in range(len(placement.engines))]
         ray.get([w.pid.remote() for w in self.workers])
 
@@ -184,6 +199,7 @@ class EngineGroup:
         return out
 
     def pids(self) -> list[int]:
+        """The workers' process ids."""
         import ray
 
         return ray.get([w.pid.remote() for w in self.workers])
@@ -243,10 +259,20 @@ class EngineGroup:
         worker = self._start(j, self.start_version)
         ray.get(worker.pid.remote())
         if version != self.start_version:
-            if self.restore is None:
-                raise RuntimeError("engine group has no weight transport to restore weights from")
-            self.restore(worker, version)
+            self._restore(worker, version)
         self.workers[j] = worker
+
+    def _restore(self, worker, version: int) -> None:
+        """Load the trainer's current weights into a restarted worker, through the object
+        store; a collective weight-sync group is rebuilt at its next sync (its members
+        changed)."""
+        import ray
+
+        if self.trainers is None:
+            raise RuntimeError("engine group has no trainer group to restore weights from")
+        packed = self.trainers.gather_buckets(self.spec.dtype, self.bucket_bytes)
+        report = ray.get(worker.load_buckets.remote(packed, version))
+        verify(version, report.expected, report.checksum, "restarted engine")
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Send weights from the driver to every worker (pickled: for the control run and
@@ -258,11 +284,17 @@ class EngineGroup:
         self.policy_version = version
 
     def prompt_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Logprobs ``[L]`` of each sequence under the weights served (worker 0's)."""
         import ray
 
         return ray.get(self.workers[0].prompt_logprobs.remote([list(s) for s in sequences]))
 
+    def metrics(self) -> dict[str, float]:
+        """``engine/restarts``: workers replaced so far in this run."""
+        return {"engine/restarts": float(self.restarts)}
+
     def close(self) -> None:
+        """Stop every worker."""
         import ray
 
         for w in self.workers:

@@ -2,22 +2,24 @@
 
 - :class:`InferenceEngine`: token ids in; sampled token ids, their logprobs and finish reasons
   out (a single engine, or an engine group of Ray workers behind the same methods).
-- :class:`TrainingBackend`: logprobs, values and optimizer steps over flat samples, and its
-  weights (a single-process backend, or an FSDP2 trainer group behind the same methods).
+- :class:`TrainingBackend`: logprobs, values and optimizer steps over flat samples, and the
+  weights and optimizer state that weight sync and checkpoints take (a single-process backend,
+  or an FSDP2 trainer group behind the same methods).
 - :class:`Objective`: what a training backend minimises: a micro-batch's share of the step's
   loss (:mod:`treadle.train.objectives`).
 - :class:`WeightSync`: the trainer -> engine transport.
 
-The reward side's Protocol,
-:class:`treadle.rewards.base.RewardFunction`, lives with its registry: only the reward pool
-drives it.
+Each has a contract test that runs every implementation, fakes included (``tests/contracts/``).
+The reward side's Protocol, :class:`treadle.rewards.base.RewardFunction`, lives with its
+registry: only the reward pool drives it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 from treadle.core.batch import MicroBatch, StepTotals, TokenOutputs
 from treadle.core.types import Completion, TrainSample
@@ -84,6 +86,11 @@ class InferenceEngine(Protocol):
         is 0.0), at temperature 1: used to verify weight sync against the trainer."""
         ...
 
+    def metrics(self) -> dict[str, float]:
+        """Counters to log with each RL step (e.g. ``engine/restarts`` of an engine group);
+        empty for a single engine."""
+        ...
+
     def close(self) -> None:
         """Release the engine (its memory, processes); idempotent."""
         ...
@@ -97,6 +104,10 @@ class Objective(Protocol):
 
     entropy_grad: bool
     """Whether the loss differentiates through the entropy (the backend then keeps its graph)."""
+    engine_sampled: bool
+    """Whether the batch's trained tokens were sampled by an engine whose logprobs they carry
+    (RL): the backend then reports the engine/trainer mismatch (``mismatch/*``) of the first
+    optimizer step, before any update."""
 
     def __call__(
         self, out: TokenOutputs, batch: MicroBatch, totals: StepTotals
@@ -106,9 +117,40 @@ class Objective(Protocol):
         ...
 
 
-class TrainingBackend(Protocol):
-    """Computes logprobs and values of flat samples, runs optimizer steps on them, and hands its
-    weights and optimizer state to weight sync and checkpoints.
+@dataclass(frozen=True)
+class OptimizerState:
+    """A trainer's optimizer and learning-rate schedule as ``torch.optim`` state dicts: what a
+    checkpoint's ``trainer_state.pt`` holds besides the RNG states."""
+
+    optimizer: dict[str, Any]
+    scheduler: dict[str, Any] | None
+    """None for a trainer without a schedule."""
+
+
+class Checkpointable(Protocol):
+    """What a checkpoint saves of a trainer and restores into one (:mod:`treadle.store.checkpoint`).
+    Every :class:`TrainingBackend` is one."""
+
+    def save_pretrained(self, folder: Path) -> None:
+        """Write the weights and model config to ``folder`` in Hugging Face format."""
+        ...
+
+    def optimizer_state(self) -> OptimizerState:
+        """The optimizer's and LR schedule's full state (gathered, if sharded)."""
+        ...
+
+    def load_optimizer_state(self, state: OptimizerState) -> None:
+        """Restore what :meth:`optimizer_state` returned (for a trainer over the same model).
+
+        Raises:
+            KeyError, ValueError: the state does not fit this trainer's optimizer or schedule.
+        """
+        ...
+
+
+class TrainingBackend(Checkpointable, Protocol):
+    """Computes logprobs and values of flat samples, runs optimizer steps on them, hands its
+    weights to weight sync, and its weights and optimizer state to checkpoints.
 
     Implementations: :class:`treadle.train.torch_backend.TorchBackend` (one process) and
     :class:`treadle.cluster.trainer_group.TrainerGroup` (FSDP2 ranks as Ray actors).

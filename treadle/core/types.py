@@ -157,3 +157,12 @@ class TrainSample:
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+
+@dataclass
+class DataPosition:
+    """Where the task sampler is: ``epoch`` passes done and ``offset`` tasks into the current
+    one (part of a checkpoint's run state)."""
+
+    epoch: int = 0
+    offset: int = 0

@@ -36,9 +36,9 @@ from treadle.algorithms.preference import dpo_loss
 from treadle.config import Config, DPOConfig, NoiseConfig
 from treadle.core.errors import UserError
 from treadle.core.types import Message, Task, TrainSample
-from treadle.jobs.sft import noisy_demonstration
-from treadle.jobs.train import base_model, prepare_run_dir, seed_everything, warm_up
-from treadle.store.checkpoint import save_model_atomic, write_json_atomic
+from treadle.jobs.compose import base_model, prepare_run_dir, seed_everything
+from treadle.jobs.sft import noisy_demonstration, warm_up
+from treadle.store.atomic import save_model_atomic, write_json_atomic
 from treadle.store.data import Dataset, load_dataset, read_rows, render_demonstration, render_prompt
 from treadle.store.models import IM_END, end_of_turn_ids, load_model, require_model_folder
 from treadle.store.observe import MetricsLogger, Progress

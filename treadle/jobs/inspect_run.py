@@ -130,7 +130,7 @@ def replay_step(run_dir: Path, step: int) -> Replay:
         model, cfg.trainer, cfg.run.steps * cfg.trainer.mini_batches, cfg.rollout.temperature
     )
     if step > 1:
-        load_trainer_state(before, policy.optimizer, policy.scheduler)
+        load_trainer_state(before, policy)
     objective = PolicyObjective.from_config(cfg.algorithm, cfg.rollout.max_tokens)
     metrics = policy.train_step(stored.samples, objective)
     after = run_dir / "checkpoints" / checkpoint_dirname(step) / "model"

@@ -15,8 +15,8 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from treadle.config import Config
-from treadle.core.protocols import InferenceEngine, SamplingParams, WeightSync
-from treadle.core.types import RolloutGroup, Task
+from treadle.core.protocols import InferenceEngine, SamplingParams, TrainingBackend, WeightSync
+from treadle.core.types import RolloutGroup, Task, TrainSample
 from treadle.rewards.pool import RewardPool
 from treadle.rollout.evaluate import EvalResult, evaluate
 from treadle.rollout.generate import check_policy_version, generate, score
@@ -27,11 +27,10 @@ from treadle.rollout.samples import (
     outcome_rewards,
 )
 from treadle.store.buffer import RolloutBuffer
-from treadle.store.checkpoint import CriticParts, save_checkpoint
+from treadle.store.checkpoint import RunState, save_checkpoint
 from treadle.store.data import TaskSampler
 from treadle.store.observe import MetricsLogger, Progress, SampleRecord, timed, write_samples
 from treadle.train.objectives import PolicyObjective, ValueObjective
-from treadle.train.torch_backend import TorchBackend
 
 
 @dataclass
@@ -43,10 +42,11 @@ class RLParts:
     engine: InferenceEngine
     tokenizer: PreTrainedTokenizerBase
     rewards: RewardPool
-    policy: TorchBackend
-    reference: TorchBackend | None
+    policy: TrainingBackend
+    """The policy's trainer: one process's backend, or the Ray trainer group."""
+    reference: TrainingBackend | None
     """Frozen starting policy, present when ``algorithm.kl.coef > 0``."""
-    critic: TorchBackend | None
+    critic: TrainingBackend | None
     """Value model, present when ``algorithm.advantage == "gae"`` (PPO)."""
     sampler: TaskSampler
     held_out: tuple[Task, ...]
@@ -58,80 +58,83 @@ class RLParts:
 
 
 def run_rl(parts: RLParts, start_step: int, progress: Progress) -> None:
-    """RL steps ``start_step .. cfg.run.steps - 1``: generate -> score -> filter -> old/ref
-    logprobs and values -> advantages -> update (policy, critic) -> sync -> log, store the
-    rollouts in the buffer -> save -> eval."""
-    cfg, p, algo = parts.cfg, parts, parts.cfg.algorithm
+    """RL steps ``start_step .. cfg.run.steps - 1``, each: :func:`rl_step`, then log, store the
+    rollouts in the buffer, save, evaluate."""
+    cfg = parts.cfg
     params = sampling_params(cfg)
-    objective = PolicyObjective.from_config(algo, cfg.rollout.max_tokens)
+    objective = PolicyObjective.from_config(cfg.algorithm, cfg.rollout.max_tokens)
     for step in range(start_step, cfg.run.steps):
-        t: dict[str, float] = {}
-        with timed(t, "step"):
-            # generate -> score -> filter; dynamic sampling repeats it until the batch is full
-            batch = collect_rollouts(p, params, t, version=step)
-            samples, sample_metrics = build_samples(batch.groups, algo)
-            rewards, reward_metrics = outcome_rewards(batch.groups, algo, cfg.rollout.max_tokens)
-            baselines = None
-            if algo.advantage == "remax":  # ReMax's baseline: the greedy completion's reward
-                with timed(t, "baseline"):
-                    baselines = greedy_baselines(p, batch.groups, params)
-            if algo.importance_sampling != "none":
-                with timed(t, "old_logprobs"):
-                    for s, lp in zip(samples, p.policy.compute_logprobs(samples), strict=True):
-                        s.old_logprobs = lp
-            if p.reference is not None:
-                with timed(t, "ref_logprobs"):
-                    for s, ref in zip(samples, p.reference.compute_logprobs(samples), strict=True):
-                        s.ref_logprobs = ref
-            if p.critic is not None:
-                with timed(t, "values"):
-                    for s, v in zip(samples, p.critic.compute_values(samples), strict=True):
-                        s.values = v
-            with timed(t, "advantages"):
-                adv_metrics = assign_advantages(samples, rewards, algo, baselines)
-            with timed(t, "update"):
-                update_metrics = p.policy.train_step(samples, objective)
-            if p.critic is not None:
-                with timed(t, "critic_update"):
-                    critic_metrics = p.critic.train_step(
-                        samples, ValueObjective(algo.critic.value_clip)
-                    )
-                update_metrics |= {  # the critic's own loss, grad norm and lr under critic/
-                    k if k.startswith("critic/") else f"critic/{k}": v
-                    for k, v in critic_metrics.items()
-                    if not k.startswith(("perf/", "mismatch/"))
-                }
-            with timed(t, "sync"):  # the engine serves the new weights before the next rollout
-                sync_metrics = p.weight_sync.sync(version=step + 1)
-        metrics = {
-            **rollout_metrics(batch.groups),
-            **batch.metrics,
-            **sample_metrics,
-            **reward_metrics,
-            **adv_metrics,
-            **update_metrics,
-            **sync_metrics,
-            **t,
-        }
-        if hasattr(p.engine, "restarts"):  # an engine group replaces workers that die
-            metrics["engine/restarts"] = float(p.engine.restarts)
+        batch, samples, metrics = rl_step(parts, step, params, objective)
         done = step + 1
         if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.run.steps:
             with timed(metrics, "eval"):
                 metrics.update(evaluate_policy(parts).metrics())
-        p.metrics.log(done, metrics)
-        p.buffer.add(done, batch.groups, samples)
-        write_samples(
-            p.run_dir, done, sample_records(batch.groups, samples, cfg.run.samples_to_log)
-        )
+        parts.metrics.log(done, metrics)
+        parts.buffer.add(done, batch.groups, samples)
+        records = sample_records(batch.groups, samples, cfg.run.samples_to_log)
+        write_samples(parts.run_dir, done, records)
         if done % cfg.run.save_every == 0 or done == cfg.run.steps:
             save_state(parts, done)
         progress.update(
             done,
             reward=metrics["reward/mean"],
             accuracy=metrics["reward/accuracy"],
-            step_time_s=t["time/step_s"],
+            step_time_s=metrics["time/step_s"],
         )
+
+
+def rl_step(
+    parts: RLParts, step: int, params: SamplingParams, objective: PolicyObjective
+) -> tuple[Batch, list[TrainSample], dict[str, float]]:
+    """One RL step on policy version ``step``: generate -> score -> filter -> old/ref logprobs
+    and values -> advantages -> update (policy, critic) -> sync. Returns the batch, its train
+    samples (as trained, for the buffer) and the step's metrics."""
+    p, algo, t = parts, parts.cfg.algorithm, {}
+    with timed(t, "step"):
+        # generate -> score -> filter; dynamic sampling repeats it until the batch is full
+        batch = collect_rollouts(p, params, t, version=step)
+        samples, sample_metrics = build_samples(batch.groups, algo)
+        rewards, reward_metrics = outcome_rewards(batch.groups, algo, p.cfg.rollout.max_tokens)
+        baselines = None
+        if algo.advantage == "remax":  # ReMax's baseline: the greedy completion's reward
+            with timed(t, "baseline"):
+                baselines = greedy_baselines(p, batch.groups, params)
+        if algo.importance_sampling != "none":
+            with timed(t, "old_logprobs"):
+                for s, lp in zip(samples, p.policy.compute_logprobs(samples), strict=True):
+                    s.old_logprobs = lp
+        if p.reference is not None:
+            with timed(t, "ref_logprobs"):
+                for s, ref in zip(samples, p.reference.compute_logprobs(samples), strict=True):
+                    s.ref_logprobs = ref
+        if p.critic is not None:
+            with timed(t, "values"):
+                for s, v in zip(samples, p.critic.compute_values(samples), strict=True):
+                    s.values = v
+        with timed(t, "advantages"):
+            adv_metrics = assign_advantages(samples, rewards, algo, baselines)
+        with timed(t, "update"):
+            update_metrics = p.policy.train_step(samples, objective)
+        if p.critic is not None:
+            with timed(t, "critic_update"):
+                critic = p.critic.train_step(samples, ValueObjective(algo.critic.value_clip))
+            update_metrics |= critic_metrics(critic)
+        with timed(t, "sync"):  # the engine serves the new weights before the next rollout
+            sync_metrics = p.weight_sync.sync(version=step + 1)
+    metrics = rollout_metrics(batch.groups) | batch.metrics | sample_metrics | reward_metrics
+    metrics |= adv_metrics | update_metrics | sync_metrics | t
+    metrics |= p.engine.metrics()  # e.g. the workers an engine group replaced
+    return batch, samples, metrics
+
+
+def critic_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """The critic's own loss, grad norm and lr under ``critic/`` (its throughput is not
+    logged: the policy's is)."""
+    return {
+        name if name.startswith("critic/") else f"critic/{name}": value
+        for name, value in metrics.items()
+        if not name.startswith("perf/")
+    }
 
 
 @dataclass(frozen=True)
@@ -218,23 +221,15 @@ def evaluate_policy(parts: RLParts) -> EvalResult:
 
 
 def save_state(parts: RLParts, step: int) -> Path:
-    pos = parts.sampler.position
+    """Checkpoint the run after ``step`` RL steps (the policy's weights are version ``step``)."""
+    position = dataclasses.replace(parts.sampler.position)
     return save_checkpoint(
         parts.run_dir,
-        step,
-        parts.policy.model,
+        RunState(step=step, policy_version=step, data_position=position),
+        parts.policy,
         parts.tokenizer,
-        parts.policy.optimizer,
-        parts.policy.scheduler,
-        {
-            "step": step,
-            "policy_version": step,
-            "data_position": {"epoch": pos.epoch, "offset": pos.offset},
-        },
         keep_last=parts.cfg.run.keep_last,
-        critic=None
-        if parts.critic is None
-        else CriticParts(parts.critic.model, parts.critic.optimizer, parts.critic.scheduler),
+        critic=parts.critic,
     )
 
 

@@ -1,17 +1,27 @@
-"""Supervised fine-tuning on demonstrations: loss only on the completion tokens."""
+"""Supervised fine-tuning on demonstrations, loss only on the completion tokens: the SFT warm-up
+of ``treadle train`` and ``treadle dpo``, and the ``treadle sft`` job."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
-from transformers import PreTrainedTokenizerBase
+import torch
+from rich.console import Console
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from treadle.config import NoiseConfig
+from treadle.config import Config, NoiseConfig
 from treadle.core.errors import UserError
+from treadle.core.protocols import TrainingBackend
 from treadle.core.types import Task, TrainSample
-from treadle.store.data import render_demonstration, render_prompt
+from treadle.jobs.compose import base_model, check_inputs, prepare_run_dir, seed_everything
+from treadle.store.atomic import save_model_atomic
+from treadle.store.data import Dataset, load_dataset, render_demonstration, render_prompt
+from treadle.store.models import load_model
+from treadle.store.observe import MetricsLogger, Progress
 from treadle.train.objectives import SFTObjective
 from treadle.train.torch_backend import TorchBackend
 
@@ -61,7 +71,7 @@ def demonstration_samples(
 
 
 def run_sft(
-    backend: TorchBackend,
+    backend: TrainingBackend,
     samples: Sequence[TrainSample],
     *,
     steps: int,
@@ -86,8 +96,62 @@ def run_sft(
         step_start = time.perf_counter()
         metrics = backend.train_step(batch, objective)
         metrics["time/step_s"] = time.perf_counter() - step_start
-        for name in [k for k in metrics if k.startswith("mismatch/")]:
-            del metrics[name]  # no engine sampled these tokens
         if on_step is not None:
             on_step(step, metrics)
     return steps
+
+
+def sft_backend(cfg: Config, model: PreTrainedModel, steps: int) -> TorchBackend:
+    """A backend for ``steps`` SFT steps: ``sft.lr`` with a warmup and cosine decay, one
+    optimizer step per batch."""
+    trainer = dataclasses.replace(
+        cfg.trainer,
+        lr=cfg.sft.lr,
+        warmup_steps=cfg.sft.warmup_steps,
+        lr_schedule="cosine",
+        mini_batches=1,
+    )
+    return TorchBackend(model, trainer, total_steps=steps)
+
+
+def warm_up(cfg: Config, data: Dataset, start: Path, run_dir: Path, console: Console) -> Path:
+    """SFT on the (noisy) demonstrations; returns the SFT checkpoint folder."""
+    folder = run_dir / "sft_model"
+    if (folder / "config.json").exists():
+        return folder
+    model, tokenizer = load_model(start, cfg.model.dtype)
+    samples = demonstration_samples(
+        data.train, tokenizer, cfg.sft.noise, cfg.data.answer_template, cfg.run.seed
+    )
+    backend = sft_backend(cfg, model, cfg.sft.steps)
+    metrics = MetricsLogger(run_dir / "sft")
+    metrics.truncate_after(0)  # an interrupted warm-up restarts from its beginning
+    console.print(f"SFT warm-up: {cfg.sft.steps} steps")
+    with Progress(cfg.sft.steps, console=console) as bar:
+
+        def on_step(step: int, m: dict[str, float]) -> None:
+            metrics.log(step + 1, m)
+            bar.update(step + 1, loss=m["loss"], step_time_s=m["time/step_s"])
+
+        run_sft(
+            backend,
+            samples,
+            steps=cfg.sft.steps,
+            batch_size=cfg.sft.batch_size,
+            seed=cfg.run.seed,
+            on_step=on_step,
+        )
+    metrics.close()
+    return save_model_atomic(model, tokenizer, folder)
+
+
+def sft_only(cfg: Config, console: Console | None = None) -> Path:
+    """``treadle sft``: build or load the model and run SFT; returns the checkpoint folder."""
+    if cfg.sft.steps <= 0:
+        raise UserError("sft.steps: must be positive for `treadle sft` (e.g. sft.steps=200)")
+    torch.set_num_threads(cfg.run.threads)
+    seed_everything(cfg.run.seed)
+    data = load_dataset(cfg.data)
+    check_inputs(cfg, data)
+    run_dir = prepare_run_dir(cfg, None)
+    return warm_up(cfg, data, base_model(cfg, data, run_dir), run_dir, console or Console())

@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from treadle.core.types import RolloutGroup, TrainSample
-from treadle.store.checkpoint import write_bytes_atomic
+from treadle.store.atomic import write_bytes_atomic
 
 BUFFER_DIRNAME = "buffer"
 _STEP_FILE = re.compile(r"^step_(\d{6})\.parquet$")

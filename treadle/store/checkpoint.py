@@ -1,4 +1,5 @@
-"""Atomic checkpoints of a run, and atomic small-file writes.
+"""Atomic checkpoints of a run: the policy's (and a critic's) weights and optimizer state, the RNG
+states and the run state, in one directory per saved step.
 
 Layout under a run directory ``RUN``::
 
@@ -7,7 +8,10 @@ Layout under a run directory ``RUN``::
         step_000040/
             model/               Hugging Face format (safetensors, config, tokenizer files)
             trainer_state.pt     optimizer and lr-scheduler state dicts, RNG states
-            state.json           {"step": 40, "data_position": {...}, "policy_version": 40, ...}
+            state.json           the run state (:class:`RunState`): schema version, step, policy
+                                 version, data position
+            critic/              a PPO critic (Hugging Face format), when the run has one
+            critic_state.pt      its optimizer and lr-scheduler state dicts
 
 A checkpoint is written into a hidden sibling ``.tmp_step_*`` directory, every file is fsynced,
 and the directory is renamed into place with :func:`os.replace` (atomic on one filesystem).
@@ -16,27 +20,37 @@ moment leaves either the old state or the new one: never a half-written ``step_*
 never a ``latest`` that names a missing directory. Leftover ``.tmp_*`` entries from a crash are
 removed by the next save.
 
-Model weights are loaded by the caller: ``AutoModelForCausalLM.from_pretrained(ckpt / "model")``.
+The trainers are :class:`~treadle.core.protocols.Checkpointable` (every training backend is):
+the checkpoint asks them for their weights and optimizer state and gives the state back on
+resume. Model weights are loaded by the caller: ``from_pretrained(ckpt / "model")``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import random
 import re
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 
 from treadle.core.errors import UserError
+from treadle.core.protocols import Checkpointable, OptimizerState
+from treadle.core.types import DataPosition
+from treadle.store.atomic import (
+    TMP_PREFIX,
+    PretrainedSaver,
+    fsync_dir,
+    fsync_tree,
+    replace_dir,
+    write_text_atomic,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -47,116 +61,71 @@ TRAINER_STATE_FILENAME = "trainer_state.pt"
 STATE_FILENAME = "state.json"
 CRITIC_DIRNAME = "critic"
 CRITIC_STATE_FILENAME = "critic_state.pt"
-_TMP_PREFIX = ".tmp_"
 _STEP_DIR_RE = re.compile(r"^step_(\d{6,})$")
 
-JsonState = dict[str, int | float | str | dict]
-"""Plain JSON-able run state the caller stores with a checkpoint (``state.json``)."""
-
-
-class PretrainedSaver(Protocol):
-    """What a Hugging Face model or tokenizer offers for saving (``save_pretrained``)."""
-
-    def save_pretrained(self, save_directory: str | os.PathLike[str]) -> Any: ...
+RUN_STATE_VERSION = 1
+"""Schema version of ``state.json`` written now. Version 1 (the first, also written before the
+field existed) holds ``step``, ``policy_version`` and ``data_position``."""
 
 
 @dataclass(frozen=True)
-class CriticParts:
-    """A critic's model and optimizer state, checkpointed beside the policy."""
+class RunState:
+    """Where a run is when a checkpoint is saved: what ``state.json`` holds."""
 
-    model: PretrainedSaver
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None
+    step: int
+    """RL steps done (names the directory ``step_{step:06d}``)."""
+    policy_version: int
+    """Version of the policy's weights (optimizer steps since the start of RL)."""
+    data_position: DataPosition
+    """The task sampler's position, so the resumed run draws the same next prompts."""
+    schema_version: int = RUN_STATE_VERSION
 
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object written to ``state.json``."""
+        position = {"epoch": self.data_position.epoch, "offset": self.data_position.offset}
+        return {
+            "schema_version": self.schema_version,
+            "step": self.step,
+            "policy_version": self.policy_version,
+            "data_position": position,
+        }
 
-# ---------------------------------------------------------------------------------------------
-# Atomic small-file writes
-# ---------------------------------------------------------------------------------------------
+    @classmethod
+    def from_json(cls, raw: Any, path: Path) -> RunState:
+        """Read ``state.json``'s object (of any schema version this code reads).
 
-
-def _fsync_dir(path: Path) -> None:
-    """Fsync a directory so a rename or a new entry in it survives a power loss (POSIX only)."""
-    if os.name != "posix":
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
-    """Write ``text`` (UTF-8) to ``path`` atomically: :func:`write_bytes_atomic`."""
-    return write_bytes_atomic(path, text.encode("utf-8"))
-
-
-def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
-    """Write ``data`` to ``path`` so readers see the old file or the new one, never half.
-
-    The bytes go to a temporary file in the same directory, is fsynced, and replaces ``path``
-    with :func:`os.replace`; the directory is fsynced afterwards. Parent directories are created.
-
-    Returns:
-        ``path`` as a :class:`~pathlib.Path`.
-
-    Raises:
-        OSError: the directory is not writable or the disk is full (the temporary file is
-            removed and ``path`` is left as it was).
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f"{_TMP_PREFIX}{path.name}.", dir=path.parent)
-    try:
-        # mkstemp creates the file 0600; keep the replaced file's mode, else the usual 0644.
-        os.chmod(tmp_name, path.stat().st_mode & 0o777 if path.exists() else 0o644)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-    return path
-
-
-def _nulls_for_non_finite(obj: Any) -> Any:
-    """Copy of ``obj`` with every NaN/infinite float inside dicts, lists and tuples set to None."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {key: _nulls_for_non_finite(value) for key, value in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_nulls_for_non_finite(value) for value in obj]
-    return obj
-
-
-def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> Path:
-    """Write ``obj`` as indented JSON (keys in dict order) to ``path`` atomically.
-
-    NaN and infinite floats are written as ``null`` (strict JSON has no word for them), so a
-    diverged metric in a summary never fails the write. See :func:`write_text_atomic` for how
-    the write is made atomic.
-
-    Raises:
-        TypeError: ``obj`` holds something JSON cannot encode (nothing is written).
-        OSError: as :func:`write_text_atomic`.
-    """
-    text = json.dumps(_nulls_for_non_finite(obj), indent=2, allow_nan=False) + "\n"
-    return write_text_atomic(path, text)
-
-
-def _fsync_tree(root: Path) -> None:
-    """Fsync every file and directory under ``root`` (``root`` included)."""
-    for dirpath, _dirnames, filenames in os.walk(root):
-        for name in filenames:
-            fd = os.open(Path(dirpath) / name, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(dirpath))
+        Raises:
+            UserError: a schema version newer than :data:`RUN_STATE_VERSION` (the message
+                names both), or a missing or mistyped field (naming ``path``).
+        """
+        version = raw.get("schema_version", 1) if isinstance(raw, dict) else None
+        if isinstance(version, int) and version > RUN_STATE_VERSION:
+            raise UserError(
+                f"{path}: run state schema version {version}, but this treadle reads versions up "
+                f"to {RUN_STATE_VERSION}; resume with the treadle that wrote it (or a newer one)"
+            )
+        problem = "not an object" if not isinstance(raw, dict) else ""
+        if not problem:
+            position = raw.get("data_position")
+            fields = [raw.get("step"), raw.get("policy_version"), version]
+            if isinstance(position, dict):
+                fields += [position.get("epoch"), position.get("offset")]
+            else:
+                problem = "no data_position object"
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in fields):
+                problem = problem or "a missing or non-integer field"
+        if problem:
+            raise UserError(
+                f"{path} is not a checkpoint state ({problem}; expected integer step, "
+                "policy_version and data_position.epoch/offset); resume from an earlier "
+                "checkpoint or start without --resume"
+            )
+        return cls(
+            step=raw["step"],
+            policy_version=raw["policy_version"],
+            data_position=DataPosition(position["epoch"], position["offset"]),
+            schema_version=version,
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,7 +241,7 @@ def latest_checkpoint(run_dir: str | os.PathLike[str]) -> Path | None:
 def _remove_leftovers(ckpt_root: Path) -> None:
     """Delete ``.tmp_*`` entries a crashed save left behind."""
     for entry in ckpt_root.iterdir():
-        if entry.name.startswith(_TMP_PREFIX):
+        if entry.name.startswith(TMP_PREFIX):
             logger.info("removing leftover %s from an interrupted save", entry)
             if entry.is_dir():
                 shutil.rmtree(entry)
@@ -294,30 +263,7 @@ def _point_latest_away_from(ckpt_root: Path, name: str) -> None:
         write_text_atomic(pointer, others[-1].name + "\n")
     else:
         pointer.unlink()
-        _fsync_dir(ckpt_root)
-
-
-def _install(tmp_dir: Path, final_dir: Path) -> None:
-    """Rename a fully written ``tmp_dir`` to ``final_dir``, replacing an existing one."""
-    ckpt_root = final_dir.parent
-    old_aside: Path | None = None
-    if final_dir.exists():
-        # os.replace cannot overwrite a non-empty directory: move the old one aside first.
-        if (ckpt_root / LATEST_FILENAME).is_file():
-            _point_latest_away_from(ckpt_root, final_dir.name)
-        old_aside = ckpt_root / f"{_TMP_PREFIX}old_{final_dir.name}"
-        if old_aside.exists():
-            shutil.rmtree(old_aside)
-        os.replace(final_dir, old_aside)
-    try:
-        os.replace(tmp_dir, final_dir)
-    except BaseException:
-        if old_aside is not None:
-            os.replace(old_aside, final_dir)
-        raise
-    _fsync_dir(ckpt_root)
-    if old_aside is not None:
-        shutil.rmtree(old_aside)
+        fsync_dir(ckpt_root)
 
 
 def _prune(run_dir: Path, keep_last: int, keep: Path) -> None:
@@ -328,7 +274,7 @@ def _prune(run_dir: Path, keep_last: int, keep: Path) -> None:
         if ckpt not in survivors:
             logger.info("deleting old checkpoint %s (keep_last=%d)", ckpt, keep_last)
             # Rename first so a crash mid-delete leaves a .tmp_* entry, not a broken step_* dir.
-            doomed = ckpt.parent / f"{_TMP_PREFIX}del_{ckpt.name}"
+            doomed = ckpt.parent / f"{TMP_PREFIX}del_{ckpt.name}"
             os.replace(ckpt, doomed)
             shutil.rmtree(doomed)
 
@@ -340,113 +286,85 @@ def _prune(run_dir: Path, keep_last: int, keep: Path) -> None:
 
 def _write_parts(
     tmp_dir: Path,
-    model: PretrainedSaver,
+    state: RunState,
+    policy: Checkpointable,
     tokenizer: PretrainedSaver,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
-    state_text: str,
-    critic: CriticParts | None = None,
+    critic: Checkpointable | None,
 ) -> None:
     """Write every file of a checkpoint into ``tmp_dir`` and fsync them all."""
-    model.save_pretrained(tmp_dir / MODEL_DIRNAME)  # transformers 5 always writes safetensors
+    policy.save_pretrained(tmp_dir / MODEL_DIRNAME)  # transformers 5 always writes safetensors
     tokenizer.save_pretrained(tmp_dir / MODEL_DIRNAME)
+    optimizer = policy.optimizer_state()
     trainer_state = {
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "optimizer": optimizer.optimizer,
+        "scheduler": optimizer.scheduler,
         "rng": capture_rng_state(),
     }
     torch.save(trainer_state, tmp_dir / TRAINER_STATE_FILENAME)
     if critic is not None:
-        critic.model.save_pretrained(tmp_dir / CRITIC_DIRNAME)
+        critic.save_pretrained(tmp_dir / CRITIC_DIRNAME)
+        critic_optimizer = critic.optimizer_state()
         critic_state = {
-            "optimizer": critic.optimizer.state_dict(),
-            "scheduler": critic.scheduler.state_dict() if critic.scheduler is not None else None,
+            "optimizer": critic_optimizer.optimizer,
+            "scheduler": critic_optimizer.scheduler,
         }
         torch.save(critic_state, tmp_dir / CRITIC_STATE_FILENAME)
-    (tmp_dir / STATE_FILENAME).write_text(state_text, encoding="utf-8")
-    _fsync_tree(tmp_dir)
-
-
-def save_model_atomic(model: PretrainedSaver, tokenizer: PretrainedSaver, folder: Path) -> Path:
-    """Write a Hugging Face model folder (weights + tokenizer) so it is never half-written.
-
-    Everything goes into a temporary sibling, is fsynced, and then replaces ``folder`` the way
-    a checkpoint directory is installed (an existing folder is swapped out, not deleted first).
-    """
-    folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = folder.with_name(f"{_TMP_PREFIX}{folder.name}.{os.getpid()}")
-    shutil.rmtree(tmp_dir, ignore_errors=True)
-    tmp_dir.mkdir()
-    try:
-        model.save_pretrained(tmp_dir)
-        tokenizer.save_pretrained(tmp_dir)
-        _fsync_tree(tmp_dir)
-        _install(tmp_dir, folder)
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
-    return folder
+    text = json.dumps(state.to_json(), indent=2, sort_keys=True) + "\n"
+    (tmp_dir / STATE_FILENAME).write_text(text, encoding="utf-8")
+    fsync_tree(tmp_dir)
 
 
 def save_checkpoint(
     run_dir: str | os.PathLike[str],
-    step: int,
-    model: PretrainedSaver,
+    state: RunState,
+    policy: Checkpointable,
     tokenizer: PretrainedSaver,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
-    state: JsonState,
     keep_last: int | None = None,
-    critic: CriticParts | None = None,
+    critic: Checkpointable | None = None,
 ) -> Path:
-    """Write an atomic checkpoint of a run at ``step`` and point ``RUN/checkpoints/latest`` at it.
+    """Write an atomic checkpoint of a run at ``state.step`` and point ``RUN/checkpoints/latest``
+    at it.
 
     Args:
         run_dir: the run directory ``RUN``.
-        step: optimizer steps taken so far (names the directory ``step_{step:06d}``).
-        model: Hugging Face model; saved as safetensors under ``model/``.
-        tokenizer: its tokenizer; saved under ``model/`` so ``from_pretrained`` finds both.
-        optimizer: saved with its ``state_dict()`` into ``trainer_state.pt``.
-        scheduler: lr scheduler saved likewise, or None when the run has none.
-        state: JSON-able run state (data position, policy version, ...) written to
-            ``state.json`` together with ``"step": step``.
+        state: the run state, written to ``state.json``; ``state.step`` names the directory.
+        policy: the policy's trainer: its weights go to ``model/`` (safetensors), its optimizer
+            and schedule to ``trainer_state.pt`` with the RNG states.
+        tokenizer: saved under ``model/`` so ``from_pretrained`` finds both.
         keep_last: keep only this many highest-step checkpoints, deleting older ones after the
             new one is in place; None keeps all.
-        critic: a PPO critic, saved as ``critic/`` (Hugging Face format) and
-            ``critic_state.pt`` (its optimizer and scheduler) in the same atomic directory.
+        critic: a PPO critic's trainer, saved as ``critic/`` and ``critic_state.pt`` in the same
+            atomic directory.
 
     Returns:
         The checkpoint directory ``RUN/checkpoints/step_{step:06d}``.
 
     Raises:
-        ValueError: ``step`` is negative, ``keep_last`` is below 1, ``state`` holds a
-            ``"step"`` that differs from ``step``, or a NaN/infinite float (nothing is written).
-        TypeError: ``state`` is not JSON-able (raised before anything is written).
+        TypeError: ``state`` is not a :class:`RunState` (nothing is written).
+        ValueError: ``state.step`` is negative or ``keep_last`` below 1 (nothing is written).
         OSError: the disk is full or not writable; the previous checkpoints and ``latest`` are
             left untouched.
     """
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
+    if not isinstance(state, RunState):
+        raise TypeError(f"state must be a RunState, got {type(state).__name__}")
+    if state.step < 0:
+        raise ValueError(f"step must be >= 0, got {state.step}")
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
-    if "step" in state and state["step"] != step:
-        raise ValueError(f"state['step']={state['step']!r} differs from step={step}")
-    state_text = json.dumps({**state, "step": step}, indent=2, sort_keys=True, allow_nan=False)
-    state_text += "\n"
-
     run_dir = Path(run_dir)
     ckpt_root = run_dir / CHECKPOINTS_DIRNAME
     ckpt_root.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(ckpt_root)
 
-    name = checkpoint_dirname(step)
-    tmp_dir = ckpt_root / f"{_TMP_PREFIX}{name}.{os.getpid()}"  # mkdir, not mkdtemp: not 0700
+    name = checkpoint_dirname(state.step)
+    tmp_dir = ckpt_root / f"{TMP_PREFIX}{name}.{os.getpid()}"  # mkdir, not mkdtemp: not 0700
     tmp_dir.mkdir()
+    final_dir = ckpt_root / name
     try:
-        _write_parts(tmp_dir, model, tokenizer, optimizer, scheduler, state_text, critic)
-        final_dir = ckpt_root / name
-        _install(tmp_dir, final_dir)
+        _write_parts(tmp_dir, state, policy, tokenizer, critic)
+        if final_dir.exists():  # the same step saved again: latest must not name it meanwhile
+            _point_latest_away_from(ckpt_root, name)
+        replace_dir(tmp_dir, final_dir)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
@@ -474,61 +392,54 @@ def _check_complete(ckpt_dir: Path) -> None:
             )
 
 
-def read_checkpoint_state(ckpt_dir: str | os.PathLike[str]) -> JsonState:
-    """Return the ``state.json`` dict of a checkpoint (it always holds ``"step"``).
+def read_checkpoint_state(ckpt_dir: str | os.PathLike[str]) -> RunState:
+    """The run state of a checkpoint (``state.json``, of any schema version this code reads).
 
     Raises:
-        UserError: the checkpoint is missing, incomplete, or ``state.json`` is not a JSON
-            object with an integer ``"step"``.
+        UserError: the checkpoint is missing or incomplete, ``state.json`` is corrupt or not a
+            run state, or it has a newer schema version (see :meth:`RunState.from_json`).
     """
     ckpt_dir = Path(ckpt_dir)
     _check_complete(ckpt_dir)
     path = ckpt_dir / STATE_FILENAME
     try:
-        state = json.loads(path.read_text(encoding="utf-8"))
+        raw = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise UserError(
             f"{path} is corrupt ({e}); resume from an earlier checkpoint or start without --resume"
         ) from e
-    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
-        raise UserError(
-            f"{path} is not a checkpoint state (a JSON object with an integer 'step'); resume "
-            f"from an earlier checkpoint or start without --resume"
-        )
-    return state
+    return RunState.from_json(raw, path)
 
 
-def load_trainer_state(
-    ckpt_dir: str | os.PathLike[str],
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
-) -> JsonState:
-    """Restore optimizer, lr-scheduler and RNG states from a checkpoint; return its state.json.
-
-    The optimizer must be built over the parameters of the model loaded from
-    ``ckpt_dir / "model"`` (same order); its state tensors are moved to those parameters'
-    devices by :meth:`torch.optim.Optimizer.load_state_dict`.
-
-    Raises:
-        UserError: the checkpoint is missing, incomplete or corrupt, or its optimizer/scheduler
-            state does not fit the given optimizer/scheduler (a different model or config).
-    """
-    ckpt_dir = Path(ckpt_dir)
-    state = read_checkpoint_state(ckpt_dir)
-    path = ckpt_dir / TRAINER_STATE_FILENAME
+def _load_torch(path: Path) -> dict:
     try:
-        trainer_state = torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises RuntimeError, UnpicklingError, EOFError, ... here
         raise UserError(
             f"{path} is corrupt ({type(e).__name__}: {e}); resume from an earlier checkpoint "
             f"or start without --resume"
         ) from e
+
+
+def load_trainer_state(ckpt_dir: str | os.PathLike[str], policy: Checkpointable) -> RunState:
+    """Restore the policy trainer's optimizer and lr-scheduler state and the RNG states from a
+    checkpoint; return its run state.
+
+    The trainer must hold the model loaded from ``ckpt_dir / "model"``; its optimizer's state
+    tensors move to the parameters' devices.
+
+    Raises:
+        UserError: the checkpoint is missing, incomplete or corrupt, or its optimizer/scheduler
+            state does not fit the trainer (a different model or config).
+    """
+    ckpt_dir = Path(ckpt_dir)
+    state = read_checkpoint_state(ckpt_dir)
+    path = ckpt_dir / TRAINER_STATE_FILENAME
+    trainer_state = _load_torch(path)
     try:
-        optimizer.load_state_dict(trainer_state["optimizer"])
-        if scheduler is not None:
-            if trainer_state["scheduler"] is None:
-                raise ValueError("the checkpoint was saved without an lr scheduler")
-            scheduler.load_state_dict(trainer_state["scheduler"])
+        policy.load_optimizer_state(
+            OptimizerState(trainer_state["optimizer"], trainer_state["scheduler"])
+        )
     except (KeyError, ValueError) as e:
         raise UserError(
             f"optimizer/scheduler state in {path} does not fit this run ({e}); resume with "
@@ -538,11 +449,7 @@ def load_trainer_state(
     return state
 
 
-def load_critic_state(
-    ckpt_dir: str | os.PathLike[str],
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
-) -> None:
+def load_critic_state(ckpt_dir: str | os.PathLike[str], critic: Checkpointable) -> None:
     """Restore a critic's optimizer and scheduler state saved by :func:`save_checkpoint`
     (the critic's weights load from ``ckpt_dir / "critic"``).
 
@@ -557,8 +464,6 @@ def load_critic_state(
         )
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-        optimizer.load_state_dict(state["optimizer"])
-        if scheduler is not None and state["scheduler"] is not None:
-            scheduler.load_state_dict(state["scheduler"])
+        critic.load_optimizer_state(OptimizerState(state["optimizer"], state["scheduler"]))
     except Exception as e:  # corrupt file or a state of another shape
         raise UserError(f"critic state {path} cannot be restored ({type(e).__name__}: {e})") from e

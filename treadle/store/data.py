@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerBase
 
 from treadle.config import DataConfig, SourceConfig
 from treadle.core.errors import UserError
-from treadle.core.types import CodeTests, Message, Task
+from treadle.core.types import CodeTests, DataPosition, Message, Task
 
 
 @dataclass(frozen=True)
@@ -291,14 +291,6 @@ def render_prompt(tokenizer: PreTrainedTokenizerBase, task: Task) -> list[int]:
         tokenize=False,
     )
     return tokenizer.encode(text, add_special_tokens=False)
-
-
-@dataclass
-class DataPosition:
-    """Where the sampler is: ``epoch`` passes done and ``offset`` tasks into the current one."""
-
-    epoch: int = 0
-    offset: int = 0
 
 
 class TaskSampler:

@@ -39,7 +39,7 @@ from rich.progress import (
 from rich.progress import Progress as RichProgress
 
 from treadle.core.errors import UserError
-from treadle.store.checkpoint import write_text_atomic
+from treadle.store.atomic import write_text_atomic
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter

@@ -15,7 +15,7 @@ from matplotlib.ticker import PercentFormatter
 from rich.console import Console
 from rich.table import Table
 
-from treadle.store.checkpoint import write_json_atomic
+from treadle.store.atomic import write_json_atomic
 from treadle.store.observe import MetricsRow, read_metrics
 
 logger = logging.getLogger(__name__)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -47,6 +48,8 @@ class PolicyObjective:
     entropy_coef: float
     importance_sampling: str
     is_threshold: float
+    engine_sampled: ClassVar[bool] = True
+    """RL samples carry the engine's logprobs: the backend reports the mismatch."""
 
     @classmethod
     def from_config(cls, cfg: AlgorithmConfig, max_tokens: int) -> PolicyObjective:
@@ -102,6 +105,7 @@ class ValueObjective:
 
     value_clip: float
     entropy_grad: bool = False
+    engine_sampled: ClassVar[bool] = False
 
     def __call__(
         self, out: TokenOutputs, batch: MicroBatch, totals: StepTotals
@@ -122,6 +126,8 @@ class SFTObjective:
     """Negative log-likelihood of the masked (demonstration) tokens, token-mean over the step."""
 
     entropy_grad: bool = False
+    engine_sampled: ClassVar[bool] = False
+    """Demonstrations: no engine sampled these tokens, so there is no mismatch to report."""
 
     def __call__(
         self, out: TokenOutputs, batch: MicroBatch, totals: StepTotals

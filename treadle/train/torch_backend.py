@@ -12,6 +12,7 @@ import logging
 import math
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -20,7 +21,8 @@ from transformers import PreTrainedModel
 from treadle.algorithms.correction import mismatch_metrics
 from treadle.config import TrainerConfig
 from treadle.core.batch import MicroBatch, StepTotals, TokenOutputs
-from treadle.core.protocols import Objective
+from treadle.core.metrics import Metric, Reduction, accumulate, mean_over_steps
+from treadle.core.protocols import Objective, OptimizerState
 from treadle.core.types import TrainSample
 from treadle.train.packed_attention import (
     PackedAttentionUnavailable,
@@ -54,22 +56,6 @@ def mini_batches(samples: Sequence[TrainSample], cfg: TrainerConfig) -> list[lis
     k = cfg.mini_batches
     chunks = [[samples[i] for i in range(j, len(samples), k)] for j in range(k)]
     return [c for c in chunks if any(any(s.loss_mask) for s in c)]
-
-
-def mean_over_steps(steps: Sequence[dict[str, float]]) -> dict[str, float]:
-    """Metrics of several optimizer steps: the mean (a ``/max`` stays a maximum); the engine
-    mismatch is the first step's, measured before any update of this call (with ``k``
-    mini-batches, over a ``1/k`` share of the samples)."""
-    totals: dict[str, float] = {}
-    for stats in steps:
-        for name, v in stats.items():
-            if name.endswith("/max"):
-                totals[name] = max(totals.get(name, v), v)
-            else:
-                totals[name] = totals.get(name, 0.0) + v / len(steps)
-    if steps:
-        totals |= {k: v for k, v in steps[0].items() if k.startswith("mismatch/")}
-    return totals
 
 
 def _reshard(model: torch.nn.Module) -> None:
@@ -273,12 +259,13 @@ class TorchBackend:
         assert self.optimizer is not None and self.scheduler is not None, "frozen backend"
         self.model.train()
         t0 = time.perf_counter()
-        steps = [self.optimizer_step(c, objective) for c in mini_batches(samples, self.cfg)]
+        steps = [
+            # the engine mismatch before any update of this call: the first step's
+            self.optimizer_step(c, objective, mismatch=objective.engine_sampled and i == 0)
+            for i, c in enumerate(mini_batches(samples, self.cfg))
+        ]
         totals = mean_over_steps(steps)
-        tokens = sum(len(s) for s in samples)
-        totals["perf/tokens_per_s"] = tokens / max(time.perf_counter() - t0, 1e-9)
-        totals["perf/tokens"] = float(tokens)
-        return totals
+        return totals | throughput(samples, time.perf_counter() - t0)
 
     def optimizer_step(
         self,
@@ -288,8 +275,10 @@ class TorchBackend:
         micro_batches: int = 0,
         filler: TrainSample | None = None,
         loss_scale: float = 1.0,
-    ) -> dict[str, float]:
-        """One optimizer step over ``samples``, accumulated over packed micro-batches.
+        mismatch: bool = False,
+    ) -> dict[str, Metric]:
+        """One optimizer step over ``samples``, accumulated over packed micro-batches; with
+        ``mismatch`` it also reports the engine/trainer logprob mismatch of the trained tokens.
 
         A trainer rank of a sharded group passes the whole step's ``totals`` (the loss
         denominators), runs at least ``micro_batches`` forward/backward passes (padding with
@@ -307,7 +296,7 @@ class TorchBackend:
             sequences=sum(any(s.loss_mask) for s in samples),
         )
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum, weighted = 0.0, {}
+        loss_sum, shares = 0.0, []
         for i, mb in enumerate(micro):
             out = self.forward(mb, objective.entropy_grad, loss_tokens_only=i < real)
             if i >= real:  # padding: joins the collectives, adds nothing
@@ -316,21 +305,16 @@ class TorchBackend:
             loss, metrics = objective(out, mb, step)
             (loss * loss_scale).backward()
             loss_sum += loss.item()
-            if out.logprobs is not None:
+            if mismatch:
                 metrics |= mismatch_metrics(out.logprobs, mb.behavior_logprobs, mb.loss_mask)
-            share = float(mb.loss_mask.sum()) / step.tokens
-            for name, v in metrics.items():  # token-weighted means; maxima over micro-batches
-                if name.endswith("/max"):
-                    weighted[name] = max(weighted.get(name, v), v)
-                else:
-                    weighted[name] = weighted.get(name, 0.0) + v * share
+            shares.append((metrics, float(mb.loss_mask.sum()) / step.tokens))
         grad_norm, lr = self.apply_gradients()
         return {
-            "loss": loss_sum,
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "perf/micro_batches": float(len(micro)),
-            **weighted,
+            "loss": Metric(loss_sum, Reduction.SUM),
+            "grad_norm": Metric(grad_norm, Reduction.STEP),
+            "lr": Metric(lr, Reduction.STEP),
+            "perf/micro_batches": Metric(float(len(micro)), Reduction.SUM),
+            **accumulate(shares),  # token-weighted means, maxima over the micro-batches
         }
 
     def apply_gradients(self) -> tuple[float, float]:
@@ -346,5 +330,47 @@ class TorchBackend:
         return float(grad_norm), lr
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The model's state dict, detached (tied weights appear under each of their names)."""
         for name, tensor in self.model.state_dict().items():
             yield name, tensor.detach()
+
+    def save_pretrained(self, folder: Path) -> None:
+        """The model in Hugging Face format (safetensors and config)."""
+        self.model.save_pretrained(folder)
+
+    def optimizer_state(self) -> OptimizerState:
+        """The optimizer's and LR schedule's state dicts.
+
+        Raises:
+            RuntimeError: a frozen backend (``trainable=False``) has no optimizer.
+        """
+        if self.optimizer is None:
+            raise RuntimeError("a frozen backend has no optimizer state")
+        scheduler = self.scheduler.state_dict() if self.scheduler is not None else None
+        return OptimizerState(self.optimizer.state_dict(), scheduler)
+
+    def load_optimizer_state(self, state: OptimizerState) -> None:
+        """Restore :meth:`optimizer_state`'s result; the optimizer's tensors move to the
+        parameters' devices.
+
+        Raises:
+            KeyError, ValueError: the state was saved for another model or optimizer, or
+                without a schedule while this backend has one.
+            RuntimeError: a frozen backend.
+        """
+        if self.optimizer is None:
+            raise RuntimeError("a frozen backend has no optimizer state")
+        self.optimizer.load_state_dict(state.optimizer)
+        if self.scheduler is not None:
+            if state.scheduler is None:
+                raise ValueError("the state was saved without an lr scheduler")
+            self.scheduler.load_state_dict(state.scheduler)
+
+
+def throughput(samples: Sequence[TrainSample], seconds: float) -> dict[str, Metric]:
+    """``perf/tokens`` (prompt and completion tokens of the call) and ``perf/tokens_per_s``."""
+    tokens = sum(len(s) for s in samples)
+    return {
+        "perf/tokens_per_s": Metric(tokens / max(seconds, 1e-9), Reduction.STEP),
+        "perf/tokens": Metric(float(tokens), Reduction.SUM),
+    }

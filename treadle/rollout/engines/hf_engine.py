@@ -99,5 +99,10 @@ class HFEngine:
             result.append([0.0, *lp.gather(-1, ids[0, 1:, None])[:, 0].tolist()])
         return result
 
+    def metrics(self) -> dict[str, float]:
+        """Nothing to report for one in-process engine."""
+        return {}
+
     def close(self) -> None:
-        del self._model
+        """Release the model (idempotent)."""
+        self._model = None

@@ -138,5 +138,10 @@ class VLLMEngine:
             result.append([0.0] + [steps[t][seq[t]].logprob for t in range(1, len(seq))])
         return result
 
+    def metrics(self) -> dict[str, float]:
+        """Nothing to report for one in-process engine."""
+        return {}
+
     def close(self) -> None:
-        del self._llm
+        """Release the vLLM engine (idempotent)."""
+        self._llm = None

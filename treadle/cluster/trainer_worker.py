@@ -1,0 +1,288 @@
+"""One rank of the trainer group: a Ray actor owning its FSDP2 shard of the policy and its
+optimizer, training with the same :class:`~treadle.train.torch_backend.TorchBackend` as one
+process does (on a model whose decoder layers and root are wrapped by ``fully_shard``), and the
+sending end of the weight transports. The driver side is
+:class:`~treadle.cluster.trainer_group.TrainerGroup`.
+
+Methods marked "every rank calls" are collectives: the driver calls them on all ranks at once.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+
+from treadle.cluster.buckets import (
+    Bucketer,
+    broadcast,
+    fingerprint,
+    fingerprint_term,
+    new_sync_group,
+)
+from treadle.config import TrainerConfig
+from treadle.core.batch import StepTotals
+from treadle.core.metrics import Metric
+from treadle.core.protocols import Objective, OptimizerState
+from treadle.core.types import TrainSample
+
+
+class TrainerWorker:
+    """One FSDP2 rank (a Ray actor; plain class so it can be tested without Ray).
+
+    Args:
+        rank, world: this rank and the group size.
+        init_method: ``tcp://host:port`` of rank 0's rendezvous.
+        model_dir: Hugging Face folder of the starting weights (every rank loads them, then
+            keeps its shard).
+        cfg: the trainer config (optimizer, micro-batch budget, ...).
+        total_steps: optimizer steps planned (LR schedule).
+        temperature: sampling temperature (logits are divided by it).
+        threads: torch intra-op threads of this process.
+        backend: ``gloo`` or ``nccl``.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        init_method: str,
+        model_dir: str,
+        cfg: TrainerConfig,
+        total_steps: int,
+        temperature: float,
+        threads: int,
+        backend: str,
+    ) -> None:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from treadle.store.models import load_model
+        from treadle.train.torch_backend import TorchBackend
+
+        torch.set_num_threads(threads)
+        self.rank, self.world = rank, world
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(minutes=30),
+        )
+        if backend == "nccl":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+        else:
+            device = torch.device("cpu")
+        model, _ = load_model(model_dir, "float32")
+        model.to(device)
+        mesh = init_device_mesh(device.type, (world,))
+        for layer in decoder_layers(model):  # one FSDP unit per decoder layer, then the root
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        self.backend = TorchBackend(model, cfg, total_steps, temperature)
+        self._sync_group = None
+
+    def packing(self) -> str:
+        """How this rank's backend packs micro-batches (the driver plans with it)."""
+        return self.backend.packing
+
+    def pid(self) -> int:
+        """This rank's process id (a liveness probe)."""
+        return os.getpid()
+
+    def train(
+        self,
+        steps: list[tuple[list[TrainSample], StepTotals, int]],
+        objective: Objective,
+        filler: TrainSample,
+    ) -> list[dict[str, Metric]]:
+        """This rank's part of each optimizer step: ``(samples, step totals, micro-batches)``;
+        the engine mismatch is measured in the first step, before any update (as in one
+        process)."""
+        self.backend.model.train()
+        return [
+            self.backend.optimizer_step(
+                samples,
+                objective,
+                totals,
+                micro,
+                filler,
+                loss_scale=float(self.world),
+                mismatch=objective.engine_sampled and k == 0,
+            )
+            for k, (samples, totals, micro) in enumerate(steps)
+        ]
+
+    def compute_logprobs(
+        self, samples: list[TrainSample], micro_batches: int, filler: TrainSample
+    ) -> list[list[float]]:
+        """Logprobs ``[L]`` of this rank's samples, in ``micro_batches`` forwards (every rank
+        runs the same number: padded with ``filler``)."""
+        return self.backend.compute(samples, False, micro_batches, filler)
+
+    # --- full weights (collective: every rank calls, in the same order) -------------------------
+
+    def layout(self, dtype: str) -> list[tuple[str, tuple[int, ...], str]]:
+        """``(name, global shape, dtype)`` of every weight the engine gets, in send order."""
+        return [(n, tuple(t.shape), dtype) for n, t in self.backend.model.state_dict().items()]
+
+    def full_weights(self, dtype: str) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each weight gathered whole from the shards (an all-gather per tensor), cast to
+        ``dtype`` and on the CPU."""
+        target = getattr(torch, dtype)
+        for name, tensor in self.backend.model.state_dict().items():
+            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+            yield name, full.detach().to("cpu", target)
+
+    def gather_buckets(self, dtype: str, bucket_bytes: int):
+        """The whole model as flat numpy buckets (rank 0; others return None): what the shared
+        memory transport puts in Ray's object store. Returns ``(buckets, checksum)``."""
+        bucketer, total = Bucketer(bucket_bytes), 0.0
+        out = []
+        for i, (name, full) in enumerate(self.full_weights(dtype)):
+            if self.rank == 0:
+                total += fingerprint_term(i, full)
+                out += bucketer.add(name, full)
+        if self.rank != 0:
+            return None
+        out += bucketer.flush()
+        return [b.to_numpy() for b in out], total
+
+    def save_safetensors(self, path: str, dtype: str) -> float | None:
+        """Rank 0 writes every weight to one safetensors file (atomically) and returns its
+        checksum; every rank must call."""
+        from safetensors.torch import save_file
+
+        state = dict(self.full_weights(dtype))
+        if self.rank != 0:
+            return None
+        # Tied weights share storage; safetensors wants each tensor once: save copies.
+        order = json.dumps(list(state))  # the file stores tensors sorted its own way
+        tensors = {k: v.clone().contiguous() for k, v in state.items()}
+        save_file(tensors, path + ".tmp", metadata={"order": order})
+        os.replace(path + ".tmp", path)
+        return fingerprint(state.items())
+
+    def node_ip(self) -> str:
+        """The address of this rank's node (rank 0 hosts the weight-sync rendezvous)."""
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def save_pretrained(self, folder: str) -> None:
+        """Rank 0 writes the whole model in Hugging Face format (every rank must call)."""
+        state = dict(self.full_weights("float32"))
+        if self.rank == 0:
+            self.backend.model.save_pretrained(folder, state_dict=state)
+
+    def named_weights(self, dtype: str) -> list[tuple[str, torch.Tensor]] | None:
+        """Every weight gathered whole, on rank 0 (others return None; every rank calls)."""
+        weights = list(self.full_weights(dtype))
+        return weights if self.rank == 0 else None
+
+    def optimizer_state(self) -> OptimizerState | None:
+        """The full (unsharded) optimizer state and the LR schedule's, on rank 0 (others return
+        None; every rank calls: the optimizer state is gathered)."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model, optimizer = self.backend.model, self.backend.optimizer
+        state = get_optimizer_state_dict(model, optimizer, options=options)
+        if self.rank != 0:
+            return None
+        return OptimizerState(state, self.backend.scheduler.state_dict())
+
+    def load_optimizer_state(self, state: OptimizerState) -> None:
+        """Load a full optimizer state (keyed by parameter index, as one process saves it, or
+        by name, as FSDP does) into this rank's shard, and the LR schedule's state.
+
+        Raises:
+            ValueError: the state was saved without a schedule.
+        """
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
+        names = [n for n, _ in self.backend.model.named_parameters()]
+        set_optimizer_state_dict(
+            self.backend.model,
+            self.backend.optimizer,
+            optim_state_dict=keyed_by_name(state.optimizer, names),
+            options=options,
+        )
+        if state.scheduler is None:
+            raise ValueError("the state was saved without an lr scheduler")
+        self.backend.scheduler.load_state_dict(state.scheduler)
+
+    # --- the collective weight-sync group (rank 0 and the engines) ------------------------------
+
+    def join_sync_group(self, host: str, port: int, world: int, prefix: str, backend: str) -> None:
+        """Rank 0 joins the weight-sync group as its rank 0 (the others return at once)."""
+        if self.rank == 0:
+            self._sync_group = new_sync_group(host, port, 0, world, prefix, backend)
+
+    def broadcast_weights(self, dtype: str, bucket_bytes: int) -> float | None:
+        """Gather each weight (all ranks) and broadcast it in buckets to the engines (rank 0).
+        Rank 0 returns the checksum of what it sent."""
+        bucketer, total, failure = Bucketer(bucket_bytes), 0.0, None
+        for i, (name, full) in enumerate(self.full_weights(dtype)):
+            if self.rank != 0:
+                continue
+            total += fingerprint_term(i, full)
+            for bucket in bucketer.add(name, full):
+                # An engine that dies mid-broadcast must not stop rank 0 from joining the other
+                # ranks' remaining all-gathers (they would wait for it forever): note, go on.
+                failure = failure or _try_broadcast(self._sync_group, bucket.flat)
+        if self.rank != 0:
+            return None
+        for bucket in bucketer.flush():
+            failure = failure or _try_broadcast(self._sync_group, bucket.flat)
+        if failure is not None:
+            self._sync_group = None
+            raise RuntimeError(f"weight broadcast to the engines failed: {failure}")
+        return total
+
+
+def keyed_by_name(state: dict, names: list[str]) -> dict:
+    """An optimizer state dict keyed by parameter index (``torch.optim``'s own, as a
+    single-process checkpoint holds it) re-keyed by parameter name (what FSDP's full state dict
+    uses); a name-keyed one is returned as is."""
+    if not any(isinstance(k, int) for k in state.get("state", {})):
+        return state
+    return {
+        "state": {names[k]: v for k, v in state["state"].items()},
+        "param_groups": [
+            {**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]
+        ],
+    }
+
+
+def _try_broadcast(group, tensor: torch.Tensor) -> str | None:
+    try:
+        broadcast(group, tensor)
+        return None
+    except Exception as error:  # gloo: connection reset by a dead peer
+        return f"{type(error).__name__}: {error}"
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The model's stack of decoder layers (``layers`` in Llama/Qwen, ``h`` in GPT-2; else its
+    longest ``ModuleList``)."""
+    base = model.base_model
+    for name in ("layers", "h"):
+        if isinstance(getattr(base, name, None), torch.nn.ModuleList):
+            return getattr(base, name)
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    if not lists:
+        raise ValueError(f"{type(model).__name__}: no decoder layers to shard")
+    return max(lists, key=len)

@@ -1,0 +1,274 @@
+"""Composition: everything a run checks before it starts, and the run's parts built from the
+config (the engine, the trainers, the weight sync, the data sampler, the metrics files and the
+buffer), from scratch or from the last checkpoint. :mod:`treadle.jobs.train` drives them.
+
+Building is ordered: the random number generators are consumed in the same order whether a run
+starts or resumes, so a resumed run continues exactly where the uninterrupted one would be.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+from rich.console import Console
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from treadle.config import Config, to_dict
+from treadle.core.errors import UserError
+from treadle.core.protocols import EngineSpec, InferenceEngine, TrainingBackend, WeightSync
+from treadle.jobs.loop import RLParts
+from treadle.rewards.base import build_reward_function
+from treadle.rewards.pool import RewardPool
+from treadle.rollout.engines import build_engine
+from treadle.store.atomic import save_model_atomic
+from treadle.store.buffer import RolloutBuffer
+from treadle.store.checkpoint import (
+    CRITIC_DIRNAME,
+    RunState,
+    latest_checkpoint,
+    load_critic_state,
+    load_trainer_state,
+    read_checkpoint_state,
+)
+from treadle.store.data import Dataset, TaskSampler, render_demonstration, render_prompt
+from treadle.store.models import (
+    build_tiny_model,
+    build_tokenizer,
+    load_critic,
+    load_model,
+    require_model_folder,
+)
+from treadle.store.observe import MetricsLogger
+from treadle.train.torch_backend import TorchBackend
+from treadle.train.weight_sync import InProcessSync
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, numpy's and torch's global generators."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def prepare_run_dir(cfg: Config, resume: Path | None) -> Path:
+    """Create the run directory (or reuse ``resume``) and record the resolved config.
+
+    Raises:
+        UserError: ``resume`` is not a run directory, or the new one already holds a run.
+    """
+    if resume is not None:
+        if not (resume / "config.yaml").is_file():
+            raise UserError(f"--resume {resume}: not a treadle run directory (no config.yaml)")
+        return resume
+    run_dir = Path(cfg.run.output_dir) / cfg.run.name
+    if (run_dir / "config.yaml").exists():
+        raise UserError(
+            f"run directory {run_dir} already holds a run; pass --resume {run_dir} to continue it, "
+            "or choose another run.name"
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    return run_dir
+
+
+def base_model(cfg: Config, data: Dataset, run_dir: Path) -> Path:
+    """Folder of the starting policy: ``model.path``, or a tiny model built in the run dir."""
+    if cfg.model.path is not None:
+        return Path(cfg.model.path)
+    folder = run_dir / "base_model"
+    if not (folder / "config.json").exists():
+        tokenizer = tiny_tokenizer(cfg, data)
+        model = build_tiny_model(cfg.model.tiny, tokenizer, cfg.run.seed)
+        save_model_atomic(model, tokenizer, folder)
+    return folder
+
+
+def tiny_tokenizer(cfg: Config, data: Dataset):
+    """The tokenizer of a built model: a local folder, or a BPE trained on the task's text.
+
+    Raises:
+        UserError: ``model.tiny.tokenizer_path`` is not a folder.
+    """
+    if cfg.model.tiny.tokenizer_path is not None:
+        folder = Path(cfg.model.tiny.tokenizer_path)
+        if not folder.is_dir():
+            raise UserError(f"model.tiny.tokenizer_path {folder}: no such folder")
+        return AutoTokenizer.from_pretrained(folder)
+    corpus = [m.content for t in data.train for m in t.messages]
+    for template in (cfg.data.answer_template, cfg.sft.noise.loose_template):
+        corpus += [render_demonstration(t, template) for t in data.train]
+    return build_tokenizer(corpus, cfg.model.tiny.tokenizer_vocab_size)
+
+
+def check_inputs(cfg: Config, data: Dataset) -> None:
+    """What can be checked before a run directory exists and minutes of SFT are spent.
+
+    Raises:
+        UserError: no held-out prompts, a missing model folder, a bad reward function, a data
+            domain no reward function scores, a Ray mode this machine cannot run, or an engine
+            whose package is not installed.
+    """
+    if not data.held_out:
+        raise UserError("data.eval_size: no held-out prompts left after removing trained-on ones")
+    if cfg.model.path is not None:
+        require_model_folder(cfg.model.path)
+    for i, spec in enumerate(cfg.reward.functions):
+        try:
+            build_reward_function(spec.name, **spec.params)
+        except UserError as e:
+            raise UserError(f"reward.functions[{i}]: {e}") from None
+    domains = {t.domain for t in (*data.train, *data.held_out)}
+    for domain in sorted(domains):
+        if not any(spec.scores(domain) for spec in cfg.reward.functions):
+            raise UserError(
+                f"reward.functions: no function scores the data's domain {domain!r}; add it to "
+                "a function's domains list, or leave that list empty (every domain)"
+            )
+    if cfg.placement.mode != "single":  # the single-process path never imports treadle.cluster
+        from treadle.cluster import check_environment
+
+        check_environment(cfg)
+    if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise UserError(
+            "rollout.engine vllm: the vllm package is not installed; install treadle[vllm] "
+            "(scripts/install.sh does) or set rollout.engine=hf"
+        )
+
+
+def check_context(tokenizer, data: Dataset, max_tokens: int, max_model_len: int) -> None:
+    """Every prompt plus ``rollout.max_tokens`` must fit the model's context.
+
+    Raises:
+        UserError: naming the longest prompt's length and the limit.
+    """
+    longest = max(len(render_prompt(tokenizer, t)) for t in (*data.train, *data.held_out))
+    if longest + max_tokens > max_model_len:
+        raise UserError(
+            f"rollout.max_tokens {max_tokens} + the longest prompt ({longest} tokens) exceed the "
+            f"model's context of {max_model_len} tokens; shorten the prompts or max_tokens"
+        )
+
+
+@dataclass(frozen=True)
+class Roles:
+    """The policy's trainer, the engine and the transport between them, in one process or as
+    Ray actors (``placement.mode``)."""
+
+    policy: TrainingBackend
+    engine: InferenceEngine
+    weight_sync: WeightSync
+    tokenizer: PreTrainedTokenizerBase
+    """The policy's tokenizer."""
+    device: torch.device
+    """Where a reference model and a critic go (this process's device)."""
+
+
+def build_roles(
+    cfg: Config, weights: Path, spec: EngineSpec, version: int, run_dir: Path, console: Console
+) -> Roles:
+    """The policy's trainer over ``weights`` and an engine serving them as policy ``version``:
+    in this process (``placement.mode=single``), or placed with Ray."""
+    if cfg.placement.mode == "single":
+        # The trainer keeps fp32 master weights whatever dtype the engine serves in.
+        model, tokenizer = load_model(weights, "float32")
+        model.to("cuda" if torch.cuda.is_available() else "cpu")
+        engine = build_engine(cfg.rollout.engine, spec)
+        engine.policy_version = version
+        policy = TorchBackend(
+            model, cfg.trainer, cfg.run.steps * cfg.trainer.mini_batches, cfg.rollout.temperature
+        )
+        return Roles(policy, engine, InProcessSync(policy, engine), tokenizer, model.device)
+    from treadle.cluster import build_ray_roles
+
+    console.print(f"placing roles with Ray ({cfg.placement.mode})")
+    tokenizer = AutoTokenizer.from_pretrained(weights)
+    policy, engine, weight_sync = build_ray_roles(cfg, spec, version, run_dir)
+    return Roles(policy, engine, weight_sync, tokenizer, torch.device("cpu"))
+
+
+def build_reference(cfg: Config, start: Path, device: torch.device) -> TorchBackend | None:
+    """The frozen starting policy, for a KL term (``algorithm.kl.coef > 0``); else None."""
+    if cfg.algorithm.kl.coef <= 0:
+        return None
+    ref_model, _ = load_model(start, "float32")
+    ref_model.to(device)
+    return TorchBackend(ref_model, cfg.trainer, 1, cfg.rollout.temperature, trainable=False)
+
+
+def build_critic(cfg: Config, start: Path, ckpt: Path | None, device) -> TorchBackend | None:
+    """PPO's critic (``algorithm.advantage=gae``): from the checkpoint being resumed, else the
+    starting policy's weights with a fresh value head. None for critic-free estimators."""
+    if cfg.algorithm.advantage != "gae":
+        return None
+    critic_model = load_critic(ckpt / CRITIC_DIRNAME if ckpt else start).to(device)
+    trainer = dataclasses.replace(cfg.trainer, lr=cfg.algorithm.critic.lr)
+    critic = TorchBackend(
+        critic_model, trainer, cfg.run.steps * cfg.trainer.mini_batches, head="value"
+    )
+    if ckpt:
+        load_critic_state(ckpt, critic)
+    return critic
+
+
+def compose(
+    cfg: Config, data: Dataset, run_dir: Path, start: Path, max_model_len: int, console: Console
+) -> tuple[RLParts, int]:
+    """The RL run's parts, starting from ``start`` (the policy before RL) or from the run's last
+    checkpoint; returns them and the RL steps already done (0 for a new run).
+
+    Raises:
+        UserError: a corrupt or incompatible checkpoint (see :mod:`treadle.store.checkpoint`).
+    """
+    ckpt = latest_checkpoint(run_dir)
+    weights = ckpt / "model" if ckpt else start
+    spec = EngineSpec(
+        model_dir=str(weights),
+        dtype=cfg.model.dtype,
+        seed=cfg.run.seed,
+        # Room for the model's whole context, capped to bound the KV cache it reserves.
+        max_model_len=max_model_len,
+        kv_cache_gib=cfg.rollout.kv_cache_gib,
+    )
+    version = read_checkpoint_state(ckpt).step if ckpt else 0
+    roles = build_roles(cfg, weights, spec, version, run_dir, console)
+    reference = build_reference(cfg, start, roles.device)
+    critic = build_critic(cfg, start, ckpt, roles.device)
+    state: RunState | None = load_trainer_state(ckpt, roles.policy) if ckpt else None
+    done = state.step if state else 0
+    metrics = MetricsLogger(run_dir)
+    metrics.truncate_after(done)
+    buffer = RolloutBuffer(run_dir)
+    buffer.truncate_after(done)
+    parts = RLParts(
+        cfg,
+        run_dir,
+        roles.engine,
+        roles.tokenizer,
+        RewardPool.from_config(cfg.reward),
+        roles.policy,
+        reference,
+        critic,
+        TaskSampler(data.train, cfg.run.seed, state.data_position if state else None),
+        data.held_out,
+        metrics,
+        buffer,
+        roles.weight_sync,
+    )
+    return parts, done
+
+
+def close(parts: RLParts) -> None:
+    """Stop the reward workers, close the metrics files and, in Ray mode, the workers."""
+    parts.rewards.close()
+    parts.metrics.close()
+    if parts.cfg.placement.mode != "single":
+        from treadle.cluster import close_ray_roles
+
+        close_ray_roles(parts.policy, parts.engine)
