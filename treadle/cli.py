@@ -67,6 +67,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``treadle`` command; returns the process exit status.
+
+    0 on success, 2 on a :class:`~treadle.core.errors.UserError` (printed to stderr), 130 on
+    Ctrl-C. ``argv`` defaults to ``sys.argv[1:]``.
+    """
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     import transformers

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contracts.fakes import FakeEngine
+
 from treadle.config import Config
 from treadle.core.protocols import SamplingParams
 from treadle.core.types import Completion, FinishReason, Message, Task
@@ -10,20 +12,6 @@ from treadle.rewards.base import Score
 from treadle.rewards.pool import BatchScores
 from treadle.store.data import TaskSampler
 from treadle.store.models import build_tokenizer
-
-
-class FakeEngine:
-    """Returns n one-token completions per prompt and counts generate calls."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def generate(self, prompts, params):
-        self.calls += 1
-        return [
-            [Completion((7,), (-0.5,), FinishReason.STOP, 0, f"{i}") for i in range(params.n)]
-            for _ in prompts
-        ]
 
 
 def Batch(scores: list[Score]) -> BatchScores:
@@ -60,7 +48,7 @@ def parts(pool, **algorithm) -> RLParts:
         setattr(cfg.algorithm, key, value)
     tokenizer = build_tokenizer([f"q {i}" for i in range(20)], 300)
     return RLParts(
-        cfg, None, FakeEngine(), tokenizer, pool, None, None, None,
+        cfg, None, FakeEngine(tokenizer), tokenizer, pool, None, None, None,
         TaskSampler(TASKS, 0), (), None, None, None,
     )  # fmt: skip
 

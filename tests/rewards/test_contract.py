@@ -12,7 +12,7 @@ from treadle.core.types import Message, Task
 from treadle.rewards.base import REWARD_FUNCTIONS, RewardFunction, Score, build_reward_function
 from treadle.rewards.code import code_payload
 
-from .fake_rewards import ScriptedReward
+from .fake_rewards import LengthReward, ScriptedReward
 
 # "remote" and "judge" need a live endpoint, "reward_model" a model folder: their contracts run
 # in test_service.py, test_judge.py and test_reward_model.py against one.
@@ -23,7 +23,8 @@ BUILDERS: dict[str, Callable[[], RewardFunction]] = {
         if name not in ("remote", "judge", "reward_model")
     },
     "scripted": ScriptedReward,
-}
+    "length": LengthReward,
+}  # UnpicklableReward breaks the contract on purpose (test_pool.py: the pool refuses it)
 RESPONSES = ["<answer>-14282</answer>", "<answer>7</answer>", "no answer here", "", "<answer>"]
 
 

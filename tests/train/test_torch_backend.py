@@ -8,12 +8,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from contracts.fakes import AdvantageAsLoss
 
-from treadle.algorithms.aggregation import token_mean
 from treadle.algorithms.losses import PolicyLossParams, ppo_clip
 from treadle.config import AlgorithmConfig, TrainerConfig
-from treadle.core.batch import MicroBatch, StepTotals, TokenOutputs
-from treadle.core.metrics import Metric, Reduction
 from treadle.core.types import TrainSample
 from treadle.train.objectives import PolicyObjective, SFTObjective
 from treadle.train.torch_backend import TorchBackend, lr_lambda
@@ -78,21 +76,6 @@ def test_compute_logprobs_is_independent_of_the_micro_batch_budget(tiny_qwen2):
     split = backend(model, micro_batch_tokens=16).compute_logprobs(samples)  # 10 + 12 > 16
     torch.testing.assert_close(torch.tensor(one[0]), torch.tensor(split[0]), atol=1e-5, rtol=0)
     torch.testing.assert_close(torch.tensor(one[1]), torch.tensor(split[1]), atol=1e-5, rtol=0)
-
-
-class AdvantageAsLoss:
-    """Per-token loss = the token's advantage, exactly (``0 * logprobs`` only adds a graph),
-    token-mean over the step."""
-
-    entropy_grad = False
-    engine_sampled = True
-
-    def __call__(self, out: TokenOutputs, batch: MicroBatch, totals: StepTotals):
-        per_token = batch.advantages + 0.0 * out.logprobs
-        m = batch.loss_mask.float()
-        loss = token_mean(per_token, batch.loss_mask, batch.segments, totals)
-        mean = float((per_token.detach() * m).sum() / m.sum())
-        return loss, {"obj/mean": Metric(mean, Reduction.MEAN)}
 
 
 advantage_as_loss = AdvantageAsLoss()
@@ -179,7 +162,11 @@ def test_split_micro_batches_give_the_single_batch_gradient(tiny_qwen2):
     for name, p in big.model.named_parameters():
         torch.testing.assert_close(small_params[name].grad, p.grad, atol=1e-6, rtol=0)
         torch.testing.assert_close(p.grad, expected[name], atol=1e-6, rtol=0)
-        torch.testing.assert_close(small_params[name].data, p.data, atol=1e-6, rtol=0)
+        # AdamW's first step is lr * g / (|g| + 1e-8): where g is near 0 (k_proj.bias here,
+        # ~2e-8) it amplifies the packing's rounding of g up to lr / 1e-8 times. The weights
+        # are compared where the gradient is clearly not 0 (the gradients are checked above).
+        clear = p.grad.abs() > 1e-6
+        torch.testing.assert_close(small_params[name].data[clear], p.data[clear], atol=1e-6, rtol=0)
 
 
 def test_a_policy_step_changes_every_parameter_tensor(tiny_qwen2):
@@ -336,9 +323,13 @@ def test_e_a_fully_masked_sample_changes_neither_loss_nor_gradient(
         b = backend(tiny_qwen2(0), grad_clip=NO_CLIP, lr=1e-3)
         losses.append(b.train_step(batch, objective)["loss"])
         grads.append({k: p.grad.clone() for k, p in b.model.named_parameters()})
-    assert losses[1] == pytest.approx(losses[0], abs=1e-7)
+    # The masked sample makes the packed row 39 tokens instead of 32, so the same sums are taken
+    # in another order: equal up to float32 rounding, not bit for bit (1 ULP of a gradient near
+    # 1 is 1.2e-7, seen on an AVX2-only CPU). The GSPO loss is 0 by the cancellation of terms
+    # near 0.3, hence the absolute term. The bounds are those of the shared-prefix checks.
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5, abs=1e-6)
     for name, g in grads[0].items():
-        torch.testing.assert_close(grads[1][name], g, atol=1e-7, rtol=0)
+        torch.testing.assert_close(grads[1][name], g, atol=1e-6, rtol=1e-5, msg=name)
 
 
 def test_entropy_metric_is_the_mean_next_token_entropy_over_trained_tokens(tiny_qwen2):

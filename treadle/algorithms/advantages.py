@@ -56,6 +56,8 @@ class AdvantageParams:
 
 @dataclass(frozen=True)
 class Advantages:
+    """What every estimator returns: per-token advantages and, with a critic, value targets."""
+
     advantages: torch.Tensor  # [B, T] float32, 0 where ``mask`` is False
     returns: torch.Tensor | None  # [B, T] value targets ``A + V`` (GAE); None without a critic
 

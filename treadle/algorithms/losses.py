@@ -22,6 +22,8 @@ number (e^20 ~ 4.9e8), never inf or nan."""
 
 @dataclass(frozen=True)
 class PolicyLossParams:
+    """Clipping knobs shared by the PPO-family policy losses (ratio bounds, dual clip)."""
+
     clip_eps_low: float = 0.2
     """Ratio floor is ``1 - clip_eps_low``."""
     clip_eps_high: float = 0.2

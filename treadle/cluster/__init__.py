@@ -1,9 +1,10 @@
 """Beyond one process: Ray placement, the FSDP2 trainer group, the engine group, weight sync.
 
-``placement.mode`` picks the layout; the RL loop is the same in every mode: it sees a policy
-with ``train_step``/``compute_logprobs``, an engine with ``generate``, and a
-:class:`~treadle.core.protocols.WeightSync`. Ray is imported only in the Ray modes, and this package
-only by them.
+``placement.mode`` picks the layout; the RL loop is the same in every mode: it drives a
+:class:`~treadle.core.protocols.TrainingBackend` (here the trainer group), an
+:class:`~treadle.core.protocols.InferenceEngine` (the engine group) and a
+:class:`~treadle.core.protocols.WeightSync` (a Ray transport). Ray is imported only in the Ray
+modes, and this package only by them.
 """
 
 from __future__ import annotations

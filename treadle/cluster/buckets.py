@@ -83,6 +83,8 @@ class Bucket:
 
     @staticmethod
     def from_numpy(packed) -> Bucket:
+        """Inverse of :meth:`to_numpy`: rebuild a bucket whose ``flat`` shares ``packed``'s
+        memory (no copy; bfloat16 is reinterpreted from the shipped int16 words)."""
         names, shapes, offsets, dtype, array = packed
         with warnings.catch_warnings():  # read-only shared memory: mapped, never written
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
@@ -115,6 +117,7 @@ class Bucketer:
         return done
 
     def flush(self) -> list[Bucket]:
+        """Pack the queued tensors into one bucket and return it (empty list if none queued)."""
         if not self._pending:
             return []
         bucket = Bucket()

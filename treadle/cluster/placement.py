@@ -51,6 +51,7 @@ class Placement:
         }
 
     def remove(self) -> None:
+        """Release the placement group's reserved resources back to Ray."""
         from ray.util import remove_placement_group
 
         remove_placement_group(self.group)

@@ -220,6 +220,7 @@ class TrainerGroup:
             ) from error
 
     def close(self) -> None:
+        """Kill every trainer actor (no graceful shutdown) and forget them."""
         import ray
 
         for w in self.workers:
@@ -228,6 +229,8 @@ class TrainerGroup:
 
 
 def resolve_backend(cfg: PlacementConfig) -> str:
+    """The ``torch.distributed`` backend name: ``cfg.backend`` unless it is ``"auto"``, then
+    ``"nccl"`` when trainers have GPUs and ``"gloo"`` otherwise."""
     if cfg.backend != "auto":
         return cfg.backend
     return "nccl" if cfg.trainer_gpus > 0 else "gloo"

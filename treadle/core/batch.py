@@ -58,6 +58,7 @@ class MicroBatch:
         """The same micro-batch with its tensors on ``device``."""
 
         def move(t):
+            """``t`` (a tensor, a tuple of tensors, or None) on ``device``."""
             if isinstance(t, tuple):
                 return tuple(x.to(device, non_blocking=True) for x in t)
             return None if t is None else t.to(device, non_blocking=True)
@@ -73,6 +74,7 @@ class MicroBatch:
 
     @property
     def num_tokens(self) -> int:
+        """``N``: positions computed in this micro-batch (tokens; a shared prefix counts once)."""
         return int(self.input_ids.shape[1])
 
     @property

@@ -136,7 +136,8 @@ class Checkpointable(Protocol):
         ...
 
     def optimizer_state(self) -> OptimizerState:
-        """The optimizer's and LR schedule's full state (gathered, if sharded)."""
+        """The optimizer's and LR schedule's full state (gathered, if sharded). It may share
+        the trainer's live tensors: save or copy it before the next step."""
         ...
 
     def load_optimizer_state(self, state: OptimizerState) -> None:

@@ -59,6 +59,8 @@ class PreferencePair:
 
 @dataclass(frozen=True)
 class PairSplit:
+    """The preference pairs of a DPO run, split into those trained on and those held out."""
+
     train: list[PreferencePair]
     held_out: list[PreferencePair]
     """Never trained on; the reward margin and accuracies before and after are measured here."""
@@ -201,6 +203,8 @@ def pair_samples(
     eot = im_end if im_end in ids else ids[0]  # the chat template ends a turn with <|im_end|>
 
     def sample(pair: PreferencePair, prompt: list[int], text: str) -> TrainSample:
+        """``prompt`` + ``text``'s tokens + end-of-turn, trained on the response only; raises
+        UserError over ``max_len`` tokens."""
         reply = [*tokenizer.encode(text, add_special_tokens=False), eot]
         n = len(prompt) + len(reply)
         if n > max_len:
@@ -250,6 +254,8 @@ class ReferenceLogprobs:
         self._cache: dict[int, tuple[float, float]] = {}
 
     def of(self, indices: Sequence[int]) -> PairLogprobs:
+        """Reference sequence logprobs ``[len(indices)]`` (nats) of the training pairs at
+        ``indices``, in that order (repeats allowed); computes only the uncached ones."""
         new = [i for i in dict.fromkeys(indices) if i not in self._cache]
         if new:
             lp = sequence_logprobs(self._reference, [self._pairs[i] for i in new])
@@ -359,6 +365,25 @@ def run_dpo(cfg: Config, console: Console | None = None) -> Path:
     trainer = dataclasses.replace(cfg.trainer, lr=cfg.dpo.lr)
     policy = TorchBackend(model.to(device), trainer, total_steps=cfg.dpo.steps)
     reference = TorchBackend(ref_model.to(device), cfg.trainer, 1, trainable=False)
+    before, after = _train_and_evaluate(cfg, policy, reference, train, held_out, run_dir, console)
+    folder = save_model_atomic(policy.model, tokenizer, run_dir / "dpo_model")
+    summary = _summary(cfg, len(train), len(held_out), before, after, started)
+    write_json_atomic(run_dir / "dpo_summary.json", summary)
+    _print_summary(console, summary)
+    return folder
+
+
+def _train_and_evaluate(
+    cfg: Config,
+    policy: TorchBackend,
+    reference: TorchBackend,
+    train: Sequence[PairSamples],
+    held_out: Sequence[PairSamples],
+    run_dir: Path,
+    console: Console,
+) -> tuple[dict[str, float], dict[str, float]]:
+    """The ``dpo.steps`` optimizer steps, logged to ``RUN/dpo``; returns the held-out
+    evaluation (:func:`evaluate_pairs`) before the first step and after the last."""
     ref_train = ReferenceLogprobs(reference, train)
     ref_held_out = sequence_logprobs(reference, held_out)
     beta = cfg.dpo.beta
@@ -384,18 +409,29 @@ def run_dpo(cfg: Config, console: Console | None = None) -> Path:
         metrics.log(cfg.dpo.steps, after)
     finally:
         metrics.close()
-    folder = save_model_atomic(policy.model, tokenizer, run_dir / "dpo_model")
+    return before, after
+
+
+def _summary(
+    cfg: Config,
+    train_pairs: int,
+    held_out_pairs: int,
+    before: dict[str, float],
+    after: dict[str, float],
+    started: float,
+) -> dict[str, float | int]:
+    """What ``dpo_summary.json`` holds: the run's size, each held-out metric before and after
+    DPO (``<name>_before``, ``<name>_after``) and the wall time (seconds) since ``started``
+    (a ``time.perf_counter()`` reading)."""
     summary: dict[str, float | int] = {
         "dpo_steps": cfg.dpo.steps,
-        "train_pairs": len(train),
-        "held_out_pairs": len(held_out),
+        "train_pairs": train_pairs,
+        "held_out_pairs": held_out_pairs,
     }
     for when, values in (("before", before), ("after", after)):
         summary |= {f"{k.removeprefix('eval/')}_{when}": v for k, v in values.items()}
     summary["wall_time_s"] = time.perf_counter() - started
-    write_json_atomic(run_dir / "dpo_summary.json", summary)
-    _print_summary(console, summary)
-    return folder
+    return summary
 
 
 def _print_summary(console: Console, s: dict[str, float | int]) -> None:

@@ -35,7 +35,7 @@ from treadle.train.objectives import PolicyObjective, ValueObjective
 
 @dataclass
 class RLParts:
-    """Everything the loop drives; built by :mod:`treadle.jobs.train`."""
+    """Everything the loop drives; built by :func:`treadle.jobs.compose.compose`."""
 
     cfg: Config
     run_dir: Path
@@ -254,6 +254,11 @@ def rollout_metrics(groups: list[RolloutGroup]) -> dict[str, float]:
 
 
 def sample_records(groups: list[RolloutGroup], samples, limit: int) -> list[SampleRecord]:
+    """The first ``limit`` rollouts of the step as :class:`SampleRecord` s, for the samples log.
+
+    ``samples`` are the step's train samples, one per rollout in the groups' order (a length
+    mismatch raises ValueError); each record's advantage is its sample's last-token advantage.
+    """
     records = []
     flat = [(g, r) for g in groups for r in g.rollouts]
     for (g, r), s in list(zip(flat, samples, strict=True))[:limit]:

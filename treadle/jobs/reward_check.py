@@ -21,6 +21,8 @@ from treadle.store.data import load_dataset, render_demonstration
 
 @dataclass(frozen=True)
 class GoldFailure:
+    """A task whose gold demonstration the primary verifier did not judge correct."""
+
     task_id: str
     answer: str
     completion: str
@@ -29,6 +31,8 @@ class GoldFailure:
 
 @dataclass(frozen=True)
 class RewardCheck:
+    """The outcome of :func:`check_gold`."""
+
     total: int
     """Gold answers scored (training and held-out tasks)."""
     failures: list[GoldFailure]

@@ -130,6 +130,7 @@ def warm_up(cfg: Config, data: Dataset, start: Path, run_dir: Path, console: Con
     with Progress(cfg.sft.steps, console=console) as bar:
 
         def on_step(step: int, m: dict[str, float]) -> None:
+            """Log step ``step`` (0-based) as step ``step + 1`` and advance the progress bar."""
             metrics.log(step + 1, m)
             bar.update(step + 1, loss=m["loss"], step_time_s=m["time/step_s"])
 

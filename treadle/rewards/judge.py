@@ -77,6 +77,12 @@ class JudgeReward:
         return [{"role": "system", "content": self.rubric}, {"role": "user", "content": content}]
 
     def score(self, task: Task, response: str) -> Score:
+        """The judge's ``SCORE: N`` divided by ``max_score`` and clipped to [0, 1]; correct only
+        at the top score.
+
+        Raises:
+            RuntimeError: the endpoint failed after the retries, or its reply has no score line.
+        """
         reply = self._chat(self.messages(task, response))
         match = _SCORE.search(reply.strip())
         if match is None:

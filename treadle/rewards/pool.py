@@ -393,6 +393,7 @@ class _Workers:
             ) from error
 
     def close(self) -> None:
+        """Stop the worker processes (running calls are cancelled) and wait for them to exit."""
         self._executor.stop()
         self._executor.join()
 

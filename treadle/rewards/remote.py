@@ -39,6 +39,11 @@ class RemoteReward:
         self.url = url
 
     def score(self, task: Task, response: str) -> Score:
+        """The service's score of ``response`` to ``task`` (one request, with its retries).
+
+        Raises:
+            RewardServiceError: the service is unreachable or answered with an error.
+        """
         client = RewardClient(self.url, timeout_s=self.timeout_s, retries=self.retries)
         (score,) = asyncio.run(client.score([(task, response)]))
         return score

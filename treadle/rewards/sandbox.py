@@ -53,6 +53,8 @@ CLONE_NEWNET = 0x40000000
 
 @dataclass(frozen=True)
 class SandboxLimits:
+    """Resource limits of one sandboxed run."""
+
     wall_s: float = 10.0
     """Wall-clock limit of the whole run (seconds); the process group is killed after it."""
     cpu_s: int = 10
@@ -67,6 +69,8 @@ class SandboxLimits:
 
 @dataclass(frozen=True)
 class SandboxResult:
+    """The outcome of one sandboxed run of a program against its tests."""
+
     passed: tuple[bool, ...]
     """One entry per test, in order; a test without a result line did not pass."""
     errors: tuple[str, ...]
@@ -78,6 +82,7 @@ class SandboxResult:
 
     @property
     def fraction(self) -> float:
+        """Share of the tests that passed, in [0, 1] (0.0 when there are no tests)."""
         return sum(self.passed) / len(self.passed) if self.passed else 0.0
 
 

@@ -33,6 +33,8 @@ the Python installation (e.g. under /root), so what solutions commonly import co
 
 
 def main() -> None:
+    """Read the job from stdin, drop privileges, install the guard, then run the program and
+    each test, reporting every test on the result pipe (file descriptor ``sys.argv[1]``)."""
     result_fd = int(sys.argv[1])
     job = json.loads(sys.stdin.read())
     nonce, program, tests, root = job["nonce"], job["program"], job["tests"], job["root"]
@@ -62,6 +64,7 @@ def main() -> None:
         return name + (": " + ", ".join(shown) if shown else "")
 
     def report(index: int, passed: bool, error: str) -> None:
+        """Write test ``index``'s result line, with the nonce, to the result pipe."""
         # No json here: the program may have patched the json module's internals.
         line = nonce + " " + repr_(index) + " " + ("1" if passed else "0") + " " + repr_(error)
         write(result_fd, (line + "\n").encode())

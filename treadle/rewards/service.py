@@ -32,6 +32,8 @@ class RewardServiceError(RuntimeError):
 
 
 def task_to_json(task: Task) -> dict[str, Any]:
+    """``task`` as a JSON-able dict (its fields; messages as ``{role, content}``), the inverse of
+    :func:`task_from_json`."""
     return dataclasses.asdict(task)
 
 
@@ -53,6 +55,8 @@ def build_app(pool: RewardPool) -> Starlette:
     lock = asyncio.Lock()
 
     async def score(request: Request) -> JSONResponse:
+        """``POST /score``: scores in request order; 400 on a malformed body, 422 when the pool
+        refuses the batch (ValueError)."""
         try:
             body = await request.json()
             ids = [str(item["id"]) for item in body["items"]]
@@ -73,10 +77,12 @@ def build_app(pool: RewardPool) -> Starlette:
         )
 
     async def health(request: Request) -> JSONResponse:
+        """``GET /health``: ``{"ok": true}`` while the service is up."""
         return JSONResponse({"ok": True})
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
+        """Starlette lifespan: closes the pool when the server shuts down."""
         yield
         pool.close()  # the service owns its pool's worker processes
 

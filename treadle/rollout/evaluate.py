@@ -28,6 +28,7 @@ class EvalResult:
     mean_reward: float
 
     def metrics(self) -> dict[str, float]:
+        """The result as ``eval/...`` metrics (``eval/greedy_accuracy`` only when measured)."""
         out = {
             "eval/pass@1": self.pass_at_1,
             "eval/pass@k": self.pass_at_k,

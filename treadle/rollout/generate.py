@@ -38,6 +38,8 @@ def generate(
 
 @dataclass(frozen=True)
 class Scored:
+    """The scored rollouts of some generated prompts, with the reward pool's failure counts."""
+
     groups: list[RolloutGroup]
     failures: int
     """Reward-function calls that raised (scored with the fallback)."""

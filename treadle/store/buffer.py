@@ -117,6 +117,7 @@ class RolloutBuffer:
                 self._ids[rid.as_py()] = step
 
     def path(self, step: int) -> Path:
+        """The parquet file of ``step`` (``RUN/buffer/step_NNNNNN.parquet``; may not exist)."""
         return self.root / f"step_{step:06d}.parquet"
 
     def steps(self) -> list[int]:

@@ -24,6 +24,8 @@ from treadle.core.types import CodeTests, DataPosition, Message, Task
 
 @dataclass(frozen=True)
 class Dataset:
+    """Training tasks and held-out (evaluation) tasks."""
+
     train: tuple[Task, ...]
     held_out: tuple[Task, ...]
 
@@ -108,6 +110,7 @@ def _code_tasks(cfg: DataConfig) -> list[Task]:
         raise UserError(f"data.path {path}: not a {cfg.source} file ({e})") from None
 
     def listed(value: Any) -> list[str]:  # MBPP copies stringify their list columns
+        """``value`` as a list: parsed as a Python literal when it is a string."""
         return ast.literal_eval(value) if isinstance(value, str) else list(value)
 
     tasks = []
@@ -143,6 +146,7 @@ def _reasoning_gym(cfg: DataConfig) -> tuple[list[Task], list[Task]]:
     import reasoning_gym
 
     def make(size: int, seed: int) -> list[dict[str, Any]]:
+        """``size`` reasoning-gym entries of ``cfg.task``; UserError on bad task parameters."""
         try:
             return list(
                 reasoning_gym.create_dataset(cfg.task, size=size, seed=seed, **cfg.task_params)
@@ -153,6 +157,7 @@ def _reasoning_gym(cfg: DataConfig) -> tuple[list[Task], list[Task]]:
             ) from None
 
     def task(entry: dict[str, Any], split: str, i: int) -> Task:
+        """The ``i``-th entry of ``split`` as a task (the entry itself is the reward payload)."""
         payload = json.dumps({"dataset": cfg.task, "entry": entry}, default=list)
         return Task(
             task_id=f"{cfg.task}/{split}/{i}",

@@ -68,6 +68,7 @@ class PolicyObjective:
 
     @property
     def entropy_grad(self) -> bool:
+        """Whether the loss has an entropy term, so the backend must keep the entropy's graph."""
         return self.entropy_coef != 0
 
     def __call__(

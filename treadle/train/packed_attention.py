@@ -78,6 +78,7 @@ def packed_sdpa(
         flat = gather.reshape(-1)
 
         def padded(x: torch.Tensor, flat=flat, seqs=seqs, width=width) -> torch.Tensor:
+            """This chunk's rows of ``x``: ``[1, h, N, D] -> [S, h, T, D]``."""
             # [1, h, N, D] -> [S, h, T, D]; index_select: its backward is an index_add, far
             # cheaper than indexing's index_put
             rows = x[0].transpose(0, 1).index_select(0, flat)  # [S * T, h, D]

@@ -128,11 +128,11 @@ def pack(
                 rows[j].append(n)
     gather, where = _attention_chunks(rows)
 
-    def per_token(xs, dtype):
+    def _per_token(xs, dtype):
         return torch.tensor([xs(chosen[j])[t] for j, t in src], dtype=dtype)
 
-    def optional(xs):  # a per-token array that every chosen sample carries, else None
-        return per_token(xs, torch.float32) if all(xs(s) for s in chosen) else None
+    def _optional(xs):  # a per-token array that every chosen sample carries, else None
+        return _per_token(xs, torch.float32) if all(xs(s) for s in chosen) else None
 
     return MicroBatch(
         sample_index=list(index),
@@ -143,14 +143,14 @@ def pack(
         sample_tokens=torch.tensor([n for r in rows for n in r], dtype=torch.long),
         attn_gather=gather,
         attn_scatter=torch.tensor([where[r] + c for r, c in scatter], dtype=torch.long),
-        loss_mask=per_token(lambda s: s.loss_mask, torch.bool),
-        behavior_logprobs=per_token(lambda s: s.behavior_logprobs, torch.float32),
-        advantages=per_token(lambda s: s.advantages, torch.float32),
+        loss_mask=_per_token(lambda s: s.loss_mask, torch.bool),
+        behavior_logprobs=_per_token(lambda s: s.behavior_logprobs, torch.float32),
+        advantages=_per_token(lambda s: s.advantages, torch.float32),
         segments=torch.tensor(seg, dtype=torch.long),
-        ref_logprobs=optional(lambda s: s.ref_logprobs),
-        old_logprobs=optional(lambda s: s.old_logprobs),
-        values=optional(lambda s: s.values),
-        returns=optional(lambda s: s.returns),
+        ref_logprobs=_optional(lambda s: s.ref_logprobs),
+        old_logprobs=_optional(lambda s: s.old_logprobs),
+        values=_optional(lambda s: s.values),
+        returns=_optional(lambda s: s.returns),
     )
 
 

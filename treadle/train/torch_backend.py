@@ -38,6 +38,7 @@ def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
     """Multiplier of the base LR at optimizer step ``s``: linear warmup, then the schedule."""
 
     def f(s: int) -> float:
+        """The LR multiplier at optimizer step ``s`` (0-based)."""
         if s < warmup_steps:
             return (s + 1) / warmup_steps
         progress = (s - warmup_steps) / max(1, total_steps - warmup_steps)
@@ -174,6 +175,7 @@ class TorchBackend:
         vocab = getattr(self.model.config, "vocab_size", None) or 8
 
         def probe(ids: list[int], prompt: int, group: str) -> TrainSample:
+            """A sample of ``ids`` (within the vocabulary) trained after its first ``prompt``."""
             n = len(ids)
             zeros = [0.0] * n
             return TrainSample(
@@ -195,6 +197,7 @@ class TorchBackend:
             ).float()
 
             def exact(packing: Packing) -> bool:
+                """Whether packing the samples this way reproduces their logits alone."""
                 mb = pack(samples, [0, 1, 2], share_prefix=packing == "shared").to(self.device)
                 self.packing = packing
                 try:
@@ -231,6 +234,12 @@ class TorchBackend:
         micro_batches: int = 0,
         filler: TrainSample | None = None,
     ) -> list[list[float]]:
+        """Per-token logprobs (nats), or critic values when ``values``, ``[L]`` per sample, in
+        order, under the current weights (eval mode, no grad).
+
+        ``micro_batches``: run at least this many forward passes, the extra ones on ``filler``
+        (results dropped), so that every rank of a sharded model joins the same all-gathers.
+        """
         self.model.eval()
         out: list[list[float]] = [[] for _ in samples]
         micro = self._micro_batches(samples)

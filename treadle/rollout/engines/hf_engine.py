@@ -33,6 +33,8 @@ class HFEngine:
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams
     ) -> list[list[Completion]]:
+        """``params.n`` completions of each prompt (token ids ``[P]``), in prompt order, with the
+        logprobs (nats) of the sampled distribution (after temperature / top-p)."""
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self._pad, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -87,11 +89,18 @@ class HFEngine:
         )
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load ``weights`` (the full Hugging Face state dict) and serve them as ``version``.
+
+        Raises:
+            RuntimeError: a name is missing or unexpected, or a shape does not match.
+        """
         self._model.load_state_dict(dict(weights), strict=True)
         self.policy_version = version
 
     @torch.no_grad()
     def prompt_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Logprob (nats, temperature 1) of each token given the ones before it, ``[L]`` per
+        sequence (index 0 is 0.0); one forward pass per sequence."""
         result = []
         for seq in sequences:
             ids = torch.tensor([list(seq)])

@@ -30,6 +30,7 @@ class _QuietReload(logging.Filter):
     weights (only a cos/sin buffer, restored as is), so the warning is noise on every sync."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        """False (drop) for the rotary-layer reload warning, True for every other record."""
         return "RotaryEmbedding: Failed to load weights" not in record.getMessage()
 
 
@@ -71,6 +72,8 @@ class VLLMEngine:
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams
     ) -> list[list[Completion]]:
+        """``params.n`` completions of each prompt (token ids ``[P]``), in prompt order, with the
+        logprobs (nats) of the sampled distribution (vLLM's processed logprobs)."""
         sp = vllm.SamplingParams(
             n=params.n,
             temperature=params.temperature,
@@ -109,6 +112,8 @@ class VLLMEngine:
         )
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Reload the model from ``weights`` (Hugging Face names) in place, drop the prefix cache
+        and serve them as ``version``."""
         # reload_weights runs the model's own loader and then re-processes the weights into
         # kernel format (the CPU backend pre-packs linear weights, so writing into parameters
         # would not reach the kernels; a tied lm_head is refreshed by the same pass). In this
@@ -128,6 +133,8 @@ class VLLMEngine:
         self.policy_version = version
 
     def prompt_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Logprob (nats, temperature 1) of each token given the ones before it, ``[L]`` per
+        sequence (index 0 is 0.0), from vLLM's prompt logprobs."""
         sp = vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
         outputs = self._llm.generate(
             [{"prompt_token_ids": list(s)} for s in sequences], sp, use_tqdm=False

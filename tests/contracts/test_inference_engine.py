@@ -1,4 +1,7 @@
-"""One contract for every inference engine (HF and vLLM) on a tiny real model.
+"""The InferenceEngine contract, for every implementation: the fake, transformers ``generate``,
+vLLM, and the Ray engine group (one vLLM worker), on a tiny real model. The first tests hold for
+every engine; those that compare with the model's own distribution, for the engines that serve
+one (``SERVING``: not the fake).
 
 The model is given a few SFT steps first so that it really ends its turn with ``<|im_end|>``:
 without that a random model almost never samples the end-of-turn token and the STOP half of the
@@ -7,19 +10,12 @@ finish-reason contract would go untested.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
-
-from treadle.config import TrainerConfig
-from treadle.core.protocols import EngineSpec, SamplingParams
-from treadle.core.types import FinishReason
-from treadle.rollout.engines import build_engine
-from treadle.store.models import end_of_turn_ids, load_model
-from treadle.train.torch_backend import TorchBackend
-
-from .tiny import (
+from integration.tiny import (
     ATOL,
     assert_all_finite,
     build_tiny_folder,
@@ -29,10 +25,20 @@ from .tiny import (
     trainer_logprobs,
 )
 
-ENGINES = [
+from contracts.fakes import FakeEngine
+from treadle.config import TrainerConfig
+from treadle.core.protocols import EngineSpec, SamplingParams
+from treadle.core.types import FinishReason
+from treadle.rollout.engines import build_engine
+from treadle.store.models import end_of_turn_ids, load_model
+from treadle.train.torch_backend import TorchBackend
+
+SERVING = [
     "hf",
     pytest.param("vllm", marks=pytest.mark.slow),
+    pytest.param("engine group", marks=pytest.mark.slow),
 ]
+EVERY = ["fake", *SERVING]
 
 
 @pytest.fixture(scope="module")
@@ -48,13 +54,29 @@ def tokenizer_and_trainer(model_dir):
     return tokenizer, TorchBackend(model, TrainerConfig(), total_steps=1)
 
 
-@pytest.fixture(scope="module", params=ENGINES)
-def engine(request, model_dir):
-    if request.param == "vllm":
+@pytest.fixture(scope="module")
+def engine(request, model_dir, tokenizer_and_trainer):
+    spec = EngineSpec(model_dir=str(model_dir), seed=0)
+    if request.param == "fake":
+        eng = FakeEngine(tokenizer_and_trainer[0])
+    elif request.param == "engine group":
         skip_without_vllm()
-    eng = build_engine(request.param, EngineSpec(model_dir=str(model_dir), seed=0))
+        request.getfixturevalue("ray_cluster")
+        from treadle.cluster.engine_group import EngineGroup
+        from treadle.cluster.placement import place
+        from treadle.config import PlacementConfig
+
+        placement = place(PlacementConfig(mode="disaggregated", trainers=0, engines=1))
+        eng = EngineGroup("vllm", spec, placement, threads=1)
+    else:
+        if request.param == "vllm":
+            skip_without_vllm()
+        eng = build_engine(request.param, spec)
     yield eng
     eng.close()
+    eng.close()  # idempotent
+    if request.param == "engine group":
+        placement.remove()
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +107,7 @@ def check_completion(c, tokenizer, max_tokens: int) -> None:
     assert c.text == tokenizer.decode(ids, skip_special_tokens=True)
 
 
+@pytest.mark.parametrize("engine", EVERY, indirect=True)
 def test_sampling_returns_n_valid_completions_per_prompt(engine, tokenizer_and_trainer, prompts):
     tokenizer, _ = tokenizer_and_trainer
     out = engine.generate(prompts, SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=0))
@@ -96,6 +119,7 @@ def test_sampling_returns_n_valid_completions_per_prompt(engine, tokenizer_and_t
             assert c.policy_version == engine.policy_version == 0
 
 
+@pytest.mark.parametrize("engine", SERVING, indirect=True)
 def test_finish_reason_stop_on_end_of_turn_and_length_on_budget(
     engine, tokenizer_and_trainer, prompts
 ):
@@ -112,6 +136,7 @@ def test_finish_reason_stop_on_end_of_turn_and_length_on_budget(
     check_completion(cut, tokenizer, max_tokens=2)
 
 
+@pytest.mark.parametrize("engine", SERVING, indirect=True)
 def test_stop_string_ends_the_completion(request, engine, tokenizer_and_trainer, prompts):
     """A stop string ends the completion at the token that completes it, as STOP, and the text
     is the decoded tokens (what the verifier scores is what the trainer trains on)."""
@@ -129,6 +154,7 @@ def test_stop_string_ends_the_completion(request, engine, tokenizer_and_trainer,
     assert c.text == tokenizer.decode(c.token_ids, skip_special_tokens=True)
 
 
+@pytest.mark.parametrize("engine", SERVING, indirect=True)
 def test_greedy_is_deterministic_and_picks_the_trainer_argmax(
     engine, tokenizer_and_trainer, prompts
 ):
@@ -145,6 +171,7 @@ def test_greedy_is_deterministic_and_picks_the_trainer_argmax(
         assert logits.argmax(-1).tolist() == list(ids)
 
 
+@pytest.mark.parametrize("engine", SERVING, indirect=True)
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_sampled_logprobs_match_trainer(
     request, engine, tokenizer_and_trainer, prompts, temperature
@@ -162,6 +189,7 @@ def test_sampled_logprobs_match_trainer(
     assert max_abs_diff(got, expected) < ATOL
 
 
+@pytest.mark.parametrize("engine", SERVING, indirect=True)
 def test_prompt_logprobs_match_trainer_on_fresh_weights(engine, tokenizer_and_trainer, prompts):
     _, trainer = tokenizer_and_trainer
     gen = torch.Generator().manual_seed(0)
@@ -179,3 +207,41 @@ def test_prompt_logprobs_match_trainer_on_fresh_weights(engine, tokenizer_and_tr
     # Not vacuous: the model is far from uniform on its own replies (uniform over its ~270
     # tokens would be log(1/270) = -5.6; > log(0.25) is more than 60 times that probability).
     assert min(x[-1] for x in got[:3]) > math.log(0.25)
+
+
+@pytest.mark.parametrize("engine", EVERY, indirect=True)
+def test_a_budget_cuts_the_greedy_reply_and_greedy_repeats(engine, tokenizer_and_trainer, prompts):
+    tokenizer, _ = tokenizer_and_trainer
+    greedy = SamplingParams(n=1, temperature=0.0, max_tokens=16)
+    full = engine.generate(prompts[:1], greedy)[0][0]
+    assert full.finish_reason == FinishReason.STOP
+    assert engine.generate(prompts[:1], greedy)[0][0].token_ids == full.token_ids
+    budget = len(full.token_ids) - 1
+    cut = engine.generate(prompts[:1], dataclasses.replace(greedy, max_tokens=budget))[0][0]
+    assert cut.finish_reason == FinishReason.LENGTH
+    assert cut.token_ids == full.token_ids[:budget]
+    check_completion(cut, tokenizer, max_tokens=budget)
+
+
+@pytest.mark.parametrize("engine", EVERY, indirect=True)
+def test_prompt_logprobs_have_one_nonpositive_value_per_token(engine, prompts):
+    got = engine.prompt_logprobs([prompts[0], prompts[1][:2]])
+    assert [len(x) for x in got] == [len(prompts[0]), 2]
+    for x in got:
+        assert x[0] == 0.0
+        assert_all_finite(x, "prompt logprobs")
+        assert all(v <= 0.0 for v in x)
+
+
+@pytest.mark.parametrize("engine", EVERY, indirect=True)
+def test_update_weights_serves_the_given_version(engine, tokenizer_and_trainer, prompts):
+    _, trainer = tokenizer_and_trainer
+    try:
+        engine.update_weights(trainer.named_weights(), version=5)  # the same weights, renamed 5
+        assert engine.policy_version == 5
+        out = engine.generate(prompts[:2], SamplingParams(n=2, max_tokens=4, seed=0))
+        assert {c.policy_version for g in out for c in g} == {5}
+        metrics = engine.metrics()
+        assert all(isinstance(k, str) and isinstance(v, float) for k, v in metrics.items())
+    finally:
+        engine.update_weights(trainer.named_weights(), version=0)

@@ -1,0 +1,1 @@
+"""Contract tests: one per Protocol, running every implementation, fakes included."""

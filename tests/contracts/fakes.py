@@ -1,0 +1,87 @@
+"""Fakes of treadle's Protocols for tests that need no model. Each one passes the contract test
+of its Protocol (``tests/contracts/``), so a test that uses it tests against what real
+implementations do."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from treadle.algorithms.aggregation import token_mean
+from treadle.core.batch import MicroBatch, StepTotals, TokenOutputs
+from treadle.core.metrics import Metric, Reduction
+from treadle.core.protocols import SamplingParams
+from treadle.core.types import Completion, FinishReason
+from treadle.store.models import end_of_turn_ids
+
+LOG_HALF = math.log(0.5)
+
+
+class FakeEngine:
+    """An :class:`~treadle.core.protocols.InferenceEngine` without a model: sample ``j`` of every
+    prompt is the digit ``j % 10`` and the end-of-turn token (greedy decoding gives sample 0's),
+    each token with logprob log(1/2); ``max_tokens`` and stop strings cut it as a real engine
+    does. ``calls`` counts :meth:`generate` calls.
+
+    Args:
+        tokenizer: the policy's tokenizer (digits and the end-of-turn token come from it).
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.end_of_turn = end_of_turn_ids(tokenizer)[-1]
+        self.policy_version = 0
+        self.calls = 0
+        self.weights: dict[str, torch.Tensor] = {}
+        self.closed = False
+
+    def _reply(self, j: int, params: SamplingParams) -> Completion:
+        ids = [*self.tokenizer.encode(str(j % 10), add_special_tokens=False), self.end_of_turn]
+        finish = FinishReason.STOP
+        for i in range(1, len(ids)):  # a stop string ends the reply at the token completing it
+            if any(stop in self.tokenizer.decode(ids[:i]) for stop in params.stop):
+                ids = ids[:i]
+                break
+        if len(ids) > params.max_tokens:
+            ids, finish = ids[: params.max_tokens], FinishReason.LENGTH
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        return Completion(tuple(ids), (LOG_HALF,) * len(ids), finish, self.policy_version, text)
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[list[Completion]]:
+        self.calls += 1
+        greedy = params.temperature == 0
+        return [[self._reply(0 if greedy else j, params) for j in range(params.n)] for _ in prompts]
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        self.weights = {name: tensor.detach().clone() for name, tensor in weights}
+        self.policy_version = version
+
+    def prompt_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        return [[0.0] + [LOG_HALF] * (len(s) - 1) for s in sequences]
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class AdvantageAsLoss:
+    """An :class:`~treadle.core.protocols.Objective` whose per-token loss is the token's
+    advantage, exactly (``0 * logprobs`` only adds a graph), token-mean over the step."""
+
+    entropy_grad = False
+    engine_sampled = True
+
+    def __call__(
+        self, out: TokenOutputs, batch: MicroBatch, totals: StepTotals
+    ) -> tuple[torch.Tensor, dict[str, Metric]]:
+        per_token = batch.advantages + 0.0 * out.logprobs
+        m = batch.loss_mask.float()
+        loss = token_mean(per_token, batch.loss_mask, batch.segments, totals)
+        mean = float((per_token.detach() * m).sum() / m.sum())
+        return loss, {"obj/mean": Metric(mean, Reduction.MEAN)}

@@ -1,0 +1,213 @@
+"""The TrainingBackend contract, for every implementation: the single-process TorchBackend (as a
+policy, a frozen reference and a critic) and the Ray FSDP2 TrainerGroup (2 ranks over gloo).
+
+What the loop and the checkpoints rely on: logprobs (and a critic's values) are the model's own,
+a step changes the weights and reports typed metrics, the named weights are what
+``save_pretrained`` writes, and the optimizer state saved by ``optimizer_state`` resumes a
+fresh trainer over the saved weights to the same next step.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from integration.tiny import build_tiny_folder
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+from treadle.config import AlgorithmConfig, TrainerConfig
+from treadle.core.metrics import Metric
+from treadle.core.protocols import Objective, TrainingBackend
+from treadle.core.types import TrainSample
+from treadle.store.models import load_critic, load_model
+from treadle.train.objectives import PolicyObjective, ValueObjective
+from treadle.train.torch_backend import TorchBackend
+
+TRAINER = TrainerConfig(lr=1e-2, micro_batch_tokens=24, grad_clip=1.0)
+POLICY = PolicyObjective.from_config(AlgorithmConfig(), max_tokens=8)
+
+
+@dataclass
+class Impl:
+    """How to build one implementation over a model folder, and what it trains with."""
+
+    name: str
+    build: object  # (folder) -> TrainingBackend
+    objective: Objective | None  # None: frozen (a reference)
+    folder: Path
+    """The weights it starts from (a policy's, or a critic's with its value head)."""
+    head: str = "lm"
+    close: object = lambda backend: None
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("backend_contract") / "model"
+    build_tiny_folder(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def critic_folder(folder, tmp_path_factory) -> Path:
+    """The policy with a (seeded) value head, saved: every load gives the same critic."""
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("backend_contract") / "critic"
+    load_critic(folder).save_pretrained(path)
+    return path
+
+
+TRAINABLE = ["torch", "torch critic", pytest.param("trainer group", marks=pytest.mark.slow)]
+EVERY = ["torch reference", *TRAINABLE]
+
+
+@pytest.fixture
+def impl(request, folder) -> Impl:
+    if request.param == "torch":
+        return Impl("torch", lambda f: TorchBackend(load_model(f)[0], TRAINER, 10), POLICY, folder)
+    if request.param == "torch reference":
+        frozen = lambda f: TorchBackend(load_model(f)[0], TRAINER, 1, trainable=False)  # noqa: E731
+        return Impl("torch reference", frozen, None, folder)
+    if request.param == "torch critic":
+        critic = lambda f: TorchBackend(load_critic(f), TRAINER, 10, head="value")  # noqa: E731
+        value = ValueObjective(value_clip=0.2)
+        return Impl(
+            "torch critic", critic, value, request.getfixturevalue("critic_folder"), "value"
+        )
+    from treadle.cluster.trainer_group import TrainerGroup
+
+    cfg, placement = request.getfixturevalue("placed")(trainers=2, engines=0)
+    group = lambda f: TrainerGroup(cfg, placement, f, TRAINER, 10, 1.0)  # noqa: E731
+    return Impl("trainer group", group, POLICY, folder, close=lambda g: g.close())
+
+
+def batch(n: int = 6) -> list[TrainSample]:
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for i in range(n):
+        p, c = 3 + i % 3, 2 + i % 4
+        ids = torch.randint(3, 250, (p + c,), generator=gen).tolist()
+        logprobs = (-torch.rand(c, generator=gen) - 1).tolist()
+        out.append(
+            TrainSample(
+                token_ids=ids,
+                loss_mask=[False] * p + [True] * c,
+                behavior_logprobs=[0.0] * p + logprobs,
+                advantages=[0.0] * p + [1.0 if i % 2 else -1.0] * c,
+                policy_version=0,
+                group_id=f"g{i // 2}",
+                values=torch.randn(p + c, generator=gen).tolist(),
+                returns=torch.randn(p + c, generator=gen).tolist(),
+            )
+        )
+    return out
+
+
+def reference_outputs(folder: Path, head: str, samples: list[TrainSample]) -> list[list[float]]:
+    """What the Hugging Face model itself computes: each token's logprob given the tokens
+    before it, or (a critic) the value at the token before; index 0 is 0.0."""
+    if head == "value":
+        model = load_critic(folder)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    out = []
+    with torch.no_grad():
+        for s in samples:
+            x = torch.tensor([s.token_ids])
+            logits = model(input_ids=x).logits[0, :-1]
+            if head == "value":
+                got = logits[:, 0]
+            else:
+                got = F.log_softmax(logits, -1).gather(1, x[0, 1:, None])[:, 0]
+            out.append([0.0, *got.tolist()])
+    return out
+
+
+def outputs(backend: TrainingBackend, head: str, samples) -> list[list[float]]:
+    if head == "value":
+        return backend.compute_values(samples)
+    return backend.compute_logprobs(samples)
+
+
+def max_diff(a, b) -> float:
+    assert [len(x) for x in a] == [len(y) for y in b]
+    return max(abs(x - y) for u, v in zip(a, b, strict=True) for x, y in zip(u, v, strict=True))
+
+
+@pytest.mark.parametrize("impl", EVERY, indirect=True)
+def test_outputs_are_the_models_own(impl, one_torch_thread):
+    backend = impl.build(impl.folder)
+    try:
+        samples = batch()
+        got = outputs(backend, impl.head, samples)
+        assert all(row[0] == 0.0 for row in got)
+        assert max_diff(got, reference_outputs(impl.folder, impl.head, samples)) < 1e-5
+    finally:
+        impl.close(backend)
+
+
+@pytest.mark.parametrize("impl", ["torch reference"], indirect=True)
+def test_a_frozen_reference_neither_trains_nor_has_optimizer_state(impl):
+    backend = impl.build(impl.folder)
+    with pytest.raises(AssertionError, match="frozen"):
+        backend.train_step(batch(), POLICY)
+    with pytest.raises(RuntimeError, match="frozen"):
+        backend.optimizer_state()
+
+
+@pytest.mark.parametrize("impl", TRAINABLE, indirect=True)
+def test_a_step_changes_the_weights_and_reports_typed_metrics(impl, one_torch_thread):
+    backend = impl.build(impl.folder)
+    try:
+        before = {name: t.clone() for name, t in backend.named_weights()}
+        metrics = backend.train_step(batch(), impl.objective)
+        for name in ("loss", "grad_norm", "lr", "perf/tokens"):
+            assert isinstance(metrics[name], Metric), name
+            assert torch.isfinite(torch.tensor(float(metrics[name]))), name
+        after = dict(backend.named_weights())
+        assert after.keys() == before.keys()
+        changed = [n for n in after if not torch.equal(after[n], before[n])]
+        assert len(changed) >= len(after) // 2, changed  # not just one tensor
+    finally:
+        impl.close(backend)
+
+
+@pytest.mark.parametrize("impl", EVERY, indirect=True)
+def test_named_weights_are_what_save_pretrained_writes(impl, tmp_path, one_torch_thread):
+    backend = impl.build(impl.folder)
+    try:
+        named = dict(backend.named_weights())
+        backend.save_pretrained(tmp_path / "saved")
+    finally:
+        impl.close(backend)
+    loader = AutoModelForTokenClassification if impl.head == "value" else AutoModelForCausalLM
+    saved = loader.from_pretrained(tmp_path / "saved", dtype=torch.float32).state_dict()
+    assert saved.keys() == named.keys()
+    assert all(torch.equal(saved[n], named[n]) for n in named)
+
+
+@pytest.mark.parametrize("impl", TRAINABLE, indirect=True)
+def test_saved_weights_and_optimizer_state_resume_to_the_same_next_step(
+    impl, folder, tmp_path, one_torch_thread
+):
+    samples, probe = batch(), batch(4)
+    backend = impl.build(impl.folder)
+    try:
+        backend.train_step(samples, impl.objective)  # the moments are no longer zero
+        backend.save_pretrained(tmp_path / "ckpt")
+        load_model(folder)[1].save_pretrained(tmp_path / "ckpt")  # as a checkpoint holds it
+        state = copy.deepcopy(backend.optimizer_state())  # it may share the live tensors
+        backend.train_step(samples, impl.objective)
+        expected = outputs(backend, impl.head, probe)
+    finally:
+        impl.close(backend)
+    resumed = impl.build(tmp_path / "ckpt")
+    try:
+        resumed.load_optimizer_state(state)
+        resumed.train_step(samples, impl.objective)
+        assert max_diff(outputs(resumed, impl.head, probe), expected) < 1e-6
+    finally:
+        impl.close(resumed)
