@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from pathlib import Path
 
@@ -35,6 +34,20 @@ AT_LEAST = {
     "placement.trainers": 1, "placement.engines": 1, "placement.trainer_cpus": 0.0,
     "placement.engine_cpus": 0.0, "placement.trainer_gpus": 0.0, "placement.engine_gpus": 0.0,
     "placement.threads": 1, "placement.bucket_mb": 1, "placement.engine_restarts": 0,
+    # Bounds added with the move (each was a traceback or a silent nonsense run before):
+    "run.threads": 1, "reward.workers": 0,
+    "model.tiny.hidden_size": 1, "model.tiny.intermediate_size": 1,
+    "model.tiny.num_hidden_layers": 1, "model.tiny.max_position_embeddings": 1,
+    "sft.noise.loose_format_fraction": 0.0, "sft.noise.wrong_answer_fraction": 0.0,
+}  # fmt: skip
+
+# What a key needs beside it to load at all (loads below start from no recipe).
+COMPANIONS = {
+    "rollout.n": ["algorithm.advantage=reinforce_pp"],  # one sample: no group baseline
+    "model.tiny.hidden_size": [
+        "model.tiny.num_attention_heads=1", "model.tiny.num_key_value_heads=1", "rollout.engine=hf"
+    ],
+    "reward.workers": ["reward.functions=[{name: reasoning_gym}]"],
 }  # fmt: skip
 
 
@@ -65,17 +78,15 @@ def test_a_value_below_its_bound_is_refused_by_its_dotted_name(key, least):
     below = least - 1
     expected = f"config {key}: must be at least {least} (and finite), got {below}"
     with pytest.raises(UserError, match=f"^{re.escape(expected)}$"):
-        load_config(None, [f"{key}={below}"])
+        load_config(None, [f"{key}={below}", *COMPANIONS.get(key, [])])
     if isinstance(least, float):  # nan compares false with every bound: refused too
         with pytest.raises(UserError, match=re.escape(f"config {key}: must be at least")):
-            load_config(None, [f"{key}=.nan"])
+            load_config(None, [f"{key}=.nan", *COMPANIONS.get(key, [])])
 
 
 @pytest.mark.parametrize(("key", "least"), AT_LEAST.items())
 def test_the_bound_itself_is_accepted(key, least):
-    # One sample per prompt needs an estimator without a group baseline.
-    companions = ["algorithm.advantage=reinforce_pp"] if key == "rollout.n" else []
-    cfg = to_dict(load_config(None, [f"{key}={least}", *companions]))
+    cfg = to_dict(load_config(None, [f"{key}={least}", *COMPANIONS.get(key, [])]))
     section, *rest = key.split(".")
     node = cfg[section]
     for part in rest:
@@ -102,6 +113,12 @@ def test_the_bound_itself_is_accepted(key, least):
         ("algorithm.critic.lr=0", "algorithm.critic.lr: must be positive, got 0.0"),
         ("data.weight=0", "data.weight: must be positive, got 0.0"),
         ("data.weight=.inf", "data.weight: must be a finite number, got inf"),
+        ("trainer.lr=.inf", "trainer.lr: must be a finite number, got inf"),
+        ("sft.lr=.inf", "sft.lr: must be a finite number, got inf"),
+        ("run.threads=0", "run.threads: must be at least 1 (and finite), got 0"),
+        ("model.tiny.hidden_size=0", "model.tiny.hidden_size: must be at least 1 (and finite)"),
+        ("rollout.kv_cache_gib=-1", "rollout.kv_cache_gib: must be positive, got -1.0"),
+        ("sft.noise.loose_format_fraction=2", "sft.noise.loose_format_fraction: must be at most 1"),
     ],
 )
 def test_other_one_field_rules_name_their_key(override, message):
@@ -111,10 +128,9 @@ def test_other_one_field_rules_name_their_key(override, message):
 
 def test_values_at_the_edges_of_the_other_rules_are_accepted():
     cfg = load_config(None, ["algorithm.dual_clip=0", "algorithm.gamma=1", "algorithm.lam=0",
-                             "algorithm.is_threshold=1.01", "trainer.lr=.inf"])  # fmt: skip
+                             "algorithm.is_threshold=1.01"])  # fmt: skip
     a = cfg.algorithm
     assert (a.dual_clip, a.gamma, a.lam, a.is_threshold) == (0.0, 1.0, 0.0, 1.01)
-    assert math.isinf(cfg.trainer.lr)  # positive only: an infinite lr was never refused
 
 
 def test_a_mixed_source_is_refused_by_its_index_in_the_list():
@@ -171,3 +187,20 @@ def test_a_config_yaml_written_with_the_earlier_key_order_loads(tmp_path):
     saved = tmp_path / "config.yaml"
     saved.write_text(yaml.safe_dump(written, sort_keys=False))
     assert load_config(saved) == cfg
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("reward.timeout_s=-1", "reward.timeout_s: must be positive, got -1.0"),
+        ("reward.timeout_s=.nan", "reward.timeout_s: must be positive, got nan"),
+        ("reward.fallback=.nan", "reward.fallback: must be a finite number, got nan"),
+        ("reward.functions=[{name: math_verify, weight: .nan}]",
+         "reward.functions[0].weight: must be a finite number, got nan"),
+    ],
+)  # fmt: skip
+def test_reward_settings_are_refused_at_load_not_after_the_warm_up(override, message):
+    # Before, the pool refused these only when it was built, after the SFT warm-up (or not at
+    # all: a nan timeout or fallback ran).
+    with pytest.raises(UserError, match=f"^config {re.escape(message)}"):
+        load_config(RECIPES / "default.yaml", [override])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from rich.console import Console
 from transformers import AutoModelForCausalLM
 
 from treadle.config import load_config
+from treadle.core.errors import UserError
 from treadle.jobs.train import train
 from treadle.store.buffer import RolloutBuffer
 
@@ -79,3 +81,20 @@ def test_resuming_a_finished_run_changes_nothing(runs):
     summary = run(resumed.parent, "resumed", steps=3, resume=resumed)
     assert summary == json.loads((resumed / "summary.json").read_text())
     assert (resumed / "metrics.jsonl").read_text() == rows_before
+
+
+def test_resuming_with_fewer_steps_than_done_prints_the_summary_or_refuses(runs, tmp_path):
+    resumed, _, _ = runs
+    rows_before = (resumed / "metrics.jsonl").read_text()
+    # The run did 3 steps: asked for 2 it has nothing left to do and reports its summary ...
+    summary = run(resumed.parent, "resumed", steps=2, resume=resumed)
+    assert summary == json.loads((resumed / "summary.json").read_text())
+    # ... and without its summary (killed after its last checkpoint) it refuses in one line
+    # before anything of the run is truncated.
+    copy = tmp_path / "copy"
+    shutil.copytree(resumed, copy)
+    (copy / "summary.json").unlink()
+    with pytest.raises(UserError, match=r"at step 3, past run.steps=2; resume with run.steps=3"):
+        run(tmp_path, "copy", steps=2, resume=copy)
+    assert (copy / "metrics.jsonl").read_text() == rows_before
+    assert RolloutBuffer(copy).steps() == [1, 2, 3]

@@ -351,7 +351,13 @@ def test_a_newer_schema_version_or_a_malformed_state_is_one_clear_error(tmp_path
         UserError, match=r"schema version 7, but this treadle reads versions up to 1"
     ):
         read_checkpoint_state(ckpt)
-    for broken in ({"step": 3}, {**STATE.to_json(), "step": "3"}, [3]):
+    for bad in (0, -5, "2", True):  # not a schema version: one line naming the field
+        (ckpt / "state.json").write_text(json.dumps({**STATE.to_json(), "schema_version": bad}))
+        with pytest.raises(UserError, match=r"schema_version .* is not a schema version"):
+            read_checkpoint_state(ckpt)
+    negative = {**STATE.to_json(), "data_position": {"epoch": 0, "offset": -1}}
+    for broken in ({"step": 3}, {**STATE.to_json(), "step": "3"}, [3], {**STATE.to_json(),
+                   "step": -1}, {**STATE.to_json(), "step": 2.0}, negative):  # fmt: skip
         (ckpt / "state.json").write_text(json.dumps(broken))
         with pytest.raises(UserError, match=r"state\.json is not a checkpoint state"):
             read_checkpoint_state(ckpt)

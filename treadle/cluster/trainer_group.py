@@ -31,7 +31,7 @@ from treadle.cluster.placement import free_port
 from treadle.cluster.trainer_worker import TrainerWorker
 from treadle.config import PlacementConfig, TrainerConfig
 from treadle.core.batch import StepTotals
-from treadle.core.metrics import Metric, mean_over_steps, merge_ranks
+from treadle.core.metrics import mean_over_steps, merge_ranks
 from treadle.core.protocols import Objective, OptimizerState
 from treadle.core.types import TrainSample
 from treadle.train.packing import plan
@@ -118,7 +118,7 @@ class TrainerGroup:
         counts = [len(plan([samples[i] for i in p], budget, self.packing)) for p in parts]
         return parts, max(counts)
 
-    def train_step(self, samples: Sequence[TrainSample], objective: Objective) -> dict[str, Metric]:
+    def train_step(self, samples: Sequence[TrainSample], objective: Objective) -> dict[str, float]:
         """As :meth:`TorchBackend.train_step`, sharded: the same optimizer steps, the same
         step-wide denominators; metrics merged over ranks (token-weighted means add up, maxima
         stay maxima, grad norm and LR are global)."""

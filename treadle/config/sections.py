@@ -8,7 +8,7 @@ from typing import Literal
 
 from treadle.config.algorithm import AlgorithmConfig
 from treadle.config.data import DataConfig
-from treadle.config.fields import at_least, bounded, finite, only, positive
+from treadle.config.fields import at_least, at_most, bounded, finite, only, positive
 
 
 def routes_to(domains: Collection[str], domain: str) -> bool:
@@ -22,7 +22,7 @@ class RewardSpec:
 
     name: str
     """A key of :data:`treadle.rewards.base.REWARD_FUNCTIONS`, e.g. ``"math_verify"``."""
-    weight: float = 1.0
+    weight: float = bounded(finite(), default=1.0)
     """Multiplier of this function's reward in the total (unitless)."""
     params: dict[str, str] = field(default_factory=dict)
     """Constructor keyword arguments of the function, e.g. ``{"extract": "boxed"}``."""
@@ -41,12 +41,12 @@ class RewardConfig:
 
     functions: list[RewardSpec]
     """Reward functions; the first is the primary verifier whose ``correct`` is reported."""
-    timeout_s: float = 5.0
+    timeout_s: float = bounded(positive(), finite(), default=5.0)
     """Wall-clock limit of one function on one sample, in seconds (ignored when workers=0, and
     by batched functions such as ``reward_model``, which take their own ``timeout_s``)."""
-    fallback: float = 0.0
+    fallback: float = bounded(finite(), default=0.0)
     """Reward a function gives a sample when it raised or timed out on it."""
-    workers: int = 2
+    workers: int = bounded(at_least(0), default=2)
     """Worker processes; 0 scores in the calling process (debugging: no timeout)."""
 
 
@@ -54,13 +54,13 @@ class RewardConfig:
 class TinyModelConfig:
     """A small Qwen2-architecture model built locally with seeded random weights."""
 
-    hidden_size: int = 128
-    intermediate_size: int = 384
-    num_hidden_layers: int = 2
+    hidden_size: int = bounded(at_least(1), default=128)
+    intermediate_size: int = bounded(at_least(1), default=384)
+    num_hidden_layers: int = bounded(at_least(1), default=2)
     num_attention_heads: int = 4
     """Head dim = hidden_size / heads; vLLM's CPU attention needs a head dim of 32 or more."""
     num_key_value_heads: int = 2
-    max_position_embeddings: int = 512
+    max_position_embeddings: int = bounded(at_least(1), default=512)
     tokenizer_vocab_size: int = 512
     """BPE vocabulary trained on the task's own text (digits stay single tokens)."""
     tokenizer_path: str | None = None
@@ -83,11 +83,11 @@ class ModelConfig:
 class NoiseConfig:
     """Imperfect demonstrations for SFT: what real demonstration data looks like."""
 
-    loose_format_fraction: float = 0.0
+    loose_format_fraction: float = bounded(at_least(0.0), at_most(1), default=0.0)
     """Share of demonstrations that write the answer in ``loose_template`` instead."""
     loose_template: str = "{answer}"
     """Same fields as ``data.answer_template``."""
-    wrong_answer_fraction: float = 0.0
+    wrong_answer_fraction: float = bounded(at_least(0.0), at_most(1), default=0.0)
     """Share of demonstrations whose answer is off by 1 to 3 (numeric answers only)."""
 
 
@@ -98,7 +98,7 @@ class SFTConfig:
     steps: int = bounded(at_least(0), default=0)
     """SFT warm-up optimizer steps before RL (0: none)."""
     batch_size: int = bounded(at_least(1), default=64)
-    lr: float = bounded(positive(), default=1e-3)
+    lr: float = bounded(positive(), finite(), default=1e-3)
     warmup_steps: int = 10
     noise: NoiseConfig = field(default_factory=NoiseConfig)
 
@@ -143,7 +143,7 @@ class RolloutConfig:
     max_tokens: int = bounded(at_least(1), default=32)
     stop: list[str] = field(default_factory=list)
     """Stop strings (the end-of-turn token always stops a completion)."""
-    kv_cache_gib: float = 1.0
+    kv_cache_gib: float = bounded(positive(), finite(), default=1.0)
     """vLLM CPU KV-cache size (GiB)."""
 
 
@@ -151,7 +151,7 @@ class RolloutConfig:
 class TrainerConfig:
     """The ``trainer`` section: the policy's optimizer and how a batch is split into updates."""
 
-    lr: float = bounded(positive(), default=1e-4)
+    lr: float = bounded(positive(), finite(), default=1e-4)
     weight_decay: float = bounded(at_least(0.0), default=0.0)
     betas: tuple[float, float] = (0.9, 0.99)
     grad_clip: float = bounded(at_least(0.0), default=1.0)
@@ -192,7 +192,7 @@ class RunConfig:
     keep_last: int = bounded(at_least(1), default=2)
     samples_to_log: int = 16
     """Completions saved per step under samples/."""
-    threads: int = 2
+    threads: int = bounded(at_least(1), default=2)
     """torch intra-op threads (give each compute process its own cores)."""
 
 

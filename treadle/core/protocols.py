@@ -67,7 +67,8 @@ class InferenceEngine(Protocol):
     """
 
     policy_version: int
-    """Version of the weights being served (optimizer steps since the start; 0 = as loaded)."""
+    """Version of the weights being served (RL steps, i.e. weight syncs, since the start of RL;
+    0 = as loaded)."""
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams

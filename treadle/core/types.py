@@ -95,7 +95,8 @@ class Completion:
     """Log-probability (nats) of each sampled token under the sampling policy, ``[R]``."""
     finish_reason: FinishReason
     policy_version: int
-    """Version of the weights that produced the completion (optimizer steps since start)."""
+    """Version of the weights that produced the completion (RL steps, i.e. weight syncs, since
+    the start; 0 = the starting weights)."""
     text: str = ""
     """Detokenized text of ``token_ids`` for verifiers and logs (never re-encoded)."""
 

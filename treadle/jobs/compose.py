@@ -237,6 +237,11 @@ def compose(
         kv_cache_gib=cfg.rollout.kv_cache_gib,
     )
     version = read_checkpoint_state(ckpt).step if ckpt else 0
+    if version > cfg.run.steps:  # before any part starts or anything of the run is truncated
+        raise UserError(
+            f"{ckpt}: the run is at step {version}, past run.steps={cfg.run.steps}; resume with "
+            f"run.steps={version} or more (treadle train --resume {run_dir} run.steps={version})"
+        )
     roles = build_roles(cfg, weights, spec, version, run_dir, console)
     reference = build_reference(cfg, start, roles.device)
     critic = build_critic(cfg, start, ckpt, roles.device)
@@ -265,10 +270,13 @@ def compose(
 
 
 def close(parts: RLParts) -> None:
-    """Stop the reward workers, close the metrics files and, in Ray mode, the workers."""
+    """Stop the reward workers, close the metrics files and the engine and, in Ray mode, the
+    workers."""
     parts.rewards.close()
     parts.metrics.close()
-    if parts.cfg.placement.mode != "single":
+    if parts.cfg.placement.mode == "single":
+        parts.engine.close()
+    else:
         from treadle.cluster import close_ray_roles
 
         close_ray_roles(parts.policy, parts.engine)

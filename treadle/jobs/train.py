@@ -61,7 +61,7 @@ def train(cfg: Config, resume: Path | None = None, console: Console | None = Non
     check_inputs(cfg, data)  # bad input fails here, before a run directory exists
     run_dir = prepare_run_dir(cfg, resume)
     finished = _load_json(run_dir / "summary.json")
-    if finished.get("rl_steps") == cfg.run.steps:  # nothing left to do (a longer run goes on)
+    if finished.get("rl_steps", -1) >= cfg.run.steps:  # nothing to do (a longer run goes on)
         console.print(f"{run_dir} has finished its {cfg.run.steps} steps; its summary:")
         print_summary(console, finished)
         return finished

@@ -75,7 +75,7 @@ class RunState:
     step: int
     """RL steps done (names the directory ``step_{step:06d}``)."""
     policy_version: int
-    """Version of the policy's weights (optimizer steps since the start of RL)."""
+    """Version of the policy's weights: RL steps (weight syncs) since the start of RL."""
     data_position: DataPosition
     """The task sampler's position, so the resumed run draws the same next prompts."""
     schema_version: int = RUN_STATE_VERSION
@@ -99,6 +99,11 @@ class RunState:
                 names both), or a missing or mistyped field (naming ``path``).
         """
         version = raw.get("schema_version", 1) if isinstance(raw, dict) else None
+        if version is not None and (not _count(version) or version < 1):
+            raise UserError(
+                f"{path}: schema_version {version!r} is not a schema version (an integer >= 1); "
+                "resume from an earlier checkpoint or start without --resume"
+            )
         if isinstance(version, int) and version > RUN_STATE_VERSION:
             raise UserError(
                 f"{path}: run state schema version {version}, but this treadle reads versions up "
@@ -112,11 +117,11 @@ class RunState:
                 fields += [position.get("epoch"), position.get("offset")]
             else:
                 problem = "no data_position object"
-            if not all(isinstance(v, int) and not isinstance(v, bool) for v in fields):
-                problem = problem or "a missing or non-integer field"
+            if not all(_count(v) for v in fields):
+                problem = problem or "a missing, negative or non-integer field"
         if problem:
             raise UserError(
-                f"{path} is not a checkpoint state ({problem}; expected integer step, "
+                f"{path} is not a checkpoint state ({problem}; expected integers >= 0: step, "
                 "policy_version and data_position.epoch/offset); resume from an earlier "
                 "checkpoint or start without --resume"
             )
@@ -126,6 +131,11 @@ class RunState:
             data_position=DataPosition(position["epoch"], position["offset"]),
             schema_version=version,
         )
+
+
+def _count(value: Any) -> bool:
+    """An int >= 0 (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 # ---------------------------------------------------------------------------------------------
