@@ -105,9 +105,7 @@ def merge_ranks(ranks: Sequence[Metrics]) -> dict[str, Metric]:
         TypeError: a value is not a :class:`Metric`.
     """
     out: dict[str, Metric] = {}
-    names = dict.fromkeys(name for rank in ranks for name in rank)
-    for name in names:
-        values = [_checked(name, rank[name]) for rank in ranks if name in rank]
+    for name, values in _by_name(ranks).items():
         kind = values[0].reduction
         if kind is Reduction.MAX:
             out[name] = Metric(max(values), kind)
@@ -127,9 +125,7 @@ def mean_over_steps(steps: Sequence[Metrics]) -> dict[str, Metric]:
         TypeError: a value is not a :class:`Metric`.
     """
     out: dict[str, Metric] = {}
-    names = dict.fromkeys(name for step in steps for name in step)
-    for name in names:
-        values = [_checked(name, step[name]) for step in steps if name in step]
+    for name, values in _by_name(steps).items():
         kind = values[0].reduction
         if kind is Reduction.MAX:
             out[name] = Metric(max(values), kind)
@@ -139,3 +135,9 @@ def mean_over_steps(steps: Sequence[Metrics]) -> dict[str, Metric]:
             total += value / len(values)
         out[name] = Metric(total, kind)
     return out
+
+
+def _by_name(rows: Sequence[Metrics]) -> dict[str, list[Metric]]:
+    """Each metric name (in order of first appearance) -> its values in the rows reporting it."""
+    names = dict.fromkeys(name for row in rows for name in row)
+    return {name: [_checked(name, row[name]) for row in rows if name in row] for name in names}
