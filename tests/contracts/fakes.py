@@ -4,7 +4,9 @@ implementations do."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import time
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -12,7 +14,7 @@ import torch
 from treadle.algorithms.aggregation import token_mean
 from treadle.core.batch import MicroBatch, StepTotals, TokenOutputs
 from treadle.core.metrics import Metric, Reduction
-from treadle.core.protocols import SamplingParams
+from treadle.core.protocols import Finished, Request, SamplingParams
 from treadle.core.types import Completion, FinishReason
 from treadle.store.models import end_of_turn_ids
 
@@ -85,3 +87,104 @@ class AdvantageAsLoss:
         loss = token_mean(per_token, batch.loss_mask, batch.segments, totals)
         mean = float((per_token.detach() * m).sum() / m.sum())
         return loss, {"obj/mean": Metric(mean, Reduction.MEAN)}
+
+
+class ScriptedEngine:
+    """A :class:`~treadle.core.protocols.RequestEngine` without a model whose response lengths
+    and latencies are scripted: request ``r`` wants ``length(r)`` tokens (cut at its
+    ``max_tokens``, finish reason ``length``; else ``stop``); each :meth:`step` gives one token to
+    each of the first ``capacity`` running requests (the others wait, as in a full engine) and
+    sleeps ``step_s`` seconds. Token ``i`` of a completion is ``TOKEN``, logprob log(1/2); the
+    text is the number of tokens. ``sampled`` counts tokens per policy version; ``steps`` counts
+    steps.
+
+    Args:
+        length: tokens the request's completion wants.
+        capacity: most requests advanced per step (None: all).
+        step_s: wall time of a step (seconds).
+    """
+
+    TOKEN = 7
+
+    def __init__(self, length, capacity: int | None = None, step_s: float = 0.0) -> None:
+        self.length, self.capacity, self.step_s = length, capacity, step_s
+        self.policy_version = 0
+        self.weights: dict[str, torch.Tensor] = {}
+        self.sampled: dict[int, int] = {}
+        self.steps = 0
+        self.closed = False
+        self._live: dict[
+            str, tuple[Request, int, list[int]]
+        ] = {}  # id -> (request, want, versions)
+
+    def submit(self, request: Request) -> None:
+        if request.params.n != 1:
+            raise ValueError(f"request {request.request_id}: n must be 1, not {request.params.n}")
+        if request.request_id in self._live:
+            raise ValueError(f"request {request.request_id} is already running")
+        want = min(self.length(request), request.params.max_tokens)
+        self._live[request.request_id] = (request, max(want, 1), [])
+
+    def step(self) -> list[Finished]:
+        self.steps += 1
+        if self.step_s:
+            time.sleep(self.step_s)
+        done = []
+        for rid in list(self._live)[: self.capacity]:
+            request, want, versions = self._live[rid]
+            versions.append(self.policy_version)
+            self.sampled[self.policy_version] = self.sampled.get(self.policy_version, 0) + 1
+            if len(versions) == want:
+                del self._live[rid]
+                full = want == request.params.max_tokens and self.length(request) > want
+                reason = FinishReason.LENGTH if full else FinishReason.STOP
+                done.append(Finished(rid, self._completion(versions, reason)))
+        return done
+
+    def _completion(self, versions: list[int], reason: FinishReason) -> Completion:
+        n = len(versions)
+        mixed = tuple(versions) if len(set(versions)) > 1 else ()
+        return Completion(
+            (self.TOKEN,) * n,
+            (LOG_HALF,) * n,
+            reason,
+            min(versions, default=self.policy_version),
+            str(n),
+            mixed,
+        )
+
+    def abort(self, request_ids: Sequence[str]) -> list[Finished]:
+        ids = [r for r in request_ids if r in self._live]
+        return [
+            Finished(r, self._completion(self._live.pop(r)[2], FinishReason.ABORT)) for r in ids
+        ]
+
+    def running(self) -> int:
+        return len(self._live)
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[list[Completion]]:
+        if self._live:
+            raise RuntimeError("submitted requests are running")
+        one = dataclasses.replace(params, n=1)
+        for i, p in enumerate(prompts):
+            for j in range(params.n):
+                self.submit(Request(f"batch-{i}-{j}", tuple(p), one))
+        out: dict[str, Completion] = {}
+        while self._live:
+            out |= {f.request_id: f.completion for f in self.step()}
+        return [[out[f"batch-{i}-{j}"] for j in range(params.n)] for i in range(len(prompts))]
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        self.weights = {name: tensor.detach().clone() for name, tensor in weights}
+        self.policy_version = version
+
+    def prompt_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        return [[0.0] + [LOG_HALF] * (len(s) - 1) for s in sequences]
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        self.closed = True

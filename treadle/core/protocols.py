@@ -7,6 +7,8 @@
   or an FSDP2 trainer group behind the same methods).
 - :class:`Objective`: what a training backend minimises: a micro-batch's share of the step's
   loss (:mod:`treadle.train.objectives`).
+- :class:`RequestEngine`: the same engine, one request at a time: submit, advance, abort
+  (what the asynchronous rollout scheduler, :mod:`treadle.rollout.scheduler`, drives).
 - :class:`WeightSync`: the trainer -> engine transport.
 
 Each has a contract test that runs every implementation, fakes included (``tests/contracts/``).
@@ -94,6 +96,66 @@ class InferenceEngine(Protocol):
 
     def close(self) -> None:
         """Release the engine (its memory, processes); idempotent."""
+        ...
+
+
+@dataclass(frozen=True)
+class Request:
+    """One sample to generate: a prompt and how to sample it (``params.n`` must be 1: a group
+    of ``n`` samples is ``n`` requests)."""
+
+    request_id: str
+    """Unique among the engine's running requests."""
+    prompt_token_ids: tuple[int, ...]
+    """``[P]``; a continued partial rollout's prompt ends with the tokens sampled so far."""
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A request the engine is done with: completed (stop, length) or aborted (the tokens and
+    logprobs sampled before the abort, finish reason ``abort``)."""
+
+    request_id: str
+    completion: Completion
+
+
+class RequestEngine(InferenceEngine, Protocol):
+    """An :class:`InferenceEngine` that also serves requests one at a time, advanced by the
+    caller: :meth:`submit` queues a request, each :meth:`step` advances every running request
+    (a vLLM engine step: one token each, or a prefill) and returns those that finished,
+    :meth:`abort` stops requests and returns what they sampled so far.
+
+    Generation moves only inside :meth:`step`, so "pause, update weights, resume" is: stop
+    calling it, call :meth:`update_weights` (with nothing running, as the scheduler arranges:
+    running requests' cached keys and values come from the old weights), call it again. The
+    batch methods (:meth:`generate`, :meth:`prompt_logprobs`) need no request running.
+
+    Implementations: :class:`treadle.rollout.engines.vllm_engine.VLLMEngine` (vLLM's engine
+    steps, in process), :class:`treadle.rollout.engines.hf_engine.HFEngine` (waiting requests
+    generated as one batch per step) and the scripted fake (``tests/contracts/fakes.py``).
+    """
+
+    def submit(self, request: Request) -> None:
+        """Queue ``request``; it is sampled by the weights served when its tokens are.
+
+        Raises:
+            ValueError: ``request.params.n`` is not 1, or the id is already running.
+        """
+        ...
+
+    def step(self) -> list[Finished]:
+        """Advance every running request once; the requests that finished in it (each
+        completion carries the policy version that sampled it)."""
+        ...
+
+    def abort(self, request_ids: Sequence[str]) -> list[Finished]:
+        """Stop these requests (ids not running are ignored); for each, what it sampled so far
+        (possibly nothing), finish reason ``abort``."""
+        ...
+
+    def running(self) -> int:
+        """Requests submitted and not yet returned by :meth:`step` or :meth:`abort`."""
         ...
 
 

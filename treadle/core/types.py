@@ -96,9 +96,38 @@ class Completion:
     finish_reason: FinishReason
     policy_version: int
     """Version of the weights that produced the completion (RL steps, i.e. weight syncs, since
-    the start; 0 = the starting weights)."""
+    the start; 0 = the starting weights); for a partial rollout continued across weight
+    updates, the oldest version among its tokens (the one its staleness counts from)."""
     text: str = ""
     """Detokenized text of ``token_ids`` for verifiers and logs (never re-encoded)."""
+    token_versions: tuple[int, ...] = ()
+    """Policy version that sampled each token, ``[R]``; empty when one version sampled them
+    all (``policy_version``). See :meth:`versions`."""
+
+    def versions(self) -> tuple[int, ...]:
+        """Policy version that sampled each token, ``[R]``."""
+        return self.token_versions or (self.policy_version,) * len(self.token_ids)
+
+    def continued(self, more: Completion, text: str) -> Completion:
+        """This (aborted) completion followed by ``more``, which the engine sampled from the
+        prompt plus these tokens (a partial rollout resumed, possibly by newer weights): tokens,
+        logprobs and per-token versions concatenated, ``more``'s finish reason, and ``text``
+        (the joined ids decoded again: a character may straddle the cut).
+
+        Raises:
+            ValueError: this completion was not aborted (only a partial one can be continued).
+        """
+        if self.finish_reason != FinishReason.ABORT:
+            raise ValueError(f"only an aborted completion continues, not a {self.finish_reason}")
+        versions = self.versions() + more.versions()
+        return Completion(
+            token_ids=self.token_ids + more.token_ids,
+            logprobs=self.logprobs + more.logprobs,
+            finish_reason=more.finish_reason,
+            policy_version=min(versions, default=more.policy_version),
+            text=text,
+            token_versions=versions if len(set(versions)) > 1 else (),
+        )
 
 
 @dataclass(frozen=True)

@@ -8,12 +8,18 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from treadle.core.protocols import EngineSpec, SamplingParams
+from treadle.core.protocols import EngineSpec, Finished, Request, SamplingParams
 from treadle.core.types import Completion, FinishReason
 
 
 class HFEngine:
-    """Batched ``model.generate`` with left padding; slower than vLLM, with no extra install."""
+    """Batched ``model.generate`` with left padding; slower than vLLM, with no extra install.
+
+    As a :class:`~treadle.core.protocols.RequestEngine` it serves requests in small batches:
+    each :meth:`step` generates every waiting request to its end, one ``generate`` call per
+    distinct sampling setting, so a request is never partly sampled and an abort returns
+    either nothing (still waiting) or is too late (already returned).
+    """
 
     def __init__(self, spec: EngineSpec):
         self.policy_version = 0
@@ -28,6 +34,7 @@ class HFEngine:
         self._eos = set(eos if isinstance(eos, list) else [eos])
         self._pad = gen.pad_token_id if gen.pad_token_id is not None else min(self._eos)
         torch.manual_seed(spec.seed)
+        self._waiting: dict[str, Request] = {}
 
     @torch.no_grad()
     def generate(
@@ -87,6 +94,40 @@ class HFEngine:
             policy_version=self.policy_version,
             text=self._tokenizer.decode(tokens[:end], skip_special_tokens=True),
         )
+
+    def submit(self, request: Request) -> None:
+        """Queue ``request`` for the next :meth:`step`.
+
+        Raises:
+            ValueError: ``request.params.n`` is not 1, or the id is already waiting.
+        """
+        if request.params.n != 1:
+            raise ValueError(f"request {request.request_id}: n must be 1, not {request.params.n}")
+        if request.request_id in self._waiting:
+            raise ValueError(f"request {request.request_id} is already running")
+        self._waiting[request.request_id] = request
+
+    def step(self) -> list[Finished]:
+        """Generate every waiting request to its end (a batch per sampling setting)."""
+        by_params: dict[SamplingParams, list[Request]] = {}
+        for request in self._waiting.values():
+            by_params.setdefault(request.params, []).append(request)
+        self._waiting = {}
+        done = []
+        for params, requests in by_params.items():
+            outputs = self.generate([r.prompt_token_ids for r in requests], params)
+            done += [Finished(r.request_id, o[0]) for r, o in zip(requests, outputs, strict=True)]
+        return done
+
+    def abort(self, request_ids: Sequence[str]) -> list[Finished]:
+        """Drop these waiting requests; each returns an empty completion (nothing sampled)."""
+        empty = Completion((), (), FinishReason.ABORT, self.policy_version)
+        ids = [r for r in request_ids if self._waiting.pop(r, None) is not None]
+        return [Finished(r, empty) for r in ids]
+
+    def running(self) -> int:
+        """Requests waiting for the next :meth:`step`."""
+        return len(self._waiting)
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load ``weights`` (the full Hugging Face state dict) and serve them as ``version``.

@@ -17,11 +17,13 @@ os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max((os.cpu_count() or 1) - 1, 0)}")
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 import vllm
+from vllm.sampling_params import RequestOutputKind
 
-from treadle.core.protocols import EngineSpec, SamplingParams
+from treadle.core.protocols import EngineSpec, Finished, Request, SamplingParams
 from treadle.core.types import Completion, FinishReason
 
 
@@ -40,9 +42,55 @@ _CPU_BATCH = {"max_num_seqs": 1024, "max_num_batched_tokens": 8192}
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
 
+def _vllm_params(
+    params: SamplingParams, output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+) -> vllm.SamplingParams:
+    return vllm.SamplingParams(
+        n=params.n,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        max_tokens=params.max_tokens,
+        stop=list(params.stop) or None,
+        seed=params.seed,
+        logprobs=0,
+        skip_special_tokens=True,
+        # Keep a matched stop string in the text: its tokens are in token_ids and trained on,
+        # and a verifier may need it (e.g. a closing </answer>).
+        include_stop_str_in_output=True,
+        # vLLM's incremental detokenizer is a quarter of a small model's generation time on
+        # CPU; the text is decoded from the ids anyway. Stop strings need it.
+        detokenize=bool(params.stop),
+        output_kind=output_kind,
+    )
+
+
+def _sampled_logprobs(ids: Sequence[int], steps) -> list[float]:
+    """The logprob of each sampled token from vLLM's per-position dicts (0.0 where absent)."""
+    return [
+        step[tok].logprob if step and tok in step else 0.0
+        for tok, step in zip(ids, steps or [None] * len(ids), strict=True)
+    ]
+
+
+@dataclass
+class _Partial:
+    """What a running request has sampled so far, and by which policy version."""
+
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    def add(self, ids: list[int], logprobs: list[float], version: int) -> None:
+        self.ids += ids
+        self.logprobs += logprobs
+        self.versions += [version] * len(ids)
+
+
 class VLLMEngine:
-    """In-process ``vllm.LLM`` serving the policy (an
-    :class:`~treadle.rollout.engines.InferenceEngine`)."""
+    """In-process ``vllm.LLM`` serving the policy: an
+    :class:`~treadle.core.protocols.InferenceEngine` for batches, and a
+    :class:`~treadle.core.protocols.RequestEngine` through the same engine's steps (requests
+    stream their new tokens each step, so an abort returns what was sampled)."""
 
     def __init__(self, spec: EngineSpec):
         if not torch.cuda.is_available():
@@ -68,42 +116,93 @@ class VLLMEngine:
         self._tied = bool(
             getattr(self._llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False)
         )
+        self._live: dict[str, _Partial] = {}  # running requests: what they sampled so far
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams
     ) -> list[list[Completion]]:
         """``params.n`` completions of each prompt (token ids ``[P]``), in prompt order, with the
-        logprobs (nats) of the sampled distribution (vLLM's processed logprobs)."""
-        sp = vllm.SamplingParams(
-            n=params.n,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            max_tokens=params.max_tokens,
-            stop=list(params.stop) or None,
-            seed=params.seed,
-            logprobs=0,
-            skip_special_tokens=True,
-            # Keep a matched stop string in the text: its tokens are in token_ids and trained on,
-            # and a verifier may need it (e.g. a closing </answer>).
-            include_stop_str_in_output=True,
-            # vLLM's incremental detokenizer is a quarter of a small model's generation time on
-            # CPU; the text is decoded below from the ids anyway. Stop strings need it.
-            detokenize=bool(params.stop),
-        )
+        logprobs (nats) of the sampled distribution (vLLM's processed logprobs).
+
+        Raises:
+            RuntimeError: requests submitted one at a time are running (``LLM.generate`` runs
+                the engine until every request is done, theirs too).
+        """
+        self._check_idle()
+        sp = _vllm_params(params)
         outputs = self._llm.generate(
             [{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False
         )
         return [[self._completion(o) for o in req.outputs] for req in outputs]
 
+    def submit(self, request: Request) -> None:
+        """Add ``request`` to vLLM's scheduler; its tokens stream back through :meth:`step`.
+
+        Raises:
+            ValueError: ``request.params.n`` is not 1, or the id is already running.
+        """
+        if request.params.n != 1:
+            raise ValueError(f"request {request.request_id}: n must be 1, not {request.params.n}")
+        if request.request_id in self._live:
+            raise ValueError(f"request {request.request_id} is already running")
+        sp = _vllm_params(request.params, output_kind=RequestOutputKind.DELTA)
+        self._llm.llm_engine.add_request(
+            request.request_id, {"prompt_token_ids": list(request.prompt_token_ids)}, sp
+        )
+        self._live[request.request_id] = _Partial()
+
+    def step(self) -> list[Finished]:
+        """One vLLM engine step (a token for every running request, or a prefill); the
+        requests that finished in it."""
+        if not self._live:
+            return []
+        done = []
+        for out in self._llm.llm_engine.step():
+            partial = self._live[out.request_id]
+            delta = out.outputs[0]
+            ids = list(delta.token_ids)
+            partial.add(ids, _sampled_logprobs(ids, delta.logprobs), self.policy_version)
+            if out.finished:
+                del self._live[out.request_id]
+                reason = _FINISH.get(delta.finish_reason, FinishReason.ABORT)
+                done.append(Finished(out.request_id, self._as_completion(partial, reason)))
+        return done
+
+    def abort(self, request_ids: Sequence[str]) -> list[Finished]:
+        """Abort these running requests in vLLM; each returns what it sampled so far."""
+        ids = [r for r in request_ids if r in self._live]
+        if ids:
+            self._llm.llm_engine.abort_request(ids)
+        return [
+            Finished(r, self._as_completion(self._live.pop(r), FinishReason.ABORT)) for r in ids
+        ]
+
+    def running(self) -> int:
+        """Requests submitted and not yet returned."""
+        return len(self._live)
+
+    def _as_completion(self, partial: _Partial, reason: FinishReason) -> Completion:
+        versions = tuple(partial.versions)
+        return Completion(
+            token_ids=tuple(partial.ids),
+            logprobs=tuple(partial.logprobs),
+            finish_reason=reason,
+            policy_version=min(versions, default=self.policy_version),
+            text=self._tokenizer.decode(partial.ids, skip_special_tokens=True),
+            token_versions=versions if len(set(versions)) > 1 else (),
+        )
+
+    def _check_idle(self) -> None:
+        if self._live:
+            raise RuntimeError(
+                f"{len(self._live)} submitted requests are running; finish or abort them first"
+            )
+
     def _completion(self, out) -> Completion:
         ids = tuple(out.token_ids)
-        logprobs = tuple(
-            step[tok].logprob if step and tok in step else 0.0
-            for tok, step in zip(ids, out.logprobs or [None] * len(ids), strict=True)
-        )
         return Completion(
             token_ids=ids,
-            logprobs=logprobs,
+            logprobs=tuple(_sampled_logprobs(ids, out.logprobs)),
             finish_reason=_FINISH.get(out.finish_reason, FinishReason.ABORT),
             policy_version=self.policy_version,
             # Decoded from the ids, so the text is exactly what is trained on (vLLM's own text
@@ -135,6 +234,7 @@ class VLLMEngine:
     def prompt_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
         """Logprob (nats, temperature 1) of each token given the ones before it, ``[L]`` per
         sequence (index 0 is 0.0), from vLLM's prompt logprobs."""
+        self._check_idle()
         sp = vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
         outputs = self._llm.generate(
             [{"prompt_token_ids": list(s)} for s in sequences], sp, use_tqdm=False
