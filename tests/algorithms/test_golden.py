@@ -466,3 +466,29 @@ def test_mismatch_metrics_golden():
     assert m["mismatch/abs_logprob_diff"] == approx(0.25)
     assert m["mismatch/kl_k1"] == approx(-0.25)
     assert m["mismatch/kl_k3"] == approx((math.exp(0.5) - 1.5) / 2)
+
+
+def test_decoupled_ppo_across_two_policy_versions_golden():
+    # One sample, two trained tokens: token 0 sampled by policy version 0 (mu = 0.5), token 1
+    # by version 1 after a weight sync (mu = 0.25), a partial rollout. The trainer, now at
+    # version 2, recomputed pi_prox = [0.4, 0.3] before the update and is at pi_theta =
+    # [0.44, 0.45] mid-update; A = 1, eps 0.2, C = 2.
+    # behaviour weights w = pi_prox / mu = [0.8, 1.2]; ratios u = pi_theta / pi_prox = [1.1, 1.5]
+    # token 0: -0.8 * min(1.1, clip(1.1, 0.8, 1.2)) = -0.8 * 1.1 = -0.88
+    # token 1: -1.2 * min(1.5, 1.2) = -1.2 * 1.2 = -1.44  (clipped: no gradient through u)
+    # token-mean: (-0.88 - 1.44) / 2 = -1.16
+    lp = torch.log(T([0.44, 0.45])).requires_grad_()
+    prox, mu = torch.log(T([0.4, 0.3])), torch.log(T([0.5, 0.25]))
+    mask, seg, adv = T([True, True]), T([0, 0]), T([1.0, 1.0])
+    w, metrics = IS_CORRECTIONS["decoupled"](prox, mu, mask, seg, 2.0)
+    assert w.tolist() == [approx(0.8), approx(1.2)]
+    per_token, _ = ppo_clip(lp, prox, adv, mask, seg, PolicyLossParams(0.2, 0.2))
+    loss = (per_token * w).mean()
+    assert loss.item() == approx(-1.16)
+    loss.backward()
+    # d/d lp_0 of -0.8 * exp(lp_0 - prox_0) / 2 = -0.8 * 1.1 / 2 = -0.44; token 1 is clipped: 0
+    assert lp.grad.tolist() == [approx(-0.44), approx(0.0)]
+    # a token the behaviour policy sampled 3x more rarely than pi_prox (w = 3 > C = 2) drops
+    w, metrics = IS_CORRECTIONS["decoupled"](torch.log(T([0.6])), torch.log(T([0.2])), T([True]),
+                                            T([0]), 2.0)  # fmt: skip
+    assert w.tolist() == [0.0] and metrics["is/modified_fraction"] == approx(1.0)

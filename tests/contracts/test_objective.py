@@ -40,6 +40,7 @@ OBJECTIVES: dict[str, Objective] = {
     "ppo + k3 KL + entropy bonus": policy(kl=KLConfig(coef=0.1), entropy_coef=0.01),
     "ppo + tis_token": policy(importance_sampling="tis_token"),
     "ppo + mis_seq": policy(importance_sampling="mis_seq"),
+    "ppo + decoupled": policy(importance_sampling="decoupled"),
     "value": ValueObjective(value_clip=0.2),
     "sft": SFTObjective(),
     "fake: advantage as loss": AdvantageAsLoss(),

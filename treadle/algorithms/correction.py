@@ -8,6 +8,12 @@ brings you off-policy RL training", 2025, https://fengyao.notion.site/off-policy
 token's loss by ``min(pi_old / mu, C)``; masked importance sampling (MIS; Liu et al., "When speed
 kills stability", 2025, https://yingru.notion.site/When-Speed-Kills-Stability) drops tokens or
 sequences whose ratio leaves ``[1/C, C]``.
+
+The same weights serve asynchronous training, where the behaviour policy ``mu`` is an older
+policy version (per token: a partial rollout's tokens may come from several): the decoupled
+PPO objective (AReaL, Fu et al., arXiv:2505.24298, eq. 5) takes the clipped ratio against the
+proximal policy ``pi_prox`` (the trainer's logprobs recomputed before the update, the
+``old_logprobs``) and weights each token by ``pi_prox / mu`` (:func:`decoupled`).
 """
 
 from __future__ import annotations
@@ -73,7 +79,19 @@ def mis_seq(old, behavior, mask, segments, threshold):
     return w, _report(w, raw, mask)
 
 
+def decoupled(old, behavior, mask, segments, threshold):
+    """Decoupled PPO's behaviour weight (AReaL, arXiv:2505.24298, eq. 5): ``w_t = pi_prox_t /
+    mu_t``, untruncated; a token whose weight exceeds ``C`` is dropped (weight 0; AReaL's
+    ``behav_imp_weight_cap``), as a token the behaviour policy sampled far more rarely than the
+    proximal one would dominate the step. With the PPO loss this is
+    ``-w_t min(u_t A_t, clip(u_t, 1-eps, 1+eps) A_t)``, ``u_t = pi_theta_t / pi_prox_t``."""
+    raw = torch.exp(_token_log_w(old, behavior, mask)).detach()
+    w = torch.where(raw <= threshold, raw, torch.zeros_like(raw))
+    return w, _report(w, raw, mask)
+
+
 IS_CORRECTIONS: dict[str, ISWeights] = {
+    "decoupled": decoupled,
     "tis_token": tis_token,
     "tis_seq": tis_seq,
     "mis_token": mis_token,

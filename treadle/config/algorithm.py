@@ -82,9 +82,14 @@ class AlgorithmConfig:
     overlong_cache: int = bounded(at_least(0), default=0)
     """DAPO soft overlong punishment: the last this-many tokens of rollout.max_tokens cost up to
     -1 reward, linearly (0: off)."""
-    importance_sampling: Literal["none", "tis_token", "tis_seq", "mis_token", "mis_seq"] = "none"
-    """Correction for the engine/trainer mismatch; anything but ``none`` recomputes the old
-    logprobs with the trainer before the update."""
+    importance_sampling: Literal[
+        "none", "tis_token", "tis_seq", "mis_token", "mis_seq", "decoupled"
+    ] = "none"
+    """Correction for the engine/trainer mismatch, and for stale samples in the asynchronous
+    rollout modes (``decoupled``: AReaL's decoupled PPO, the ratio against the trainer's
+    recomputed logprobs and each token weighted by their ratio to the behaviour policy's);
+    anything but ``none`` recomputes the old logprobs with the trainer before the update."""
     is_threshold: float = bounded(finite(), above(1), default=2.0)
-    """C of the correction: TIS truncates weights at C; MIS drops weights outside [1/C, C]."""
+    """C of the correction: TIS truncates weights at C; MIS drops weights outside [1/C, C];
+    ``decoupled`` drops weights above C."""
     critic: CriticConfig = field(default_factory=CriticConfig)
