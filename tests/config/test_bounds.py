@@ -23,6 +23,7 @@ AT_LEAST = {
     "data.size": 1, "data.eval_size": 1,
     "sft.steps": 0, "sft.batch_size": 1,
     "rollout.prompts_per_step": 1, "rollout.n": 1, "rollout.max_tokens": 1,
+    "rollout.max_staleness": 0, "rollout.oversample": 0,
     "algorithm.clip_eps_low": 0.0, "algorithm.clip_eps_high": 0.0, "algorithm.dual_clip": 0.0,
     "algorithm.kl.coef": 0.0, "algorithm.entropy_coef": 0.0, "algorithm.gamma": 0.0,
     "algorithm.lam": 0.0, "algorithm.max_sampling_rounds": 1, "algorithm.overlong_cache": 0,

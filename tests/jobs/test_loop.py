@@ -7,7 +7,8 @@ from contracts.fakes import FakeEngine
 from treadle.config import Config
 from treadle.core.protocols import SamplingParams
 from treadle.core.types import Completion, FinishReason, Message, Task
-from treadle.jobs.loop import RLParts, collect_rollouts
+from treadle.jobs.loop import RLParts
+from treadle.jobs.sources import collect_rollouts
 from treadle.rewards.base import Score
 from treadle.rewards.pool import BatchScores
 from treadle.store.data import TaskSampler

@@ -157,12 +157,26 @@ def test_round_trip_restores_model_optimizer_scheduler_and_rng(tmp_path: Path, t
 def test_state_json_is_plain_json(tmp_path: Path, trained) -> None:
     ckpt = save(tmp_path, 12, *trained)
     assert json.loads((ckpt / "state.json").read_text()) == {
-        "schema_version": 1,
+        "schema_version": 2,
         "step": 12,
         "policy_version": 1,
         "data_position": {"epoch": 0, "offset": 16},
+        "pending": [],
     }
     assert read_checkpoint_state(ckpt).step == 12
+
+
+def test_an_asynchronous_runs_pending_prompts_round_trip(tmp_path: Path, trained) -> None:
+    ckpt = save(tmp_path, 5, *trained)
+    pending = [{"epoch": 0, "offset": 14}, {"epoch": 1, "offset": 0}]
+    (ckpt / "state.json").write_text(json.dumps({**STATE.to_json(), "pending": pending}))
+    state = read_checkpoint_state(ckpt)
+    assert state.pending == (DataPosition(0, 14), DataPosition(1, 0))
+    assert RunState.from_json(state.to_json(), ckpt) == state
+    for bad in ({"epoch": 0}, {"epoch": 0, "offset": -2}, 3):
+        (ckpt / "state.json").write_text(json.dumps({**STATE.to_json(), "pending": [bad]}))
+        with pytest.raises(UserError, match=r"state\.json is not a checkpoint state"):
+            read_checkpoint_state(ckpt)
 
 
 def test_latest_follows_the_newest_save(tmp_path: Path, trained) -> None:
@@ -348,7 +362,7 @@ def test_a_newer_schema_version_or_a_malformed_state_is_one_clear_error(tmp_path
     newer = {**STATE.to_json(), "schema_version": 7}
     (ckpt / "state.json").write_text(json.dumps(newer))
     with pytest.raises(
-        UserError, match=r"schema version 7, but this treadle reads versions up to 1"
+        UserError, match=r"schema version 7, but this treadle reads versions up to 2"
     ):
         read_checkpoint_state(ckpt)
     for bad in (0, -5, "2", True):  # not a schema version: one line naming the field

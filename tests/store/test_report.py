@@ -136,3 +136,22 @@ def test_unmeasured_summary_value_shows_a_dash():
     from treadle.store.report import format_summary_value
 
     assert format_summary_value("greedy_accuracy_after_rl", None) == "-"
+
+
+def test_an_asynchronous_run_gets_a_panel_of_staleness_and_busy_fractions(tmp_path: Path) -> None:
+    with MetricsLogger(tmp_path, tensorboard=False) as metrics:
+        for step in (1, 2, 3):
+            metrics.log(step, {"reward/mean": 0.1 * step, "async/staleness_mean": step / 2,
+                               "async/staleness_max": 2, "async/engine_busy": 0.9})  # fmt: skip
+    fig = build_run_figure(read_metrics(tmp_path / "metrics.jsonl"), "async")
+    _, _, async_ax = fig.axes
+    labels = [line.get_label() for line in async_ax.get_lines()]
+    # the trainer's busy fraction was not logged: three lines
+    assert labels == [
+        "staleness, mean (versions)",
+        "staleness, max (versions)",
+        "engine busy (fraction)",
+    ]
+    assert list(async_ax.get_lines()[0].get_ydata()) == pytest.approx([0.5, 1.0, 1.5])
+    # 18 x 4.5 inches at 120 dpi
+    assert _png_size(plot_run(tmp_path / "metrics.jsonl", tmp_path / "p.png")) == (2160, 540)

@@ -23,6 +23,7 @@ def check(cfg: Config) -> None:
     """
     check_fields(cfg)
     _check_placement(cfg)
+    _check_rollout_mode(cfg)
     _check_model(cfg)
     _check_sources(cfg)
     _check_algorithm(cfg)
@@ -49,6 +50,34 @@ def _check_placement(cfg: Config) -> None:
         raise UserError(
             f"config placement.mode={p.mode}: trainer.bf16_autocast is not supported by the "
             "FSDP2 trainer group yet; set it to false"
+        )
+
+
+def _check_rollout_mode(cfg: Config) -> None:
+    """What each rollout mode supports."""
+    r = cfg.rollout
+    if r.mode == "sync":
+        for key, value in (("partial", r.partial), ("oversample", r.oversample)):
+            if value:
+                raise UserError(
+                    f"config rollout.{key}: has no effect with rollout.mode=sync; set "
+                    "rollout.mode=async (or one_step_off for oversample)"
+                )
+        return
+    if r.mode == "one_step_off" and r.partial:
+        raise UserError(
+            "config rollout.partial: one_step_off finishes requests on the weights they started "
+            "with; use rollout.mode=async with rollout.max_staleness=1 for partial rollouts"
+        )
+    if cfg.placement.mode != "single":
+        raise UserError(
+            f"config rollout.mode={r.mode}: runs in one process for now; set "
+            "placement.mode=single (or rollout.mode=sync with Ray placement)"
+        )
+    if cfg.algorithm.advantage == "remax":
+        raise UserError(
+            f"config rollout.mode={r.mode}: ReMax's greedy baseline is generated with the "
+            "batch's policy; use rollout.mode=sync with algorithm.advantage=remax"
         )
 
 

@@ -145,6 +145,19 @@ class RolloutConfig:
     """Stop strings (the end-of-turn token always stops a completion)."""
     kv_cache_gib: float = bounded(positive(), finite(), default=1.0)
     """vLLM CPU KV-cache size (GiB)."""
+    mode: Literal["sync", "one_step_off", "async"] = "sync"
+    """``sync``: each step generates its batch, then trains on it (on-policy). ``one_step_off``:
+    the rollout of step k+1 runs during the update of step k (one version stale at most).
+    ``async``: generation never waits for the trainer beyond the staleness bound
+    (``max_staleness``); see :mod:`treadle.rollout.scheduler`."""
+    max_staleness: int = bounded(at_least(0), default=1)
+    """``async``: eta, the most policy versions a trained token may lag the trainer."""
+    partial: bool = False
+    """``async``: at a weight sync, abort running requests and continue them with the new
+    weights from where they stopped (partial rollouts); else they finish on the old weights."""
+    oversample: int = bounded(at_least(0), default=0)
+    """``one_step_off``/``async``: extra groups in flight beyond the batch; at a weight sync the
+    stragglers are aborted (dropped, or continued with ``partial``)."""
 
 
 @dataclass

@@ -265,6 +265,7 @@ def compose(
         metrics,
         buffer,
         roles.weight_sync,
+        pending=state.pending if state else (),
     )
     return parts, done
 

@@ -1,13 +1,17 @@
 """The RL loop: one screen, one named call per phase, each under a timer.
 
-This loop is synchronous and on-policy: generation waits for the previous step's weight sync
-(the ``sync`` phase), so every rollout comes from the newest policy. An off-policy variant moves
-that one wait: it would start generating step ``s+1`` before ``update`` of step ``s`` finishes.
+The same loop runs every rollout mode (``rollout.mode``); they differ only in where the trainer
+waits for rollouts, inside ``source.batch`` (:mod:`treadle.jobs.sources`): ``sync`` generates
+the batch there, after the previous step's weight sync, so every rollout comes from the newest
+policy; ``one_step_off`` and ``async`` generate in a background thread all along and wait there
+only while fewer than a batch of fresh groups are ready.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,16 +20,12 @@ from transformers import PreTrainedTokenizerBase
 
 from treadle.config import Config
 from treadle.core.protocols import InferenceEngine, SamplingParams, TrainingBackend, WeightSync
-from treadle.core.types import RolloutGroup, Task, TrainSample
+from treadle.core.types import DataPosition, RolloutGroup, Task, TrainSample
+from treadle.jobs.sources import Batch, OnPolicy, RolloutSource, Streamed
 from treadle.rewards.pool import RewardPool
 from treadle.rollout.evaluate import EvalResult, evaluate
-from treadle.rollout.generate import check_policy_version, generate, score
-from treadle.rollout.samples import (
-    assign_advantages,
-    build_samples,
-    filter_groups,
-    outcome_rewards,
-)
+from treadle.rollout.generate import generate, score
+from treadle.rollout.samples import assign_advantages, build_samples, outcome_rewards
 from treadle.store.buffer import RolloutBuffer
 from treadle.store.checkpoint import RunState, save_checkpoint
 from treadle.store.data import TaskSampler
@@ -55,6 +55,9 @@ class RLParts:
     """Every trained rollout by rollout id, one parquet file per step (``RUN/buffer``)."""
     weight_sync: WeightSync
     """Trainer -> engine transport (in-process, shared memory, collective or disk)."""
+    pending: tuple[DataPosition, ...] = ()
+    """A resumed asynchronous run's prompts that were drawn and not trained at its checkpoint
+    (generated again first)."""
 
 
 def run_rl(parts: RLParts, start_step: int, progress: Progress) -> None:
@@ -63,36 +66,38 @@ def run_rl(parts: RLParts, start_step: int, progress: Progress) -> None:
     cfg = parts.cfg
     params = sampling_params(cfg)
     objective = PolicyObjective.from_config(cfg.algorithm, cfg.rollout.max_tokens)
-    for step in range(start_step, cfg.run.steps):
-        batch, samples, metrics = rl_step(parts, step, params, objective)
-        done = step + 1
-        if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.run.steps:
-            with timed(metrics, "eval"):
-                metrics.update(evaluate_policy(parts).metrics())
-        parts.metrics.log(done, metrics)
-        parts.buffer.add(done, batch.groups, samples)
-        records = sample_records(batch.groups, samples, cfg.run.samples_to_log)
-        write_samples(parts.run_dir, done, records)
-        if done % cfg.run.save_every == 0 or done == cfg.run.steps:
-            save_state(parts, done)
-        progress.update(
-            done,
-            reward=metrics["reward/mean"],
-            accuracy=metrics["reward/accuracy"],
-            step_time_s=metrics["time/step_s"],
-        )
+    with rollout_source(parts, params, start_step) as source:
+        for step in range(start_step, cfg.run.steps):
+            batch, samples, metrics = rl_step(parts, source, step, objective)
+            done = step + 1
+            if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.run.steps:
+                with timed(metrics, "eval"), source.exclusive():
+                    metrics.update(evaluate_policy(parts).metrics())
+            parts.metrics.log(done, metrics)
+            parts.buffer.add(done, batch.groups, samples)
+            records = sample_records(batch.groups, samples, cfg.run.samples_to_log)
+            write_samples(parts.run_dir, done, records)
+            if done % cfg.run.save_every == 0 or done == cfg.run.steps:
+                save_state(parts, done, *source.snapshot())
+            progress.update(
+                done,
+                reward=metrics["reward/mean"],
+                accuracy=metrics["reward/accuracy"],
+                step_time_s=metrics["time/step_s"],
+            )
 
 
 def rl_step(
-    parts: RLParts, step: int, params: SamplingParams, objective: PolicyObjective
+    parts: RLParts, source: RolloutSource, step: int, objective: PolicyObjective
 ) -> tuple[Batch, list[TrainSample], dict[str, float]]:
-    """One RL step on policy version ``step``: generate -> score -> filter -> old/ref logprobs
-    and values -> advantages -> update (policy, critic) -> sync. Returns the batch, its train
-    samples (as trained, for the buffer) and the step's metrics."""
+    """One RL step on policy version ``step``: rollouts (generate -> score -> filter) -> old/ref
+    logprobs and values -> advantages -> update (policy, critic) -> sync. Returns the batch, its
+    train samples (as trained, for the buffer) and the step's metrics."""
     p, algo, t = parts, parts.cfg.algorithm, {}
+    params = source.params
     with timed(t, "step"):
-        # generate -> score -> filter; dynamic sampling repeats it until the batch is full
-        batch = collect_rollouts(p, params, t, version=step)
+        # sync: generate the batch now; async: take it from the stream (see the module doc)
+        batch = source.batch(step, t)
         samples, sample_metrics = build_samples(batch.groups, algo)
         rewards, reward_metrics = outcome_rewards(batch.groups, algo, p.cfg.rollout.max_tokens)
         baselines = None
@@ -119,12 +124,27 @@ def rl_step(
             with timed(t, "critic_update"):
                 critic = p.critic.train_step(samples, ValueObjective(algo.critic.value_clip))
             update_metrics |= critic_metrics(critic)
-        with timed(t, "sync"):  # the engine serves the new weights before the next rollout
-            sync_metrics = p.weight_sync.sync(version=step + 1)
+        with timed(t, "sync"):  # the engine serves the new weights from now on
+            sync_metrics = source.sync(p.weight_sync, version=step + 1)
     metrics = rollout_metrics(batch.groups) | batch.metrics | sample_metrics | reward_metrics
     metrics |= adv_metrics | update_metrics | sync_metrics | t
     metrics |= p.engine.metrics()  # e.g. the workers an engine group replaced
+    if "async/engine_busy" in metrics:  # the trainer waited only for "generate"
+        metrics["async/trainer_busy"] = 1 - t["time/generate_s"] / max(t["time/step_s"], 1e-9)
     return batch, samples, metrics
+
+
+@contextlib.contextmanager
+def rollout_source(parts: RLParts, params: SamplingParams, step: int) -> Iterator[RolloutSource]:
+    """The rollouts of ``rollout.mode`` from policy version ``step`` on, closed on exit."""
+    mode = parts.cfg.rollout.mode
+    source = (
+        OnPolicy(parts, params) if mode == "sync" else Streamed(parts, params, step, parts.pending)
+    )
+    try:
+        yield source
+    finally:
+        source.close()
 
 
 def critic_metrics(metrics: dict[str, float]) -> dict[str, float]:
@@ -135,59 +155,6 @@ def critic_metrics(metrics: dict[str, float]) -> dict[str, float]:
         for name, value in metrics.items()
         if not name.startswith("perf/")
     }
-
-
-@dataclass(frozen=True)
-class Batch:
-    """The scored groups one RL step trains on."""
-
-    groups: list[RolloutGroup]
-    metrics: dict[str, float]
-    """Reward failures/timeouts, and dynamic sampling's rounds and dropped groups."""
-
-
-def collect_rollouts(
-    parts: RLParts, params: SamplingParams, t: dict[str, float], version: int | None = None
-) -> Batch:
-    """Generate and score ``rollout.prompts_per_step`` prompts' groups. With
-    ``algorithm.dynamic_sampling`` (DAPO), groups whose rewards are all equal are dropped and
-    more prompts are sampled, at most ``algorithm.max_sampling_rounds`` rounds; the batch is then
-    cut to ``prompts_per_step`` groups, or trains on fewer if the rounds ran out."""
-    cfg, p = parts.cfg, parts
-    want = cfg.rollout.prompts_per_step
-    kept: list[RolloutGroup] = []
-    failures = timeouts = cached = dropped = rounds = 0
-    while len(kept) < want and rounds < cfg.algorithm.max_sampling_rounds:
-        rounds += 1
-        tasks = p.sampler.next_batch(want)
-        with timed(t, "generate"):
-            generated = generate(p.engine, p.tokenizer, tasks, params)
-        if version is not None:
-            check_policy_version(generated, version)
-        with timed(t, "reward"):
-            scored = score(p.rewards, generated)
-        failures, timeouts = failures + scored.failures, timeouts + scored.timeouts
-        cached += scored.cached
-        groups = scored.groups
-        if not cfg.algorithm.dynamic_sampling:
-            kept = groups
-            break
-        with timed(t, "filter"):
-            groups, filtered = filter_groups(groups)
-        dropped += int(filtered["filter/dropped_groups"])
-        kept += groups
-    metrics = {
-        "reward/failures": float(failures),
-        "reward/timeouts": float(timeouts),
-        "reward/cached": float(cached),
-    }
-    if cfg.algorithm.dynamic_sampling:
-        metrics |= {
-            "filter/dropped_groups": float(dropped),
-            "filter/rounds": float(rounds),
-            "filter/kept_groups": float(min(len(kept), want)),
-        }
-    return Batch(kept[:want], metrics)
 
 
 def greedy_baselines(
@@ -220,12 +187,23 @@ def evaluate_policy(parts: RLParts) -> EvalResult:
     )
 
 
-def save_state(parts: RLParts, step: int) -> Path:
-    """Checkpoint the run after ``step`` RL steps (the policy's weights are version ``step``)."""
-    position = dataclasses.replace(parts.sampler.position)
+def save_state(
+    parts: RLParts,
+    step: int,
+    position: DataPosition | None = None,
+    pending: Sequence[DataPosition] = (),
+) -> Path:
+    """Checkpoint the run after ``step`` RL steps (the policy's weights are version ``step``).
+
+    Args:
+        position: the sampler's position (default: read now).
+        pending: where the prompts drawn and not yet trained were drawn (asynchronous modes),
+            which a resume generates again; taken in one snapshot with ``position``.
+    """
+    position = position or dataclasses.replace(parts.sampler.position)
     return save_checkpoint(
         parts.run_dir,
-        RunState(step=step, policy_version=step, data_position=position),
+        RunState(step=step, policy_version=step, data_position=position, pending=tuple(pending)),
         parts.policy,
         parts.tokenizer,
         keep_last=parts.cfg.run.keep_last,

@@ -46,6 +46,7 @@ SCHEMA = pa.schema(
         ("grader_failed", pa.bool_()),
         ("finish_reason", pa.string()),
         ("policy_version", pa.int32()),
+        ("token_versions", pa.list_(pa.int32())),  # [R]: the policy version of each sampled token
         ("prompt_tokens", pa.int32()),
         ("token_ids", pa.list_(pa.int32())),
         ("loss_mask", pa.list_(pa.bool_())),
@@ -57,7 +58,9 @@ SCHEMA = pa.schema(
         ("returns", _FLOATS),
     ]
 )
-"""One row per rollout; per-token lists are ``[L]`` over prompt + completion tokens."""
+"""One row per rollout; per-token lists are ``[L]`` over prompt + completion tokens, except
+``token_versions``, ``[R]`` over the completion (``policy_version`` is their minimum; files
+written before it existed read back without it)."""
 
 
 def rollout_id(step: int, group: int, sample: int) -> str:
@@ -174,6 +177,7 @@ class RolloutBuffer:
                     "grader_failed": r.grader_failed,
                     "finish_reason": str(r.completion.finish_reason),
                     "policy_version": s.policy_version,
+                    "token_versions": list(r.completion.versions()),
                     "prompt_tokens": len(g.prompt_token_ids),
                     "token_ids": s.token_ids,
                     "loss_mask": s.loss_mask,

@@ -63,9 +63,10 @@ CRITIC_DIRNAME = "critic"
 CRITIC_STATE_FILENAME = "critic_state.pt"
 _STEP_DIR_RE = re.compile(r"^step_(\d{6,})$")
 
-RUN_STATE_VERSION = 1
+RUN_STATE_VERSION = 2
 """Schema version of ``state.json`` written now. Version 1 (the first, also written before the
-field existed) holds ``step``, ``policy_version`` and ``data_position``."""
+field existed) holds ``step``, ``policy_version`` and ``data_position``; version 2 adds
+``pending`` (asynchronous rollouts' prompts drawn and not trained)."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,10 @@ class RunState:
     data_position: DataPosition
     """The task sampler's position, so the resumed run draws the same next prompts."""
     schema_version: int = RUN_STATE_VERSION
+    pending: tuple[DataPosition, ...] = ()
+    """Sampler positions of the prompts an asynchronous run had drawn and not trained (running
+    or waiting for the trainer): the resumed run generates them again first (schema 2; empty
+    in schema 1 and in ``rollout.mode=sync``)."""
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object written to ``state.json``."""
@@ -88,6 +93,7 @@ class RunState:
             "step": self.step,
             "policy_version": self.policy_version,
             "data_position": position,
+            "pending": [{"epoch": p.epoch, "offset": p.offset} for p in self.pending],
         }
 
     @classmethod
@@ -117,6 +123,11 @@ class RunState:
                 fields += [position.get("epoch"), position.get("offset")]
             else:
                 problem = "no data_position object"
+            pending = raw.get("pending", [])
+            if isinstance(pending, list) and all(isinstance(p, dict) for p in pending):
+                fields += [p.get(k) for p in pending for k in ("epoch", "offset")]
+            else:
+                problem = "pending is not a list of positions"
             if not all(_count(v) for v in fields):
                 problem = problem or "a missing, negative or non-integer field"
         if problem:
@@ -130,6 +141,7 @@ class RunState:
             policy_version=raw["policy_version"],
             data_position=DataPosition(position["epoch"], position["offset"]),
             schema_version=version,
+            pending=tuple(DataPosition(p["epoch"], p["offset"]) for p in pending),
         )
 
 

@@ -312,6 +312,10 @@ class TaskSampler:
         random.Random(self._seed * 1_000_003 + epoch).shuffle(order)
         return order
 
+    def task_at(self, position: DataPosition) -> Task:
+        """The task this sampler draws next when at ``position`` (its state is unchanged)."""
+        return TaskSampler(self._tasks, self._seed, position).next_batch(1)[0]
+
     def next_batch(self, k: int) -> list[Task]:
         """The next ``k`` tasks; crossing an epoch boundary reshuffles."""
         batch = []

@@ -80,17 +80,43 @@ def _draw_eval(ax: Axes, rows: list[MetricsRow]) -> None:
     ax.grid(True, alpha=0.3)
 
 
-def build_run_figure(rows: list[MetricsRow], title: str) -> Figure:
-    """Build the two-panel figure of :func:`plot_run` from metrics rows (size 12 x 4.5 inches).
+ASYNC_METRICS: tuple[tuple[str, str], ...] = (
+    ("async/staleness_mean", "staleness, mean (versions)"),
+    ("async/staleness_max", "staleness, max (versions)"),
+    ("async/engine_busy", "engine busy (fraction)"),
+    ("async/trainer_busy", "trainer busy (fraction)"),
+)
+"""The asynchronous rollout's metrics drawn in a third panel, when the run logged them."""
 
-    ``fig.axes[0]`` holds the training reward, ``fig.axes[1]`` the held-out accuracy lines.
+
+def build_run_figure(rows: list[MetricsRow], title: str) -> Figure:
+    """Build the figure of :func:`plot_run` from metrics rows (12 x 4.5 inches, 18 x 4.5 with
+    the third panel).
+
+    ``fig.axes[0]`` holds the training reward, ``fig.axes[1]`` the held-out accuracy lines,
+    and for an asynchronous run (``rollout.mode`` other than ``sync``) ``fig.axes[2]`` the
+    staleness and the engine's and trainer's busy fractions.
     """
-    fig = Figure(figsize=(12, 4.5), layout="constrained")
-    reward_ax, eval_ax = fig.subplots(1, 2, sharex=True)
-    _draw_reward(reward_ax, rows)
-    _draw_eval(eval_ax, rows)
+    scheduled = any(name in row for row in rows for name, _ in ASYNC_METRICS)
+    fig = Figure(figsize=(18 if scheduled else 12, 4.5), layout="constrained")
+    axes = fig.subplots(1, 3 if scheduled else 2, sharex=True)
+    _draw_reward(axes[0], rows)
+    _draw_eval(axes[1], rows)
+    if scheduled:
+        _draw_async(axes[2], rows)
     fig.suptitle(title)
     return fig
+
+
+def _draw_async(ax: Axes, rows: list[MetricsRow]) -> None:
+    for name, label in ASYNC_METRICS:
+        steps, values = _series(rows, name)
+        if steps:
+            ax.plot(steps, values, linewidth=1.5, label=label)
+    ax.legend(loc="best")
+    ax.set_title("Asynchronous rollout")
+    ax.set_xlabel("step")
+    ax.grid(True, alpha=0.3)
 
 
 def plot_run(
@@ -101,8 +127,9 @@ def plot_run(
 ) -> Path:
     """Plot a run's training reward and held-out accuracy against step into a PNG.
 
-    Left panel: ``reward/mean``. Right panel: ``eval/pass@1``, ``eval/greedy_accuracy`` and
-    ``eval/pass@k``, each a line where logged. A metric that was never logged is simply absent
+    Left panel: ``reward/mean``. Middle panel: ``eval/pass@1``, ``eval/greedy_accuracy`` and
+    ``eval/pass@k``, each a line where logged. An asynchronous run gets a third panel of
+    :data:`ASYNC_METRICS`. A metric that was never logged is simply absent
     (a panel with none says so). Uses matplotlib's Agg canvas without touching pyplot's global
     state; the PNG is written atomically.
 

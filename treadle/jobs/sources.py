@@ -1,0 +1,227 @@
+"""Where the RL loop gets its rollouts, one class per kind of ``rollout.mode``: the two differ
+only in where the trainer waits.
+
+- :class:`OnPolicy` (``sync``): :meth:`~OnPolicy.batch` generates and scores the step's
+  prompts when the loop asks, after the previous step's weight sync: the trainer waits for the
+  whole generation, and the engine waits for the trainer.
+- :class:`Streamed` (``one_step_off``, ``async``): the rollout scheduler
+  (:mod:`treadle.rollout.scheduler`) generates in a background thread all along;
+  :meth:`~Streamed.batch` waits only while fewer than a batch of fresh groups are ready.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from transformers import PreTrainedTokenizerBase
+
+from treadle.config import Config
+from treadle.core.errors import UserError
+from treadle.core.protocols import InferenceEngine, RequestEngine, SamplingParams, WeightSync
+from treadle.core.types import DataPosition, RolloutGroup
+from treadle.rewards.pool import RewardPool
+from treadle.rollout.generate import Generated, Scored, check_policy_version, generate, score
+from treadle.rollout.samples import filter_groups
+from treadle.rollout.scheduler import Draw, RolloutScheduler, SchedulerConfig
+from treadle.store.data import TaskSampler, render_prompt
+from treadle.store.observe import timed
+
+
+class RolloutInputs(Protocol):
+    """What a rollout source draws on (the loop's :class:`~treadle.jobs.loop.RLParts`)."""
+
+    cfg: Config
+    engine: InferenceEngine
+    tokenizer: PreTrainedTokenizerBase
+    rewards: RewardPool
+    sampler: TaskSampler
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The scored groups one RL step trains on."""
+
+    groups: list[RolloutGroup]
+    metrics: dict[str, float]
+    """Reward failures/timeouts, dynamic sampling's rounds and dropped groups, and in the
+    asynchronous modes the scheduler's ``async/*`` metrics."""
+
+
+def collect_rollouts(
+    parts: RolloutInputs, params: SamplingParams, t: dict[str, float], version: int | None = None
+) -> Batch:
+    """Generate and score ``rollout.prompts_per_step`` prompts' groups. With
+    ``algorithm.dynamic_sampling`` (DAPO), groups whose rewards are all equal are dropped and
+    more prompts are sampled, at most ``algorithm.max_sampling_rounds`` rounds; the batch is then
+    cut to ``prompts_per_step`` groups, or trains on fewer if the rounds ran out."""
+    cfg, p = parts.cfg, parts
+    want = cfg.rollout.prompts_per_step
+    kept: list[RolloutGroup] = []
+    failures = timeouts = cached = dropped = rounds = 0
+    while len(kept) < want and rounds < cfg.algorithm.max_sampling_rounds:
+        rounds += 1
+        tasks = p.sampler.next_batch(want)
+        with timed(t, "generate"):
+            generated = generate(p.engine, p.tokenizer, tasks, params)
+        if version is not None:
+            check_policy_version(generated, version)
+        with timed(t, "reward"):
+            scored = score(p.rewards, generated)
+        failures, timeouts = failures + scored.failures, timeouts + scored.timeouts
+        cached += scored.cached
+        groups = scored.groups
+        if not cfg.algorithm.dynamic_sampling:
+            kept = groups
+            break
+        with timed(t, "filter"):
+            groups, filtered = filter_groups(groups)
+        dropped += int(filtered["filter/dropped_groups"])
+        kept += groups
+    metrics = {
+        "reward/failures": float(failures),
+        "reward/timeouts": float(timeouts),
+        "reward/cached": float(cached),
+    }
+    if cfg.algorithm.dynamic_sampling:
+        metrics |= {
+            "filter/dropped_groups": float(dropped),
+            "filter/rounds": float(rounds),
+            "filter/kept_groups": float(min(len(kept), want)),
+        }
+    return Batch(kept[:want], metrics)
+
+
+class OnPolicy:
+    """``rollout.mode=sync``: each batch is generated when the loop asks for it, by the policy
+    the trainer has now (checked: a completion of another version raises StaleWeightsError)."""
+
+    def __init__(self, parts: RolloutInputs, params: SamplingParams) -> None:
+        self.parts, self.params = parts, params
+
+    def batch(self, version: int, t: dict[str, float]) -> Batch:
+        """Generate, score and filter this step's groups now (the wait is here)."""
+        return collect_rollouts(self.parts, self.params, t, version=version)
+
+    def exclusive(self) -> contextlib.AbstractContextManager[None]:
+        """Nothing runs between batches: the engine is the caller's already."""
+        return contextlib.nullcontext()
+
+    def sync(self, weight_sync: WeightSync, version: int) -> dict[str, float]:
+        """Push the trainer's weights as ``version``."""
+        return weight_sync.sync(version=version)
+
+    def snapshot(self) -> tuple[DataPosition, list[DataPosition]]:
+        """The sampler's position, and nothing drawn ahead of the trainer."""
+        return dataclasses.replace(self.parts.sampler.position), []
+
+    def close(self) -> None:
+        """Nothing to stop."""
+
+
+class Streamed:
+    """``rollout.mode=one_step_off`` or ``async``: a :class:`RolloutScheduler` over the engine.
+
+    Args:
+        parts: the run's engine (a :class:`~treadle.core.protocols.RequestEngine`), tokenizer,
+            reward pool, sampler and config.
+        params: how one sample is drawn.
+        version: the policy version the engine serves now (the step the run starts at).
+        pending: a resumed run's prompts drawn and not trained at its checkpoint (generated
+            again first, in order).
+
+    Raises:
+        UserError: the engine serves no single requests.
+    """
+
+    def __init__(
+        self,
+        parts: RolloutInputs,
+        params: SamplingParams,
+        version: int,
+        pending: Sequence[DataPosition] = (),
+    ) -> None:
+        cfg = parts.cfg
+        if not hasattr(parts.engine, "submit"):
+            raise UserError(
+                f"config rollout.mode={cfg.rollout.mode}: the engine serves no single requests; "
+                "use rollout.engine=vllm or hf"
+            )
+        self.parts, self.params = parts, params
+        self._draws = 0
+        self._rewards_lock = threading.Lock()  # the scoring thread and evaluations share the pool
+        r, a = cfg.rollout, cfg.algorithm
+        staleness = 1 if r.mode == "one_step_off" else r.max_staleness
+        self.scheduler = RolloutScheduler(
+            engine=_as_request_engine(parts.engine),
+            draw=self._draw,
+            score=self._score,
+            decode=lambda ids: parts.tokenizer.decode(ids, skip_special_tokens=True),
+            params=params,
+            cfg=SchedulerConfig(
+                group_size=r.n,
+                batch_groups=r.prompts_per_step,
+                max_staleness=staleness,
+                partial=r.partial,
+                oversample=r.oversample,
+                dynamic_sampling=a.dynamic_sampling,
+                max_rounds=a.max_sampling_rounds,
+            ),
+            version=version,
+            redraw=tuple(self._draw(p) for p in pending),
+        )
+
+    def _draw(self, position: DataPosition | None = None) -> Draw:
+        sampler = self.parts.sampler
+        if position is None:
+            position = dataclasses.replace(sampler.position)
+            (task,) = sampler.next_batch(1)
+        else:  # a resumed run's prompt, drawn again from where it was drawn
+            task = sampler.task_at(position)
+        self._draws += 1
+        prompt = tuple(render_prompt(self.parts.tokenizer, task))
+        return Draw(self._draws - 1, position, task, prompt)
+
+    def _score(self, generated: list[Generated]) -> Scored:
+        with self._rewards_lock:
+            return score(self.parts.rewards, generated)
+
+    def batch(self, version: int, t: dict[str, float]) -> Batch:
+        """The step's groups from the stream (the wait, if any, is timed as ``generate``)."""
+        with timed(t, "generate"):
+            groups, metrics = self.scheduler.batch(version)
+        return Batch(groups, metrics)
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """The engine and the reward pool to the caller, nothing running (an evaluation)."""
+        with self.scheduler.exclusive(), self._rewards_lock:
+            yield
+
+    def sync(self, weight_sync: WeightSync, version: int) -> dict[str, float]:
+        """Push the weights with nothing running (running requests drained, or aborted to be
+        continued with ``rollout.partial``)."""
+        return self.scheduler.sync(weight_sync, version)
+
+    def snapshot(self) -> tuple[DataPosition, list[DataPosition]]:
+        """The sampler's position and where the prompts drawn and not yet trained were drawn
+        (in draw order), as one snapshot: no prompt is drawn in between."""
+        with self.scheduler.lock:
+            position = dataclasses.replace(self.parts.sampler.position)
+            return position, [d.position for d in self.scheduler.pending()]
+
+    def close(self) -> None:
+        """Stop the scheduler (running requests are aborted)."""
+        self.scheduler.close()
+
+
+def _as_request_engine(engine: InferenceEngine) -> RequestEngine:
+    return engine  # type: ignore[return-value]  # checked by the caller (has submit)
+
+
+RolloutSource = OnPolicy | Streamed
+"""What :func:`treadle.jobs.loop.rl_step` takes its rollouts from."""
