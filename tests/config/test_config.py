@@ -268,3 +268,27 @@ def test_group_baselines_refuse_one_sample_per_prompt():
             load_config(None, [f"algorithm.advantage={advantage}", "rollout.n=1"])
     for advantage in ("reinforce_pp", "remax", "gae"):
         assert load_config(None, [f"algorithm.advantage={advantage}", "rollout.n=1"]).rollout.n == 1
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["rollout.partial=true"], r"rollout\.partial: has no effect with rollout\.mode=sync"),
+        (["rollout.oversample=2"], r"rollout\.oversample: has no effect with rollout\.mode=sync"),
+        (["rollout.mode=one_step_off", "rollout.partial=true"], r"use rollout\.mode=async"),
+        (["rollout.mode=async", "algorithm.advantage=remax"], r"ReMax's greedy baseline"),
+        (["rollout.mode=async", "rollout.max_staleness=-1"], r"rollout\.max_staleness"),
+        (["rollout.mode=fast"], r"rollout\.mode"),
+    ],
+)
+def test_rollout_modes_refuse_what_they_do_not_do(overrides, message):
+    with pytest.raises(UserError, match=message):
+        load_config(None, overrides)
+
+
+def test_the_asynchronous_modes_load_with_their_settings_and_ray_placement():
+    cfg = load_config(None, ["rollout.mode=async", "rollout.max_staleness=4",
+                             "rollout.partial=true", "rollout.oversample=8",
+                             "placement.mode=disaggregated"])  # fmt: skip
+    r = cfg.rollout
+    assert (r.mode, r.max_staleness, r.partial, r.oversample) == ("async", 4, True, 8)

@@ -28,7 +28,11 @@ from treadle.rollout.engines import build_engine
 from treadle.store.models import load_model
 from treadle.train.torch_backend import TorchBackend
 
-SERVING = ["hf", pytest.param("vllm", marks=pytest.mark.slow)]
+SERVING = [
+    "hf",
+    pytest.param("vllm", marks=pytest.mark.slow),
+    pytest.param("engine group", marks=pytest.mark.slow),
+]
 EVERY = ["scripted", *SERVING]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
@@ -48,14 +52,27 @@ def tokenizer_and_trainer(model_dir):
 
 @pytest.fixture(scope="module")
 def engine(request, model_dir):
+    placement = None
     if request.param == "scripted":  # a conversation ends at 40 tokens, prompt included
         eng = ScriptedEngine(lambda r: 40 - len(r.prompt_token_ids), capacity=2)
+    elif request.param == "engine group":  # two vLLM workers behind one RequestEngine
+        skip_without_vllm()
+        request.getfixturevalue("ray_cluster")
+        from treadle.cluster.engine_group import EngineGroup
+        from treadle.cluster.placement import place
+        from treadle.config import PlacementConfig
+
+        placement = place(PlacementConfig(mode="disaggregated", trainers=0, engines=2))
+        spec = EngineSpec(model_dir=str(model_dir), seed=0)
+        eng = EngineGroup("vllm", spec, placement, threads=1)
     else:
         if request.param == "vllm":
             skip_without_vllm()
         eng = build_engine(request.param, EngineSpec(model_dir=str(model_dir), seed=0))
     yield eng
     eng.close()
+    if placement is not None:
+        placement.remove()
 
 
 @pytest.fixture(scope="module")

@@ -95,3 +95,41 @@ def test_colocated_run_completes_and_resumes(tmp_path, one_torch_thread):
     assert sorted(rows) == [1, 2, 3, 4] and all(len(r) == 1 for r in rows.values())
     assert len(RolloutBuffer(run)) == 64
     assert replay_step(run, 4).max_param_diff <= 1e-5  # the resumed optimizer state was right
+
+
+def test_async_disaggregated_run_survives_a_killed_engine_worker(
+    tmp_path, monkeypatch, one_torch_thread
+):
+    # Fully asynchronous with partial rollouts on 2 FSDP2 trainers + 2 vLLM engine workers; a
+    # worker is killed while requests run on it: it is replaced, its requests are submitted again
+    # to the new worker, the run finishes and every drawn prompt is still accounted for.
+    from treadle.cluster.engine_group import EngineGroup
+
+    original = EngineGroup.step
+    calls = {"n": 0}
+
+    def step_and_kill(self):
+        calls["n"] += 1
+        if calls["n"] == 40 and self.running():  # mid-generation, requests on both workers
+            os.kill(self.pids()[0], signal.SIGKILL)
+        return original(self)
+
+    monkeypatch.setattr(EngineGroup, "step", step_and_kill)
+    overrides = [*RAY_RUN, f"run.output_dir={tmp_path}", "run.name=a", "run.steps=4"]
+    overrides += ["placement.mode=disaggregated", "placement.trainers=2", "placement.engines=2"]
+    overrides += ["rollout.mode=async", "rollout.max_staleness=1", "rollout.partial=true"]
+    summary = train(load_config(None, overrides), console=Console(file=io.StringIO()))
+    assert summary["rl_steps"] == 4 and calls["n"] > 40
+    rows = {s: r[0] for s, r in step_rows(tmp_path / "a").items()}
+    assert sorted(rows) == [1, 2, 3, 4]
+    assert rows[4]["engine/restarts"] == 1 and rows[4]["engine/resubmitted"] >= 1
+    for step, row in rows.items():
+        assert is_finite_number(row["loss"]) and row["async/staleness_max"] <= 1
+        dropped = sum(row[f"async/prompts_dropped_{k}"] for k in ("stale", "filtered", "aborted"))
+        in_flight = row["async/prompts_waiting"] + row["async/prompts_running"]
+        assert row["async/prompts_drawn"] == row["async/prompts_trained"] + dropped + in_flight
+        assert row["async/prompts_trained"] == 4 * step
+    buffer = RolloutBuffer(tmp_path / "a")
+    assert len(buffer) == 4 * 16
+    trained = [r["task_id"] for s in range(1, 5) for r in buffer.read_step(s).rows]
+    assert len(set(trained)) == 16  # 16 prompts, none trained twice

@@ -13,6 +13,12 @@ longest first to the worker with the least expected work (prompt + generated tok
 Faults: a worker that dies while a step is generating (its process killed, out of memory) is
 replaced by a new worker loaded with the current weights, and the prompts it had are sent
 again; results are stored by prompt position, so each prompt's samples come back exactly once.
+
+One request at a time (the :class:`~treadle.core.protocols.RequestEngine` side, which the
+asynchronous rollout scheduler drives): a request goes to the worker with the fewest running,
+each group step advances every busy worker once (in parallel), and the requests of a worker
+that died are submitted again, from their start, to its replacement (the tokens the dead worker
+had sampled are gone with it; ``engine/resubmitted`` counts them).
 """
 
 from __future__ import annotations
@@ -35,8 +41,8 @@ from treadle.cluster.buckets import (
     verify,
 )
 from treadle.cluster.trainer_group import TrainerGroup
-from treadle.core.protocols import EngineSpec, SamplingParams
-from treadle.core.types import Completion
+from treadle.core.protocols import EngineSpec, Finished, Request, SamplingParams
+from treadle.core.types import Completion, FinishReason
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +84,18 @@ class EngineWorker:
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """The engine's logprobs ``[L]`` of each sequence's tokens."""
         return self.engine.prompt_logprobs(sequences)
+
+    def submit(self, request: Request) -> None:
+        """Queue one request on the engine (see the RequestEngine Protocol)."""
+        self.engine.submit(request)
+
+    def step(self) -> list[Finished]:
+        """Advance the engine's running requests once; those that finished."""
+        return self.engine.step()
+
+    def abort(self, request_ids: list[str]) -> list[Finished]:
+        """Abort these requests; what each sampled so far."""
+        return self.engine.abort(request_ids)
 
     def _apply(
         self, named: list[tuple[str, torch.Tensor]], version: int, expected: float | None = None
@@ -180,6 +198,8 @@ class EngineGroup:
         self.trainers, self.bucket_bytes = trainers, bucket_mb * 2**20
         self.workers = [self._start(j, version) for j in range(len(placement.engines))]
         ray.get([w.pid.remote() for w in self.workers])
+        self._requests: dict[str, tuple[int, Request]] = {}  # running: id -> (worker, request)
+        self.resubmitted = 0
 
     def _start(self, j: int, version: int):
         spec = dataclasses.replace(self.spec, seed=worker_seed(self.spec.seed, j, self.restarts))
@@ -236,6 +256,75 @@ class EngineGroup:
             pending = retry
         return results
 
+    def submit(self, request: Request) -> None:
+        """Send ``request`` to the worker with the fewest running requests (a dead worker is
+        found, and replaced, at the next :meth:`step`).
+
+        Raises:
+            ValueError: ``request.params.n`` is not 1, or the id is already running.
+        """
+        if request.params.n != 1:
+            raise ValueError(f"request {request.request_id}: n must be 1, not {request.params.n}")
+        if request.request_id in self._requests:
+            raise ValueError(f"request {request.request_id} is already running")
+        load = [0] * len(self.workers)
+        for j, _ in self._requests.values():
+            load[j] += 1
+        j = min(range(len(self.workers)), key=lambda w: (load[w], w))
+        self.workers[j].submit.remote(request)  # actor calls from one caller run in order
+        self._requests[request.request_id] = (j, request)
+
+    def step(self) -> list[Finished]:
+        """One engine step on every worker with running requests, in parallel; the requests
+        that finished. A worker found dead is replaced and its requests submitted again.
+
+        Raises:
+            RuntimeError: workers died more often than ``placement.engine_restarts`` allows.
+        """
+        import ray
+
+        busy = sorted({j for j, _ in self._requests.values()})
+        refs = {j: self.workers[j].step.remote() for j in busy}
+        done = []
+        for j, ref in refs.items():
+            try:
+                finished = ray.get(ref)
+            except ray.exceptions.RayActorError as error:
+                self.replace(j, error)
+                again = [r for w, r in self._requests.values() if w == j]
+                for request in again:
+                    self.workers[j].submit.remote(request)
+                self.resubmitted += len(again)
+                continue
+            for f in finished:
+                del self._requests[f.request_id]
+            done += finished
+        return done
+
+    def abort(self, request_ids: Sequence[str]) -> list[Finished]:
+        """Abort these running requests on their workers; what each sampled so far (nothing,
+        for a worker found dead: it is replaced)."""
+        import ray
+
+        by_worker: dict[int, list[str]] = {}
+        for rid in request_ids:
+            if rid in self._requests:
+                by_worker.setdefault(self._requests.pop(rid)[0], []).append(rid)
+        refs = {j: self.workers[j].abort.remote(ids) for j, ids in by_worker.items()}
+        out = []
+        for j, ref in refs.items():
+            try:
+                out += ray.get(ref)
+            except ray.exceptions.RayActorError as error:  # what it sampled died with it
+                self.replace(j, error)
+                empty = Completion((), (), FinishReason.ABORT, self.policy_version)
+                out += [Finished(rid, empty) for rid in by_worker[j]]
+        return out
+
+    def running(self) -> int:
+        """Requests submitted and not yet returned."""
+        return len(self._requests)
+
     def replace(self, j: int, error: Exception, version: int | None = None) -> None:
         """Start a new worker ``j`` in place of a dead one and give it the trainer's current
         weights as policy ``version`` (default: the version last synced).
@@ -290,8 +379,12 @@ class EngineGroup:
         return ray.get(self.workers[0].prompt_logprobs.remote([list(s) for s in sequences]))
 
     def metrics(self) -> dict[str, float]:
-        """``engine/restarts``: workers replaced so far in this run."""
-        return {"engine/restarts": float(self.restarts)}
+        """``engine/restarts``: workers replaced so far in this run; ``engine/resubmitted``:
+        single requests submitted again after their worker died."""
+        return {
+            "engine/restarts": float(self.restarts),
+            "engine/resubmitted": float(self.resubmitted),
+        }
 
     def close(self) -> None:
         """Stop every worker."""

@@ -69,11 +69,6 @@ def _check_rollout_mode(cfg: Config) -> None:
             "config rollout.partial: one_step_off finishes requests on the weights they started "
             "with; use rollout.mode=async with rollout.max_staleness=1 for partial rollouts"
         )
-    if cfg.placement.mode != "single":
-        raise UserError(
-            f"config rollout.mode={r.mode}: runs in one process for now; set "
-            "placement.mode=single (or rollout.mode=sync with Ray placement)"
-        )
     if cfg.algorithm.advantage == "remax":
         raise UserError(
             f"config rollout.mode={r.mode}: ReMax's greedy baseline is generated with the "

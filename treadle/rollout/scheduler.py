@@ -88,6 +88,7 @@ class _Group:
     dropped: bool = False
 
     def oldest_version(self) -> int:
+        """The oldest policy version among the group's tokens (complete groups only)."""
         return min(c.policy_version for c in self.samples if c is not None)
 
 

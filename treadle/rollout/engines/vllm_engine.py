@@ -81,6 +81,7 @@ class _Partial:
     versions: list[int] = field(default_factory=list)
 
     def add(self, ids: list[int], logprobs: list[float], version: int) -> None:
+        """Append a step's new tokens, sampled by policy ``version``."""
         self.ids += ids
         self.logprobs += logprobs
         self.versions += [version] * len(ids)
