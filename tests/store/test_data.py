@@ -384,3 +384,22 @@ def test_mbpp_as_code_tasks_whose_gold_passes_the_code_reward():
     assert task.domain == "code" and task.answer.startswith("```python")
     assert "Your code should pass this test" in task.messages[-1].content
     assert CodeReward().score(task, f"<answer>{task.answer}</answer>").reward == 1.0
+
+
+def test_two_sources_of_one_task_get_distinct_task_ids():
+    # Both sources number their prompts chain_sum/train/0, 1, ...; a task id names one prompt's
+    # group of rollouts (advantages are group-relative), so the second source's are prefixed.
+    from treadle.config import DataConfig, MixConfig
+
+    cfg = DataConfig(
+        task="chain_sum", size=20, eval_size=5, domain="short", weight=1.0,
+        mix=[MixConfig(source="reasoning_gym", task="chain_sum", size=20, eval_size=5,
+                       domain="long", weight=1.0, task_params={"min_terms": 5, "max_terms": 6})],
+    )  # fmt: skip
+    data = load_dataset(cfg)
+    prompts: dict[str, str] = {}
+    for t in (*data.train, *data.held_out):
+        assert prompts.setdefault(t.task_id, t.messages[-1].content) == t.messages[-1].content
+    long = [t.task_id for t in data.train if t.domain == "long"]
+    assert len(long) == 20 and all(i.startswith("mix0/chain_sum/") for i in long)
+    assert all(not t.task_id.startswith("mix0/") for t in data.train if t.domain == "short")

@@ -46,12 +46,12 @@ def load_dataset(cfg: DataConfig) -> Dataset:
     if not cfg.mix:
         return main
     parts = [(main, cfg.weight)]
-    for m in cfg.mix:
+    for k, m in enumerate(cfg.mix):
         # The main section with this source's fields: the same seed and system prompt, but no
         # worked steps (data.reasoning is checked against the main source only).
         shared = {f.name: getattr(m, f.name) for f in dataclasses.fields(SourceConfig)}
         sub = dataclasses.replace(cfg, **shared, reasoning="none", mix=[])
-        parts.append((_load_source(sub), m.weight))
+        parts.append((_distinct_ids(_load_source(sub), parts, f"mix{k}"), m.weight))
     total, weights = sum(len(d.train) for d, _ in parts), sum(w for _, w in parts)
     train: list[Task] = []
     for d, w in parts:
@@ -59,6 +59,20 @@ def load_dataset(cfg: DataConfig) -> Dataset:
         train += [d.train[i % len(d.train)] for i in range(count)]
     held_out = [t for d, _ in parts for t in d.held_out]
     return Dataset(tuple(train), tuple(held_out))
+
+
+def _distinct_ids(data: Dataset, earlier: list[tuple[Dataset, float]], prefix: str) -> Dataset:
+    """``data`` with ``prefix/`` before every task id if any of its ids is already taken by an
+    earlier source (two sources of one reasoning-gym task both number theirs
+    ``chain_sum/train/0, 1, ...``): a task id names one prompt's group of rollouts."""
+    taken = {t.task_id for d, _ in earlier for t in (*d.train, *d.held_out)}
+    if not any(t.task_id in taken for t in (*data.train, *data.held_out)):
+        return data
+
+    def _renamed(tasks: tuple[Task, ...]) -> tuple[Task, ...]:
+        return tuple(dataclasses.replace(t, task_id=f"{prefix}/{t.task_id}") for t in tasks)
+
+    return Dataset(_renamed(data.train), _renamed(data.held_out))
 
 
 def _load_source(cfg: DataConfig) -> Dataset:
