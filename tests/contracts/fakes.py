@@ -14,14 +14,36 @@ import torch
 from treadle.algorithms.aggregation import token_mean
 from treadle.core.batch import MicroBatch, StepTotals, TokenOutputs
 from treadle.core.metrics import Metric, Reduction
-from treadle.core.protocols import Finished, Request, SamplingParams
+from treadle.core.protocols import Finished, Request, SamplingParams, check_new_request
 from treadle.core.types import Completion, FinishReason
 from treadle.store.models import end_of_turn_ids
 
 LOG_HALF = math.log(0.5)
 
 
-class FakeEngine:
+class _ModelFree:
+    """What both fake engines do without a model: keep the weights they are sent (a copy),
+    report log(1/2) for every token, log nothing, and remember being closed."""
+
+    policy_version: int
+    weights: dict[str, torch.Tensor]
+    closed: bool
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        self.weights = {name: tensor.detach().clone() for name, tensor in weights}
+        self.policy_version = version
+
+    def prompt_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        return [[0.0] + [LOG_HALF] * (len(s) - 1) for s in sequences]
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeEngine(_ModelFree):
     """An :class:`~treadle.core.protocols.InferenceEngine` without a model: sample ``j`` of every
     prompt is the digit ``j % 10`` and the end-of-turn token (greedy decoding gives sample 0's),
     each token with logprob log(1/2); ``max_tokens`` and stop strings cut it as a real engine
@@ -58,19 +80,6 @@ class FakeEngine:
         greedy = params.temperature == 0
         return [[self._reply(0 if greedy else j, params) for j in range(params.n)] for _ in prompts]
 
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        self.weights = {name: tensor.detach().clone() for name, tensor in weights}
-        self.policy_version = version
-
-    def prompt_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
-        return [[0.0] + [LOG_HALF] * (len(s) - 1) for s in sequences]
-
-    def metrics(self) -> dict[str, float]:
-        return {}
-
-    def close(self) -> None:
-        self.closed = True
-
 
 class AdvantageAsLoss:
     """An :class:`~treadle.core.protocols.Objective` whose per-token loss is the token's
@@ -89,7 +98,7 @@ class AdvantageAsLoss:
         return loss, {"obj/mean": Metric(mean, Reduction.MEAN)}
 
 
-class ScriptedEngine:
+class ScriptedEngine(_ModelFree):
     """A :class:`~treadle.core.protocols.RequestEngine` without a model whose response lengths
     and latencies are scripted: request ``r`` wants ``length(r)`` tokens (cut at its
     ``max_tokens``, finish reason ``length``; else ``stop``); each :meth:`step` gives one token to
@@ -118,10 +127,7 @@ class ScriptedEngine:
         ] = {}  # id -> (request, want, versions)
 
     def submit(self, request: Request) -> None:
-        if request.params.n != 1:
-            raise ValueError(f"request {request.request_id}: n must be 1, not {request.params.n}")
-        if request.request_id in self._live:
-            raise ValueError(f"request {request.request_id} is already running")
+        check_new_request(request, self._live)
         want = min(self.length(request), request.params.max_tokens)
         self._live[request.request_id] = (request, max(want, 1), [])
 
@@ -175,16 +181,3 @@ class ScriptedEngine:
         while self._live:
             out |= {f.request_id: f.completion for f in self.step()}
         return [[out[f"batch-{i}-{j}"] for j in range(params.n)] for i in range(len(prompts))]
-
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        self.weights = {name: tensor.detach().clone() for name, tensor in weights}
-        self.policy_version = version
-
-    def prompt_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
-        return [[0.0] + [LOG_HALF] * (len(s) - 1) for s in sequences]
-
-    def metrics(self) -> dict[str, float]:
-        return {}
-
-    def close(self) -> None:
-        self.closed = True

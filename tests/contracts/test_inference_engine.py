@@ -18,7 +18,6 @@ import torch
 from integration.tiny import (
     ATOL,
     assert_all_finite,
-    build_tiny_folder,
     max_abs_diff,
     prompt_ids,
     skip_without_vllm,
@@ -30,7 +29,7 @@ from treadle.config import TrainerConfig
 from treadle.core.protocols import EngineSpec, SamplingParams
 from treadle.core.types import FinishReason
 from treadle.rollout.engines import build_engine
-from treadle.store.models import end_of_turn_ids, load_model
+from treadle.store.models import end_of_turn_ids
 from treadle.train.torch_backend import TorchBackend
 
 SERVING = [
@@ -39,19 +38,6 @@ SERVING = [
     pytest.param("engine group", marks=pytest.mark.slow),
 ]
 EVERY = ["fake", *SERVING]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("contract") / "model"
-    build_tiny_folder(folder, sft_steps=40)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def tokenizer_and_trainer(model_dir):
-    model, tokenizer = load_model(model_dir)
-    return tokenizer, TorchBackend(model, TrainerConfig(), total_steps=1)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ import pytest
 from integration.tiny import (
     ATOL,
     assert_all_finite,
-    build_tiny_folder,
     max_abs_diff,
     prompt_ids,
     skip_without_vllm,
@@ -21,12 +20,9 @@ from integration.tiny import (
 )
 
 from contracts.fakes import ScriptedEngine
-from treadle.config import TrainerConfig
 from treadle.core.protocols import EngineSpec, Request, SamplingParams
 from treadle.core.types import FinishReason
 from treadle.rollout.engines import build_engine
-from treadle.store.models import load_model
-from treadle.train.torch_backend import TorchBackend
 
 SERVING = [
     "hf",
@@ -35,19 +31,6 @@ SERVING = [
 ]
 EVERY = ["scripted", *SERVING]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("request_contract") / "model"
-    build_tiny_folder(folder, sft_steps=40)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def tokenizer_and_trainer(model_dir):
-    model, tokenizer = load_model(model_dir)
-    return tokenizer, TorchBackend(model, TrainerConfig(), total_steps=1)
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,7 @@ from treadle.cluster.buckets import (
     verify,
 )
 from treadle.cluster.trainer_group import TrainerGroup
-from treadle.core.protocols import EngineSpec, Finished, Request, SamplingParams
+from treadle.core.protocols import EngineSpec, Finished, Request, SamplingParams, check_new_request
 from treadle.core.types import Completion, FinishReason
 
 logger = logging.getLogger(__name__)
@@ -263,10 +263,7 @@ class EngineGroup:
         Raises:
             ValueError: ``request.params.n`` is not 1, or the id is already running.
         """
-        if request.params.n != 1:
-            raise ValueError(f"request {request.request_id}: n must be 1, not {request.params.n}")
-        if request.request_id in self._requests:
-            raise ValueError(f"request {request.request_id} is already running")
+        check_new_request(request, self._requests)
         load = [0] * len(self.workers)
         for j, _ in self._requests.values():
             load[j] += 1

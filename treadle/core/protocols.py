@@ -18,7 +18,7 @@ registry: only the reward pool drives it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -109,6 +109,18 @@ class Request:
     prompt_token_ids: tuple[int, ...]
     """``[P]``; a continued partial rollout's prompt ends with the tokens sampled so far."""
     params: SamplingParams
+
+
+def check_new_request(request: Request, running: Container[str]) -> None:
+    """What every :meth:`RequestEngine.submit` checks first.
+
+    Raises:
+        ValueError: ``request.params.n`` is not 1, or its id is among ``running``.
+    """
+    if request.params.n != 1:
+        raise ValueError(f"request {request.request_id}: n must be 1, not {request.params.n}")
+    if request.request_id in running:
+        raise ValueError(f"request {request.request_id} is already running")
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from treadle.core.protocols import EngineSpec, Finished, Request, SamplingParams
+from treadle.core.protocols import EngineSpec, Finished, Request, SamplingParams, check_new_request
 from treadle.core.types import Completion, FinishReason
 
 
@@ -101,10 +101,7 @@ class HFEngine:
         Raises:
             ValueError: ``request.params.n`` is not 1, or the id is already waiting.
         """
-        if request.params.n != 1:
-            raise ValueError(f"request {request.request_id}: n must be 1, not {request.params.n}")
-        if request.request_id in self._waiting:
-            raise ValueError(f"request {request.request_id} is already running")
+        check_new_request(request, self._waiting)
         self._waiting[request.request_id] = request
 
     def step(self) -> list[Finished]:

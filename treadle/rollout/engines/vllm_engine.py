@@ -23,7 +23,7 @@ import torch
 import vllm
 from vllm.sampling_params import RequestOutputKind
 
-from treadle.core.protocols import EngineSpec, Finished, Request, SamplingParams
+from treadle.core.protocols import EngineSpec, Finished, Request, SamplingParams, check_new_request
 from treadle.core.types import Completion, FinishReason
 
 
@@ -142,10 +142,7 @@ class VLLMEngine:
         Raises:
             ValueError: ``request.params.n`` is not 1, or the id is already running.
         """
-        if request.params.n != 1:
-            raise ValueError(f"request {request.request_id}: n must be 1, not {request.params.n}")
-        if request.request_id in self._live:
-            raise ValueError(f"request {request.request_id} is already running")
+        check_new_request(request, self._live)
         sp = _vllm_params(request.params, output_kind=RequestOutputKind.DELTA)
         self._llm.llm_engine.add_request(
             request.request_id, {"prompt_token_ids": list(request.prompt_token_ids)}, sp
