@@ -279,6 +279,10 @@ def test_group_baselines_refuse_one_sample_per_prompt():
         (["rollout.mode=async", "algorithm.advantage=remax"], r"ReMax's greedy baseline"),
         (["rollout.mode=async", "rollout.max_staleness=-1"], r"rollout\.max_staleness"),
         (["rollout.mode=fast"], r"rollout\.mode"),
+        (
+            ["rollout.mode=async", "rollout.partial=true", "rollout.stop=[</answer>]"],
+            r"rollout\.partial: .* a stop string split at the abort",
+        ),
     ],
 )
 def test_rollout_modes_refuse_what_they_do_not_do(overrides, message):

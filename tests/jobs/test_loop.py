@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from contracts.fakes import FakeEngine
 
 from treadle.config import Config
@@ -111,3 +112,26 @@ def test_rollout_metrics_per_domain():
     assert m["domain/code/samples"] == 4.0
     assert (m["domain/code/grader_failures"], m["domain/math/grader_failures"]) == (2.0, 0.0)
     assert abs(m["reward/mean"] - 2 / 6) < 1e-12
+
+
+def test_a_sync_resume_of_an_asynchronous_checkpoint_draws_its_pending_prompts_first():
+    # The checkpoint's sampler is at (0, 6), its prompts at 3 and 5 were drawn and not trained.
+    from types import SimpleNamespace
+
+    from treadle.core.errors import UserError
+    from treadle.core.types import DataPosition, Message, Task
+    from treadle.jobs.sources import OnPolicy
+    from treadle.store.data import TaskSampler
+
+    tasks = tuple(Task(f"t{i}", (Message("user", str(i)),), "", "toy") for i in range(10))
+    fresh = TaskSampler(tasks, seed=1)
+    order = [t.task_id for t in fresh.next_batch(10)]  # the epoch's shuffle
+    sampler = TaskSampler(tasks, seed=1, position=DataPosition(0, 6))
+    parts = SimpleNamespace(sampler=sampler)
+    source = OnPolicy(parts, params=None, pending=[DataPosition(0, 3), DataPosition(0, 5)])
+    assert source.snapshot() == (DataPosition(0, 6), [DataPosition(0, 3), DataPosition(0, 5)])
+    first = source._draw(3)  # both pending prompts, then the sampler's next one
+    assert [t.task_id for t in first] == [order[3], order[5], order[6]]
+    assert source.snapshot() == (DataPosition(0, 7), [])
+    with pytest.raises(UserError, match=r"past the 10 tasks"):
+        OnPolicy(parts, params=None, pending=[DataPosition(0, 11)])

@@ -109,6 +109,7 @@ MODES = {
     "oversample_abort": SchedulerConfig(4, 6, 0, partial=False, oversample=3),
     "dynamic_sampling": SchedulerConfig(4, 6, 1, True, dynamic_sampling=True, max_rounds=3),
     "on_policy": SchedulerConfig(4, 6, max_staleness=0, partial=False),
+    "eta_8_capped": SchedulerConfig(4, 6, max_staleness=8, partial=True, max_in_flight=9),
 }
 
 
@@ -175,3 +176,16 @@ def test_draws_record_the_sampler_position_they_came_from():
         again = TaskSampler(trial.sampler._tasks, seed=2, position=DataPosition(**vars(d.position)))
         assert again.next_batch(1)[0] == d.task
     assert groups
+
+
+def test_in_flight_groups_stay_under_the_cap_whatever_eta_allows():
+    # eta 100,000 alone would admit (0 + 100,001) x 6 groups at once; the cap holds them at 9
+    cfg = SchedulerConfig(4, 6, max_staleness=100_000, partial=True, max_in_flight=9)
+    trial = Trial(5, cfg, capacity=4, step_s=0.0005)
+    for version in range(4):
+        trial.scheduler.batch(version)
+        ledger = trial.scheduler.accounting()
+        assert ledger["waiting"] + ledger["running"] <= 9
+        trial.scheduler.sync(VersionSync(trial.engine), version + 1)
+    trial.scheduler.close()
+    assert trial.scheduler.accounting()["trained"] == 24

@@ -168,14 +168,20 @@ def test_state_json_is_plain_json(tmp_path: Path, trained) -> None:
 
 def test_an_asynchronous_runs_pending_prompts_round_trip(tmp_path: Path, trained) -> None:
     ckpt = save(tmp_path, 5, *trained)
-    pending = [{"epoch": 0, "offset": 14}, {"epoch": 1, "offset": 0}]
+    pending = [{"epoch": 0, "offset": 12}, {"epoch": 0, "offset": 14}]
     (ckpt / "state.json").write_text(json.dumps({**STATE.to_json(), "pending": pending}))
     state = read_checkpoint_state(ckpt)
-    assert state.pending == (DataPosition(0, 14), DataPosition(1, 0))
+    assert state.pending == (DataPosition(0, 12), DataPosition(0, 14))
     assert RunState.from_json(state.to_json(), ckpt) == state
     for bad in ({"epoch": 0}, {"epoch": 0, "offset": -2}, 3):
         (ckpt / "state.json").write_text(json.dumps({**STATE.to_json(), "pending": [bad]}))
         with pytest.raises(UserError, match=r"state\.json is not a checkpoint state"):
+            read_checkpoint_state(ckpt)
+    # STATE's sampler is at (0, 16): a pending draw twice, out of order, or at/after it is refused
+    twice, backwards = [{"epoch": 0, "offset": 3}] * 2, [{"epoch": 0, "offset": o} for o in (5, 4)]
+    for bad in (twice, backwards, [{"epoch": 0, "offset": 16}], [{"epoch": 1, "offset": 0}]):
+        (ckpt / "state.json").write_text(json.dumps({**STATE.to_json(), "pending": bad}))
+        with pytest.raises(UserError, match=r"pending positions not in draw order"):
             read_checkpoint_state(ckpt)
 
 

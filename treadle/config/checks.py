@@ -69,6 +69,12 @@ def _check_rollout_mode(cfg: Config) -> None:
             "config rollout.partial: one_step_off finishes requests on the weights they started "
             "with; use rollout.mode=async with rollout.max_staleness=1 for partial rollouts"
         )
+    if r.partial and r.stop:
+        raise UserError(
+            "config rollout.partial: a continued request sees the text sampled before the abort "
+            "as prompt, so a stop string split at the abort would be missed; set rollout.stop=[] "
+            "(the end-of-turn token still stops) or rollout.partial=false"
+        )
     if cfg.algorithm.advantage == "remax":
         raise UserError(
             f"config rollout.mode={r.mode}: ReMax's greedy baseline is generated with the "

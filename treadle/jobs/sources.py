@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -23,8 +23,9 @@ from transformers import PreTrainedTokenizerBase
 from treadle.config import Config
 from treadle.core.errors import UserError
 from treadle.core.protocols import InferenceEngine, RequestEngine, SamplingParams, WeightSync
-from treadle.core.types import DataPosition, RolloutGroup
+from treadle.core.types import DataPosition, RolloutGroup, Task
 from treadle.rewards.pool import RewardPool
+from treadle.rollout.engines.sizing import CPU_MAX_SEQUENCES
 from treadle.rollout.generate import Generated, Scored, check_policy_version, generate, score
 from treadle.rollout.samples import filter_groups
 from treadle.rollout.scheduler import Draw, RolloutScheduler, SchedulerConfig
@@ -53,19 +54,25 @@ class Batch:
 
 
 def collect_rollouts(
-    parts: RolloutInputs, params: SamplingParams, t: dict[str, float], version: int | None = None
+    parts: RolloutInputs,
+    params: SamplingParams,
+    t: dict[str, float],
+    version: int | None = None,
+    draw: Callable[[int], list[Task]] | None = None,
 ) -> Batch:
     """Generate and score ``rollout.prompts_per_step`` prompts' groups. With
     ``algorithm.dynamic_sampling`` (DAPO), groups whose rewards are all equal are dropped and
     more prompts are sampled, at most ``algorithm.max_sampling_rounds`` rounds; the batch is then
-    cut to ``prompts_per_step`` groups, or trains on fewer if the rounds ran out."""
+    cut to ``prompts_per_step`` groups, or trains on fewer if the rounds ran out. ``draw(k)``
+    gives the next ``k`` prompts (default: the sampler's)."""
     cfg, p = parts.cfg, parts
+    draw = draw or p.sampler.next_batch
     want = cfg.rollout.prompts_per_step
     kept: list[RolloutGroup] = []
     failures = timeouts = cached = dropped = rounds = 0
     while len(kept) < want and rounds < cfg.algorithm.max_sampling_rounds:
         rounds += 1
-        tasks = p.sampler.next_batch(want)
+        tasks = draw(want)
         with timed(t, "generate"):
             generated = generate(p.engine, p.tokenizer, tasks, params)
         if version is not None:
@@ -98,14 +105,31 @@ def collect_rollouts(
 
 class OnPolicy:
     """``rollout.mode=sync``: each batch is generated when the loop asks for it, by the policy
-    the trainer has now (checked: a completion of another version raises StaleWeightsError)."""
+    the trainer has now (checked: a completion of another version raises StaleWeightsError).
 
-    def __init__(self, parts: RolloutInputs, params: SamplingParams) -> None:
+    Args:
+        parts: the run's engine, tokenizer, reward pool, sampler and config.
+        params: how the prompts are sampled.
+        pending: an asynchronous run's prompts drawn and not trained at its checkpoint (a run
+            resumed in ``sync`` mode): drawn first, in order.
+
+    Raises:
+        UserError: a pending position lies past the data (the checkpoint is not this data's).
+    """
+
+    def __init__(
+        self, parts: RolloutInputs, params: SamplingParams, pending: Sequence[DataPosition] = ()
+    ) -> None:
         self.parts, self.params = parts, params
+        self._pending = [(p, task_at(parts.sampler, p)) for p in pending]
+
+    def _draw(self, k: int) -> list[Task]:
+        first, self._pending = self._pending[:k], self._pending[k:]
+        return [task for _, task in first] + self.parts.sampler.next_batch(k - len(first))
 
     def batch(self, version: int, t: dict[str, float]) -> Batch:
         """Generate, score and filter this step's groups now (the wait is here)."""
-        return collect_rollouts(self.parts, self.params, t, version=version)
+        return collect_rollouts(self.parts, self.params, t, version=version, draw=self._draw)
 
     def exclusive(self) -> contextlib.AbstractContextManager[None]:
         """Nothing runs between batches: the engine is the caller's already."""
@@ -116,11 +140,26 @@ class OnPolicy:
         return weight_sync.sync(version=version)
 
     def snapshot(self) -> tuple[DataPosition, list[DataPosition]]:
-        """The sampler's position, and nothing drawn ahead of the trainer."""
-        return dataclasses.replace(self.parts.sampler.position), []
+        """The sampler's position, and the resumed pending prompts not drawn yet."""
+        return dataclasses.replace(self.parts.sampler.position), [p for p, _ in self._pending]
 
     def close(self) -> None:
         """Nothing to stop."""
+
+
+def task_at(sampler: TaskSampler, position: DataPosition) -> Task:
+    """The task drawn at a checkpoint's pending ``position``.
+
+    Raises:
+        UserError: the position lies past the data (the checkpoint is not this data's).
+    """
+    try:
+        return sampler.task_at(position)
+    except ValueError as e:
+        raise UserError(
+            f"checkpoint pending prompt at {position}: {e}; resume with the data the run was "
+            "started with"
+        ) from None
 
 
 class Streamed:
@@ -170,6 +209,8 @@ class Streamed:
                 oversample=r.oversample,
                 dynamic_sampling=a.dynamic_sampling,
                 max_rounds=a.max_sampling_rounds,
+                # as many groups as the engine runs at once (a batch's worth at least)
+                max_in_flight=max(r.prompts_per_step + r.oversample, CPU_MAX_SEQUENCES // r.n),
             ),
             version=version,
             redraw=tuple(self._draw(p) for p in pending),
@@ -181,7 +222,7 @@ class Streamed:
             position = dataclasses.replace(sampler.position)
             (task,) = sampler.next_batch(1)
         else:  # a resumed run's prompt, drawn again from where it was drawn
-            task = sampler.task_at(position)
+            task = task_at(sampler, position)
         self._draws += 1
         prompt = tuple(render_prompt(self.parts.tokenizer, task))
         return Draw(self._draws - 1, position, task, prompt)

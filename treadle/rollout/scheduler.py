@@ -15,7 +15,8 @@ and one switch:
 Capacity (AReaL, arXiv:2505.24298, section 5.1): a new group starts only while the groups
 trained, waiting and running since the scheduler started number fewer than
 ``(v - v0 + eta + 1) * B + extra``, at policy version ``v`` (``v0`` at start, ``B`` groups a
-step, ``extra`` = ``rollout.oversample`` groups). With eta = 0 and no extra this is one batch
+step, ``extra`` = ``rollout.oversample`` groups), and while fewer than ``max_in_flight`` groups
+are drawn and not trained (the engine's capacity). With eta = 0 and no extra this is one batch
 in flight, on-policy. A group is trained only if ``v - (oldest version among its tokens) <=
 eta``; an older one is dropped as ``stale`` (counted, never trained). Over-sampling (APRIL,
 arXiv:2509.18521): with ``extra`` groups in flight the batch fills from the fastest; at the sync
@@ -77,6 +78,10 @@ class SchedulerConfig:
     max_rounds: int = 1
     """With dynamic sampling, a batch gives up after ``max_rounds * batch_groups`` groups were
     dropped while it waited, and trains on the groups it has."""
+    max_in_flight: int | None = None
+    """Most groups drawn and not yet trained (running, scored or waiting), whatever the
+    capacity rule allows: more than the engine runs at once would only queue in it, and each
+    of them is re-prefilled at every sync with ``partial``. None: no cap."""
 
 
 @dataclass
@@ -200,15 +205,16 @@ class RolloutScheduler:
 
     def _admit(self) -> None:
         """Start groups while the capacity rule allows (called with the lock held)."""
-        admitted = self._trained + len(self._ready) + len(self._scoring_groups) + len(self._groups)
-        while admitted < self._capacity():
+        in_flight = len(self._ready) + len(self._scoring_groups) + len(self._groups)
+        cap = self.cfg.max_in_flight
+        while self._trained + in_flight < self._capacity() and (cap is None or in_flight < cap):
             draw = self._redraw.pop(0) if self._redraw else self._draw()
             self._drawn += 1
             group = _Group(draw, [None] * self.cfg.group_size)
             self._groups.append(group)
             for i in range(self.cfg.group_size):
                 self._submit(group, i, draw.prompt_token_ids, self._params)
-            admitted += 1
+            in_flight += 1
 
     def _submit(self, group: _Group, i: int, prompt: tuple[int, ...], params) -> None:
         self._requests += 1

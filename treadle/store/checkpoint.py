@@ -27,6 +27,7 @@ resume. Model weights are loaded by the caller: ``from_pretrained(ckpt / "model"
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -130,6 +131,8 @@ class RunState:
                 problem = "pending is not a list of positions"
             if not all(_count(v) for v in fields):
                 problem = problem or "a missing, negative or non-integer field"
+            elif not problem and not _drawn_in_order(pending, position):
+                problem = "pending positions not in draw order before data_position"
         if problem:
             raise UserError(
                 f"{path} is not a checkpoint state ({problem}; expected integers >= 0: step, "
@@ -143,6 +146,12 @@ class RunState:
             schema_version=version,
             pending=tuple(DataPosition(p["epoch"], p["offset"]) for p in pending),
         )
+
+
+def _drawn_in_order(pending: list[dict], position: dict) -> bool:
+    """Pending draws are distinct, in draw order, and drawn before the sampler's position."""
+    keys = [(p["epoch"], p["offset"]) for p in pending] + [(position["epoch"], position["offset"])]
+    return all(a < b for a, b in itertools.pairwise(keys))
 
 
 def _count(value: Any) -> bool:

@@ -327,7 +327,13 @@ class TaskSampler:
         return order
 
     def task_at(self, position: DataPosition) -> Task:
-        """The task this sampler draws next when at ``position`` (its state is unchanged)."""
+        """The task this sampler draws next when at ``position`` (its state is unchanged).
+
+        Raises:
+            ValueError: the offset is past the end of an epoch of these tasks.
+        """
+        if position.offset > len(self._tasks):
+            raise ValueError(f"offset {position.offset} is past the {len(self._tasks)} tasks")
         return TaskSampler(self._tasks, self._seed, position).next_batch(1)[0]
 
     def next_batch(self, k: int) -> list[Task]:
