@@ -143,8 +143,10 @@ class RolloutConfig:
     max_tokens: int = bounded(at_least(1), default=32)
     stop: list[str] = field(default_factory=list)
     """Stop strings (the end-of-turn token always stops a completion)."""
-    kv_cache_gib: float = bounded(positive(), finite(), default=1.0)
-    """vLLM CPU KV-cache size (GiB)."""
+    kv_cache_gib: float = bounded(at_least(0.0), default=0.0)
+    """vLLM's KV-cache size (GiB, on CPU); 0: sized from the work (the batch, evaluation and
+    the asynchronous modes' requests in flight, at the longest prompt plus ``max_tokens``; see
+    :mod:`treadle.rollout.engines.sizing`)."""
     mode: Literal["sync", "one_step_off", "async"] = "sync"
     """``sync``: each step generates its batch, then trains on it (on-policy). ``one_step_off``:
     the rollout of step k+1 runs during the update of step k (one version stale at most).

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import yaml
 from rich.console import Console
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from treadle.config import Config, to_dict
 from treadle.core.errors import UserError
@@ -27,6 +27,7 @@ from treadle.jobs.loop import RLParts
 from treadle.rewards.base import build_reward_function
 from treadle.rewards.pool import RewardPool
 from treadle.rollout.engines import build_engine
+from treadle.rollout.engines.sizing import kv_cache_gib
 from treadle.store.atomic import save_model_atomic
 from treadle.store.buffer import RolloutBuffer
 from treadle.store.checkpoint import (
@@ -142,8 +143,9 @@ def check_inputs(cfg: Config, data: Dataset) -> None:
         )
 
 
-def check_context(tokenizer, data: Dataset, max_tokens: int, max_model_len: int) -> None:
-    """Every prompt plus ``rollout.max_tokens`` must fit the model's context.
+def check_context(tokenizer, data: Dataset, max_tokens: int, max_model_len: int) -> int:
+    """Every prompt plus ``rollout.max_tokens`` must fit the model's context; returns the
+    longest prompt's length (tokens).
 
     Raises:
         UserError: naming the longest prompt's length and the limit.
@@ -154,6 +156,23 @@ def check_context(tokenizer, data: Dataset, max_tokens: int, max_model_len: int)
             f"rollout.max_tokens {max_tokens} + the longest prompt ({longest} tokens) exceed the "
             f"model's context of {max_model_len} tokens; shorten the prompts or max_tokens"
         )
+    return longest
+
+
+def engine_kv_gib(cfg: Config, data: Dataset, model_dir: Path, longest_prompt: int) -> float:
+    """``rollout.kv_cache_gib``, or when 0 the KV cache the run's engine needs: every sequence
+    it runs at once (a step's batch, an evaluation's samples, the asynchronous modes' requests
+    in flight), each up to the longest prompt plus ``rollout.max_tokens``."""
+    r = cfg.rollout
+    if r.kv_cache_gib > 0:
+        return r.kv_cache_gib
+    groups = r.prompts_per_step
+    if r.mode != "sync":  # the capacity rule's groups in flight (one_step_off: eta = 1)
+        eta = 1 if r.mode == "one_step_off" else r.max_staleness
+        groups = (eta + 1) * r.prompts_per_step + r.oversample
+    sequences = max(groups * r.n, len(data.held_out) * cfg.eval.samples_per_prompt)
+    model = AutoConfig.from_pretrained(model_dir)
+    return kv_cache_gib(model, cfg.model.dtype, sequences, longest_prompt + r.max_tokens)
 
 
 @dataclass(frozen=True)
@@ -218,7 +237,13 @@ def build_critic(cfg: Config, start: Path, ckpt: Path | None, device) -> TorchBa
 
 
 def compose(
-    cfg: Config, data: Dataset, run_dir: Path, start: Path, max_model_len: int, console: Console
+    cfg: Config,
+    data: Dataset,
+    run_dir: Path,
+    start: Path,
+    max_model_len: int,
+    console: Console,
+    longest_prompt: int,
 ) -> tuple[RLParts, int]:
     """The RL run's parts, starting from ``start`` (the policy before RL) or from the run's last
     checkpoint; returns them and the RL steps already done (0 for a new run).
@@ -234,7 +259,7 @@ def compose(
         seed=cfg.run.seed,
         # Room for the model's whole context, capped to bound the KV cache it reserves.
         max_model_len=max_model_len,
-        kv_cache_gib=cfg.rollout.kv_cache_gib,
+        kv_cache_gib=engine_kv_gib(cfg, data, start, longest_prompt),
     )
     version = read_checkpoint_state(ckpt).step if ckpt else 0
     if version > cfg.run.steps:  # before any part starts or anything of the run is truncated

@@ -139,7 +139,9 @@ def rollout_source(parts: RLParts, params: SamplingParams, step: int) -> Iterato
     """The rollouts of ``rollout.mode`` from policy version ``step`` on, closed on exit."""
     mode = parts.cfg.rollout.mode
     source = (
-        OnPolicy(parts, params) if mode == "sync" else Streamed(parts, params, step, parts.pending)
+        OnPolicy(parts, params, parts.pending)
+        if mode == "sync"
+        else Streamed(parts, params, step, parts.pending)
     )
     try:
         yield source

@@ -68,10 +68,11 @@ def train(cfg: Config, resume: Path | None = None, console: Console | None = Non
     start = base_model(cfg, data, run_dir)
     max_model_len = min(AutoConfig.from_pretrained(start).max_position_embeddings, 8192)
     # Before minutes of SFT: every prompt plus the completion budget must fit the context.
-    check_context(AutoTokenizer.from_pretrained(start), data, cfg.rollout.max_tokens, max_model_len)
+    tokenizer = AutoTokenizer.from_pretrained(start)
+    longest = check_context(tokenizer, data, cfg.rollout.max_tokens, max_model_len)
     if cfg.sft.steps > 0:
         start = warm_up(cfg, data, start, run_dir, console)
-    parts, done = compose(cfg, data, run_dir, start, max_model_len, console)
+    parts, done = compose(cfg, data, run_dir, start, max_model_len, console, longest)
     try:
         summary = evaluate_before_rl(parts, console)
         rl_start = time.perf_counter()

@@ -25,6 +25,7 @@ from vllm.sampling_params import RequestOutputKind
 
 from treadle.core.protocols import EngineSpec, Finished, Request, SamplingParams, check_new_request
 from treadle.core.types import Completion, FinishReason
+from treadle.rollout.engines.sizing import CPU_MAX_SEQUENCES
 
 
 class _QuietReload(logging.Filter):
@@ -38,8 +39,12 @@ class _QuietReload(logging.Filter):
 
 logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_QuietReload())
 
-_CPU_BATCH = {"max_num_seqs": 1024, "max_num_batched_tokens": 8192}
+_CPU_BATCH = {"max_num_seqs": CPU_MAX_SEQUENCES, "max_num_batched_tokens": 8192}
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+
+
+def _kv_bytes(spec: EngineSpec) -> int:
+    return int(spec.kv_cache_gib * 2**30)
 
 
 def _vllm_params(
@@ -94,8 +99,9 @@ class VLLMEngine:
     stream their new tokens each step, so an abort returns what was sampled)."""
 
     def __init__(self, spec: EngineSpec):
-        if not torch.cuda.is_available():
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(spec.kv_cache_gib))))
+        # On CPU the KV cache is exactly spec.kv_cache_gib (VLLM_CPU_KVCACHE_SPACE, in whole
+        # GiB, still overrides it when set); on GPUs vLLM sizes it from gpu_memory_utilization.
+        kv = {} if torch.cuda.is_available() else {"kv_cache_memory_bytes": _kv_bytes(spec)}
         self.policy_version = 0
         self._llm = vllm.LLM(
             model=spec.model_dir,
@@ -112,6 +118,7 @@ class VLLMEngine:
             # vLLM's CPU defaults (256 sequences, 4096 tokens a step) are for serving latency and
             # would decode it in two waves. On GPUs vLLM's own defaults are already this large.
             **({} if torch.cuda.is_available() else _CPU_BATCH),
+            **kv,
         )
         self._tokenizer = self._llm.get_tokenizer()
         self._tied = bool(

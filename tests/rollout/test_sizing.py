@@ -1,0 +1,34 @@
+"""The engine's KV cache sized from the work, with the arithmetic written out."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from treadle.rollout.engines.sizing import kv_bytes_per_token, kv_cache_gib
+
+# The default run's tiny model: 2 layers, 4 query heads of 128 / 4 = 32 dims, 2 KV heads.
+DEFAULT = SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          hidden_size=128)  # fmt: skip
+
+
+def test_bytes_per_token():
+    # 2 (K, V) x 2 layers x 2 KV heads x 32 dims x 4 bytes (fp32) = 1,024; bf16: 512
+    assert kv_bytes_per_token(DEFAULT, "float32") == 1024
+    assert kv_bytes_per_token(DEFAULT, "bfloat16") == 512
+    # no num_key_value_heads (multi-head attention) and an explicit head_dim of 64:
+    # 2 x 2 layers x 4 heads x 64 x 4 = 4,096
+    mha = SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, hidden_size=128, head_dim=64)
+    assert kv_bytes_per_token(mha, "float32") == 4096
+
+
+def test_the_default_runs_cache():
+    # evaluation: 200 prompts x 8 samples = 1,600 sequences, 1,024 at once; 35 + 40 = 75 tokens
+    # fit one block of 128: 1,024 x 128 x 1,024 bytes x 1.25 = 0.15625 GiB (was 1 GiB)
+    assert kv_cache_gib(DEFAULT, "float32", 1600, 75) == pytest.approx(0.15625)
+    # a step's batch alone (64 x 8 = 512 sequences) of 300 tokens: 3 blocks each
+    # 512 x 3 x 128 x 1,024 x 1.25 = 0.234375 GiB
+    assert kv_cache_gib(DEFAULT, "float32", 512, 300) == pytest.approx(0.234375)
+    # at least one block for one sequence: 128 x 1,024 x 1.25 bytes
+    assert kv_cache_gib(DEFAULT, "float32", 0, 0) == pytest.approx(128 * 1024 * 1.25 / 2**30)
