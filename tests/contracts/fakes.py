@@ -104,8 +104,7 @@ class ScriptedEngine(_ModelFree):
     ``max_tokens``, finish reason ``length``; else ``stop``); each :meth:`step` gives one token to
     each of the first ``capacity`` running requests (the others wait, as in a full engine) and
     sleeps ``step_s`` seconds. Token ``i`` of a completion is ``TOKEN``, logprob log(1/2); the
-    text is the number of tokens. ``sampled`` counts tokens per policy version; ``steps`` counts
-    steps.
+    text is the number of tokens.
 
     Args:
         length: tokens the request's completion wants.
@@ -119,12 +118,9 @@ class ScriptedEngine(_ModelFree):
         self.length, self.capacity, self.step_s = length, capacity, step_s
         self.policy_version = 0
         self.weights: dict[str, torch.Tensor] = {}
-        self.sampled: dict[int, int] = {}
-        self.steps = 0
         self.closed = False
-        self._live: dict[
-            str, tuple[Request, int, list[int]]
-        ] = {}  # id -> (request, want, versions)
+        # request id -> (request, tokens it wants, version of each token sampled so far)
+        self._live: dict[str, tuple[Request, int, list[int]]] = {}
 
     def submit(self, request: Request) -> None:
         check_new_request(request, self._live)
@@ -132,14 +128,12 @@ class ScriptedEngine(_ModelFree):
         self._live[request.request_id] = (request, max(want, 1), [])
 
     def step(self) -> list[Finished]:
-        self.steps += 1
         if self.step_s:
             time.sleep(self.step_s)
         done = []
         for rid in list(self._live)[: self.capacity]:
             request, want, versions = self._live[rid]
             versions.append(self.policy_version)
-            self.sampled[self.policy_version] = self.sampled.get(self.policy_version, 0) + 1
             if len(versions) == want:
                 del self._live[rid]
                 full = want == request.params.max_tokens and self.length(request) > want

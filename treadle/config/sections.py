@@ -161,6 +161,12 @@ class RolloutConfig:
     """``one_step_off``/``async``: extra groups in flight beyond the batch; at a weight sync the
     stragglers are aborted (dropped, or continued with ``partial``)."""
 
+    @property
+    def staleness_bound(self) -> int:
+        """The versions a trained token may lag the trainer in this mode: 0 in ``sync``, 1 in
+        ``one_step_off``, ``max_staleness`` in ``async``."""
+        return {"sync": 0, "one_step_off": 1}.get(self.mode, self.max_staleness)
+
 
 @dataclass
 class TrainerConfig:

@@ -166,10 +166,8 @@ def engine_kv_gib(cfg: Config, data: Dataset, model_dir: Path, longest_prompt: i
     r = cfg.rollout
     if r.kv_cache_gib > 0:
         return r.kv_cache_gib
-    groups = r.prompts_per_step
-    if r.mode != "sync":  # the capacity rule's groups in flight (one_step_off: eta = 1)
-        eta = 1 if r.mode == "one_step_off" else r.max_staleness
-        groups = (eta + 1) * r.prompts_per_step + r.oversample
+    # the capacity rule's groups in flight (sync: one batch)
+    groups = (r.staleness_bound + 1) * r.prompts_per_step + r.oversample
     sequences = max(groups * r.n, len(data.held_out) * cfg.eval.samples_per_prompt)
     model = AutoConfig.from_pretrained(model_dir)
     return kv_cache_gib(model, cfg.model.dtype, sequences, longest_prompt + r.max_tokens)

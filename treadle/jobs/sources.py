@@ -16,7 +16,7 @@ import dataclasses
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 from transformers import PreTrainedTokenizerBase
 
@@ -194,9 +194,8 @@ class Streamed:
         self._draws = 0
         self._rewards_lock = threading.Lock()  # the scoring thread and evaluations share the pool
         r, a = cfg.rollout, cfg.algorithm
-        staleness = 1 if r.mode == "one_step_off" else r.max_staleness
         self.scheduler = RolloutScheduler(
-            engine=_as_request_engine(parts.engine),
+            engine=cast(RequestEngine, parts.engine),  # it has submit (checked above)
             draw=self._draw,
             score=self._score,
             decode=lambda ids: parts.tokenizer.decode(ids, skip_special_tokens=True),
@@ -204,7 +203,7 @@ class Streamed:
             cfg=SchedulerConfig(
                 group_size=r.n,
                 batch_groups=r.prompts_per_step,
-                max_staleness=staleness,
+                max_staleness=r.staleness_bound,
                 partial=r.partial,
                 oversample=r.oversample,
                 dynamic_sampling=a.dynamic_sampling,
@@ -258,10 +257,6 @@ class Streamed:
     def close(self) -> None:
         """Stop the scheduler (running requests are aborted)."""
         self.scheduler.close()
-
-
-def _as_request_engine(engine: InferenceEngine) -> RequestEngine:
-    return engine  # type: ignore[return-value]  # checked by the caller (has submit)
 
 
 RolloutSource = OnPolicy | Streamed

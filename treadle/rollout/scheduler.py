@@ -98,14 +98,17 @@ class _Group:
 
 
 @dataclass
-class _Counts:
-    """Counters since the last batch was taken (reset per step) or since the start."""
+class _StepCounts:
+    """What happened since the last batch was taken (the step's metrics)."""
 
     aborted: int = 0
     continued: int = 0
     tokens_discarded: int = 0
     dropped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DROP_REASONS, 0))
     engine_s: float = 0.0
+    reward_failures: int = 0
+    reward_timeouts: int = 0
+    reward_cached: int = 0
 
 
 class RolloutScheduler:
@@ -145,10 +148,11 @@ class RolloutScheduler:
         self._groups: list[_Group] = []  # drawn, not yet complete
         self._scoring_groups: dict[int, _Group] = {}  # draw index -> group being scored
         self._ready: list[tuple[_Group, RolloutGroup]] = []
-        self._trained = self._drawn = 0
-        self._taken: list[int] = []
-        self._failures = [0, 0, 0]  # reward failures, timeouts, cached
-        self._total, self._step = _Counts(), _Counts()
+        self._drawn = 0
+        self._taken: list[int] = []  # draw indices trained, in training order
+        self._dropped = dict.fromkeys(DROP_REASONS, 0)  # since the start, by reason
+        self._step = _StepCounts()
+        self._checked_version: int | None = None  # the version _drop_hopeless last ran at
         self._cond = threading.Condition()
         self._paused = self._stopped = self._parked = False
         self._error: BaseException | None = None
@@ -182,7 +186,8 @@ class RolloutScheduler:
                     for f in finished:
                         group, i = self._running.pop(f.request_id)
                         self._collect(group, i, f.completion)
-                    self._settle()  # requests the engine aborted by itself (a fault)
+                    if any(f.completion.finish_reason == FinishReason.ABORT for f in finished):
+                        self._settle()  # requests the engine aborted by itself (a fault)
         except BaseException as e:  # surfaced in the trainer's thread by batch()
             with self._cond:
                 self._error = e
@@ -192,7 +197,11 @@ class RolloutScheduler:
     def _drop_hopeless(self) -> None:
         """Drop running groups that already hold a token too old to be trained at the
         trainer's version (with the lock held, in the engine thread): they would only be
-        dropped as ``stale`` when complete."""
+        dropped as ``stale`` when complete. A group only becomes hopeless when the trainer's
+        version moves or aborted prefixes appear (:meth:`_settle`), so it runs after those."""
+        if self._checked_version == self._version:
+            return
+        self._checked_version = self._version
         floor = self._version - self.cfg.max_staleness
         for group in list(self._groups):
             done = [c for c in (*group.samples, *group.prefix.values()) if c and c.token_ids]
@@ -207,7 +216,7 @@ class RolloutScheduler:
         """Start groups while the capacity rule allows (called with the lock held)."""
         in_flight = len(self._ready) + len(self._scoring_groups) + len(self._groups)
         cap = self.cfg.max_in_flight
-        while self._trained + in_flight < self._capacity() and (cap is None or in_flight < cap):
+        while len(self._taken) + in_flight < self._capacity() and (cap is None or in_flight < cap):
             draw = self._redraw.pop(0) if self._redraw else self._draw()
             self._drawn += 1
             group = _Group(draw, [None] * self.cfg.group_size)
@@ -249,14 +258,11 @@ class RolloutScheduler:
         ids = [r for r, (g, _) in self._running.items() if g is group]
         for r in ids:
             del self._running[r]
-        for f in self.engine.abort(ids) if ids else ():
-            self._total.tokens_discarded += len(f.completion.token_ids)
-            self._step.tokens_discarded += len(f.completion.token_ids)
-        tokens = sum(len(c.token_ids) for c in group.samples if c is not None)
-        tokens += sum(len(c.token_ids) for c in group.prefix.values())
-        for counts in (self._total, self._step):
-            counts.dropped[reason] += 1
-            counts.tokens_discarded += tokens
+        running = [f.completion for f in self.engine.abort(ids)] if ids else []
+        sampled = [c for c in (*group.samples, *group.prefix.values(), *running) if c is not None]
+        self._step.tokens_discarded += sum(len(c.token_ids) for c in sampled)
+        self._step.dropped[reason] += 1
+        self._dropped[reason] += 1
 
     # -- scoring ----------------------------------------------------------------------------
 
@@ -273,9 +279,9 @@ class RolloutScheduler:
                 self._cond.notify_all()
                 return
             self._scoring_groups.pop(group.draw.index, None)
-            self._failures[0] += scored.failures
-            self._failures[1] += scored.timeouts
-            self._failures[2] += scored.cached
+            self._step.reward_failures += scored.failures
+            self._step.reward_timeouts += scored.timeouts
+            self._step.reward_cached += scored.cached
             (rollout_group,) = scored.groups
             if self.cfg.dynamic_sampling and len({r.reward for r in rollout_group.rollouts}) == 1:
                 self._drop(group, "filtered")
@@ -288,6 +294,7 @@ class RolloutScheduler:
     def _settle(self) -> None:
         """Groups holding aborted samples that nothing is running for: continue them
         (``partial``) or drop them as ``aborted``."""
+        self._checked_version = None  # their prefixes' tokens are now visible to _drop_hopeless
         busy = {id(g) for g, _ in self._running.values()}
         for group in [g for g in self._groups if g.prefix and id(g) not in busy]:
             if self.cfg.partial:
@@ -304,16 +311,14 @@ class RolloutScheduler:
                 whole = replace(prefix, finish_reason=FinishReason.LENGTH)
                 self._collect(group, i, replace(whole, text=self._decode(prefix.token_ids)))
                 continue
-            for counts in (self._total, self._step):
-                counts.continued += 1
+            self._step.continued += 1
             prompt = group.draw.prompt_token_ids + prefix.token_ids
             self._submit(group, i, prompt, replace(self._params, max_tokens=left))
 
     def _abort_running(self) -> None:
         ids = list(self._running)
         entries = [self._running.pop(r) for r in ids]
-        for counts in (self._total, self._step):
-            counts.aborted += len(ids)
+        self._step.aborted += len(ids)
         by_id = dict(zip(ids, entries, strict=True))
         for f in self.engine.abort(ids):
             self._collect(*by_id[f.request_id], f.completion)
@@ -343,7 +348,7 @@ class RolloutScheduler:
         with self._cond:
             self._version = version
             self._cond.notify_all()
-            filtered0 = self._total.dropped["filtered"]
+            filtered0 = self._dropped["filtered"]
             while True:
                 self._raise_error()
                 for entry in [
@@ -354,16 +359,15 @@ class RolloutScheduler:
                 if len(self._ready) >= c.batch_groups:
                     break
                 if c.dynamic_sampling and (
-                    self._total.dropped["filtered"] - filtered0 >= c.max_rounds * c.batch_groups
+                    self._dropped["filtered"] - filtered0 >= c.max_rounds * c.batch_groups
                 ):
                     break
                 self._cond.wait(0.1)
             self._ready.sort(key=lambda e: (e[0].oldest_version(), e[0].draw.index))
             taken, self._ready = self._ready[: c.batch_groups], self._ready[c.batch_groups :]
-            self._trained += len(taken)
             self._taken.extend(g.draw.index for g, _ in taken)
             metrics = self._metrics([g for g, _ in taken], version)
-            self._step = _Counts()
+            self._step = _StepCounts()
             self._t0 = time.perf_counter()
             self._cond.notify_all()
         return [rg for _, rg in taken], metrics
@@ -380,11 +384,10 @@ class RolloutScheduler:
             "async/aborted": float(self._step.aborted),
             "async/continued": float(self._step.continued),
             "async/tokens_discarded": float(self._step.tokens_discarded),
-            "reward/failures": float(self._failures[0]),
-            "reward/timeouts": float(self._failures[1]),
-            "reward/cached": float(self._failures[2]),
+            "reward/failures": float(self._step.reward_failures),
+            "reward/timeouts": float(self._step.reward_timeouts),
+            "reward/cached": float(self._step.reward_cached),
         }
-        self._failures = [0, 0, 0]
         out |= {f"async/dropped_{r}": float(n) for r, n in self._step.dropped.items()}
         ledger = self.accounting()  # since the scheduler started: every prompt accounted for
         out |= {f"async/prompts_{k}": float(v) for k, v in ledger.items()}
@@ -429,10 +432,10 @@ class RolloutScheduler:
         with self._cond:
             return {
                 "drawn": self._drawn,
-                "trained": self._trained,
+                "trained": len(self._taken),
                 "waiting": len(self._ready) + len(self._scoring_groups),
                 "running": len(self._groups),
-                **{f"dropped_{r}": n for r, n in self._total.dropped.items()},
+                **{f"dropped_{r}": n for r, n in self._dropped.items()},
             }
 
     @property
