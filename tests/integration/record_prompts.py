@@ -1,5 +1,6 @@
 """Driver for a test: ``python record_prompts.py RECIPE OUT.json`` runs ``treadle.jobs.train.train``
-on RECIPE and writes the prompt token ids the RL loop sent to the engine into OUT.json.
+on RECIPE and writes the prompt token ids the RL loop's rollouts sent to the engine into OUT.json
+(it wraps the ``generate`` that :mod:`treadle.jobs.sources` calls for a ``sync`` batch).
 
 Imports stay inside ``main``: reward workers are spawned and re-import this file.
 """
@@ -12,12 +13,12 @@ def main() -> None:
     import sys
     from pathlib import Path
 
-    import treadle.jobs.loop as loop
+    import treadle.jobs.sources as sources
     from treadle.config import load_config
     from treadle.jobs.train import train
 
     recorded: list[dict] = []
-    original = loop.generate
+    original = sources.generate
 
     def recording(engine, tokenizer, tasks, params):
         out = original(engine, tokenizer, tasks, params)
@@ -27,7 +28,7 @@ def main() -> None:
         )
         return out
 
-    loop.generate = recording
+    sources.generate = recording
     train(load_config(sys.argv[1]))
     Path(sys.argv[2]).write_text(json.dumps(recorded))
 
