@@ -32,3 +32,17 @@ def test_the_default_runs_cache():
     assert kv_cache_gib(DEFAULT, "float32", 512, 300) == pytest.approx(0.234375)
     # at least one block for one sequence: 128 x 1,024 x 1.25 bytes
     assert kv_cache_gib(DEFAULT, "float32", 0, 0) == pytest.approx(128 * 1024 * 1.25 / 2**30)
+
+
+def test_room_for_one_sequence_of_the_engines_maximum_length():
+    # Qwen2.5-0.5B's shape in bf16: 2 x 24 layers x 2 KV heads x 64 dims x 2 bytes = 12,288 bytes
+    # a token. A small batch (16 sequences of 60 + 64 tokens: 1 block each) needs 16 blocks, but
+    # vLLM refuses an engine that cannot hold one request of max_model_len = 8,192 tokens:
+    # 64 blocks x 128 x 12,288 x 1.25 = 0.1171875 GiB (16 blocks would be 0.029 GiB).
+    qwen = SimpleNamespace(num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                           hidden_size=896)  # fmt: skip
+    assert kv_bytes_per_token(qwen, "bfloat16") == 12288
+    assert kv_cache_gib(qwen, "bfloat16", 16, 124, 8192) == pytest.approx(0.1171875)
+    assert kv_cache_gib(qwen, "bfloat16", 16, 124) == pytest.approx(16 * 128 * 12288 * 1.25 / 2**30)
+    # the default run: 1,024 blocks already hold a 512-token sequence; unchanged
+    assert kv_cache_gib(DEFAULT, "float32", 1600, 75, 512) == pytest.approx(0.15625)

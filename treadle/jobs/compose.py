@@ -159,10 +159,13 @@ def check_context(tokenizer, data: Dataset, max_tokens: int, max_model_len: int)
     return longest
 
 
-def engine_kv_gib(cfg: Config, data: Dataset, model_dir: Path, longest_prompt: int) -> float:
+def engine_kv_gib(
+    cfg: Config, data: Dataset, model_dir: Path, longest_prompt: int, max_model_len: int
+) -> float:
     """``rollout.kv_cache_gib``, or when 0 the KV cache the run's engine needs: every sequence
     it runs at once (a step's batch, an evaluation's samples, the asynchronous modes' requests
-    in flight), each up to the longest prompt plus ``rollout.max_tokens``."""
+    in flight), each up to the longest prompt plus ``rollout.max_tokens``, and room for one
+    sequence of the engine's ``max_model_len``."""
     r = cfg.rollout
     if r.kv_cache_gib > 0:
         return r.kv_cache_gib
@@ -170,7 +173,8 @@ def engine_kv_gib(cfg: Config, data: Dataset, model_dir: Path, longest_prompt: i
     groups = (r.staleness_bound + 1) * r.prompts_per_step + r.oversample
     sequences = max(groups * r.n, len(data.held_out) * cfg.eval.samples_per_prompt)
     model = AutoConfig.from_pretrained(model_dir)
-    return kv_cache_gib(model, cfg.model.dtype, sequences, longest_prompt + r.max_tokens)
+    tokens = longest_prompt + r.max_tokens
+    return kv_cache_gib(model, cfg.model.dtype, sequences, tokens, max_model_len)
 
 
 @dataclass(frozen=True)
@@ -257,7 +261,7 @@ def compose(
         seed=cfg.run.seed,
         # Room for the model's whole context, capped to bound the KV cache it reserves.
         max_model_len=max_model_len,
-        kv_cache_gib=engine_kv_gib(cfg, data, start, longest_prompt),
+        kv_cache_gib=engine_kv_gib(cfg, data, start, longest_prompt, max_model_len),
     )
     version = read_checkpoint_state(ckpt).step if ckpt else 0
     if version > cfg.run.steps:  # before any part starts or anything of the run is truncated

@@ -32,10 +32,14 @@ def kv_bytes_per_token(model_config: Any, dtype: str) -> int:
     return 2 * model_config.num_hidden_layers * kv_heads * head_dim * element
 
 
-def kv_cache_gib(model_config: Any, dtype: str, sequences: int, tokens: int) -> float:
+def kv_cache_gib(
+    model_config: Any, dtype: str, sequences: int, tokens: int, max_model_len: int = 0
+) -> float:
     """KV cache (GiB) for ``sequences`` sequences at once (at most :data:`CPU_MAX_SEQUENCES`),
     each of up to ``tokens`` tokens (prompt + completion) rounded up to whole blocks, with
-    :data:`HEADROOM`; at least one block per sequence.
+    :data:`HEADROOM`; at least one block per sequence, and at least one whole sequence of
+    ``max_model_len`` tokens (vLLM refuses to start an engine whose cache cannot hold one request
+    at its maximum length).
 
     Example: the default run's model (2 layers, 2 KV heads of 32 dims, fp32: 1 KiB a token),
     evaluation's 200 x 8 = 1,600 samples (1,024 at once) of at most 35 + 40 tokens (1 block of
@@ -43,5 +47,7 @@ def kv_cache_gib(model_config: Any, dtype: str, sequences: int, tokens: int) -> 
     """
     blocks = max(1, math.ceil(tokens / BLOCK_TOKENS))
     at_once = min(max(sequences, 1), CPU_MAX_SEQUENCES)
-    need = at_once * blocks * BLOCK_TOKENS * kv_bytes_per_token(model_config, dtype)
+    one_longest = math.ceil(max_model_len / BLOCK_TOKENS)
+    need_blocks = max(at_once * blocks, one_longest)
+    need = need_blocks * BLOCK_TOKENS * kv_bytes_per_token(model_config, dtype)
     return need * HEADROOM / 2**30
