@@ -169,3 +169,17 @@ def test_prompts_too_long_for_the_context_fail_before_sft(tmp_path, monkeypatch)
         train(cfg)
     assert time.perf_counter() - started < 60
     assert not (tmp_path / "runs" / cfg.run.name / "sft").exists()
+
+
+@pytest.mark.parametrize(("given", "expected"), [(None, "16"), ("1024", "1024")])
+def test_the_command_caps_onednn_primitive_cache_unless_the_user_set_it(given, expected):
+    # oneDNN reads the variable once, at its first primitive: the command must set it before
+    # anything runs (16 primitives instead of 1,024; see BENCHMARKS.md, "Memory per phase").
+    env = {k: v for k, v in os.environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
+    if given is not None:
+        env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = given
+    code = "import os, treadle.cli; print(os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'])"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == expected

@@ -19,6 +19,11 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+# oneDNN keeps up to 1,024 compiled matmul primitives, one per new shape, and packed batches and
+# the engine's changing batch sizes bring new shapes nearly every step: the default run's peak
+# resident memory grew by ~0.3 GiB over its first 8 steps with the default, ~0.1 GiB with 16,
+# at the same step time (BENCHMARKS.md, "Memory per phase"). Read at oneDNN's first use.
+os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16")
 
 import argparse
 import logging
