@@ -67,7 +67,19 @@ def test_reasoning_is_separated_with_or_without_the_opening_tag():
     assert turn.tool_calls[0].name == "multiply"
     # the R1 distills' prompt opens <think>: the turn starts inside it
     distill = "so 156.\n</think>\n\nThe product is 156."
-    assert parse_assistant_turn(distill) == AssistantTurn("The product is 156.", "so 156.")
+    assert parse_assistant_turn(distill, thinking_opened=True) == AssistantTurn(
+        "The product is 156.", "so 156."
+    )
+    # without that, a bare </think> is text of the reply
+    assert parse_assistant_turn(distill) == AssistantTurn(distill.strip())
+
+
+def test_think_tags_elsewhere_are_text_not_reasoning():
+    in_json = call("f", {"s": "</think>"})
+    assert parse_assistant_turn(in_json).tool_calls == (ToolCall("f", {"s": "</think>"}, "call_0"),)
+    mid = parse_assistant_turn("Use the <think> tag. " + call("f", {}))
+    assert mid.reasoning is None and mid.content == "Use the <think> tag."
+    assert mid.tool_calls == (ToolCall("f", {}, "call_0"),)
 
 
 def test_a_call_written_while_thinking_is_not_a_call():
@@ -76,9 +88,9 @@ def test_a_call_written_while_thinking_is_not_a_call():
 
 
 def test_a_turn_cut_while_thinking_is_all_reasoning():
-    turn = parse_assistant_turn("Hmm. <think>first I " + call("f", {}))
+    turn = parse_assistant_turn("\n<think>first I " + call("f", {}))
     assert turn.reasoning.startswith("first I <tool_call>") and turn.tool_calls == ()
-    assert turn.content == "Hmm."
+    assert turn.content == "" and turn.errors == ()
 
 
 @pytest.mark.parametrize(
@@ -91,6 +103,9 @@ def test_a_turn_cut_while_thinking_is_all_reasoning():
         ('{"name": "f", "arguments": [1, 2]}', '"arguments" must be a JSON object'),
         ('{"name": "f", "arguments": "a=1"}', '"arguments" is a string that is not JSON'),
         ("[" * 100_000, "invalid JSON"),  # deeper than the decoder's recursion limit
+        ('{"name": "f", "arguments": {"x": NaN}}', "invalid JSON"),  # Python's extension
+        ('{"name": "f", "arguments": "{\\"x\\": Infinity}"}', '"arguments" is a string'),
+        ('{"name": "f", "arguments": {"s": "\\ud800"}}', "the call holds characters"),
     ],
 )
 def test_a_malformed_call_is_an_error_beside_the_valid_ones(block, reason):
@@ -109,6 +124,15 @@ def test_an_unclosed_call_is_an_error_and_not_part_of_the_reply():
     assert turn.errors == (
         ParseError("<tool_call> is never closed by </tool_call>", '\n{"name": "f", "argum'),
     )
+
+
+def test_many_unclosed_calls_take_one_pass():
+    # A collapsed policy repeating the tag: with a lazy regex each opening tag rescanned the
+    # rest (20,000 tags: minutes); the scan stops at the first one that is never closed.
+    turn = parse_assistant_turn("Go " + "<tool_call>" * 20_000)
+    assert turn.content == "Go" and turn.tool_calls == () and len(turn.errors) == 1
+    # the 19,999 tags after the first, cut to 200 characters: 18 x 11 = 198, then "<t" and "..."
+    assert turn.errors[0].text == "<tool_call>" * 18 + "<t..."
 
 
 def test_a_runaway_block_is_cut_in_the_error():

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -109,6 +111,55 @@ def test_every_failure_is_a_result_for_the_model(box, call, error, content):
     assert (result.error, result.content) == (error, content)
 
 
+def test_what_a_tool_cannot_print_or_exits_with_still_comes_back():
+    def huge() -> int:
+        """An int past Python's 4,300-digit str limit."""
+        return 10**5000
+
+    def quits() -> None:
+        """Exit the interpreter, as argparse does on bad input."""
+        sys.exit(3)
+
+    tools = ToolBox([huge, quits])
+    try:
+        big, quit_ = run(tools, ToolCall("huge", {}, "call_0"), ToolCall("quits", {}, "call_1"))
+        assert (big.error, big.content) == (None, "<unprintable int>")
+        assert (quit_.error, quit_.content) == ("raised", "Error: quits raised SystemExit: 3")
+    finally:
+        tools.close()
+
+
+def test_a_closed_box_answers_closed(box):
+    box.close()
+    box.close()  # idempotent
+    (result,) = run(box, ToolCall("multiply", {"a": 1, "b": 2}, "call_0"))
+    assert (result.error, result.content) == ("closed", "Error: multiply: the tools are closed.")
+
+
+HANGS = '''
+import asyncio, threading
+from treadle.rollout.environments.tools import ToolBox
+from treadle.rollout.environments.tool_calls import ToolCall
+
+def hang() -> None:
+    """Wait forever."""
+    threading.Event().wait()
+
+box = ToolBox([hang], timeout_s=0.1)
+(r,) = asyncio.run(box.call_all([ToolCall("hang", {}, "call_0")]))
+print(r.error, box.stuck)
+'''
+
+
+def test_a_hung_tool_does_not_keep_the_process_alive():
+    # The pool's threads are daemons: the interpreter exits with the tool still waiting
+    # (a ThreadPoolExecutor's would be joined at exit, and the process would hang).
+    out = subprocess.run(
+        [sys.executable, "-c", HANGS], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.split() == ["timeout", "1"]
+
+
 def test_a_hung_tool_times_out_and_the_others_answer():
     release = threading.Event()
 
@@ -131,6 +182,13 @@ def test_a_hung_tool_times_out_and_the_others_answer():
         assert (hung.error, hung.content) == ("timeout", "Error: wait took longer than 0.2 s.")
         assert 0.2 <= hung.seconds < 30  # returned at the timeout, not after the 60 s wait
         assert (fine.error, fine.content) == (None, "42")
+        assert tools.stuck == 1  # the hung call still holds its thread
+        release.set()
+        for _ in range(600):  # released, it returns within moments
+            if tools.stuck == 0:
+                break
+            threading.Event().wait(0.05)
+        assert tools.stuck == 0
     finally:
         release.set()
         tools.close()
@@ -182,3 +240,52 @@ def test_a_function_without_a_schema_or_a_repeated_name_is_refused():
         ToolBox([untyped])
     with pytest.raises(UserError, match="two tools are named 'multiply'"):
         ToolBox([multiply, multiply])
+
+    def spread(a: int, *rest: int) -> int:
+        """Sum.
+
+        Args:
+            a: first
+            rest: the others
+        """
+        return a + sum(rest)
+
+    with pytest.raises(UserError, match=r"tool 'spread': parameter\(s\) rest cannot be passed"):
+        ToolBox([spread])
+    with pytest.raises(UserError, match="timeout_s=0 and max_concurrent=4"):
+        ToolBox([multiply], timeout_s=0)
+    with pytest.raises(UserError, match="max_concurrent=0"):
+        ToolBox([multiply], max_concurrent=0)
+
+
+def test_arguments_that_are_not_an_object_are_bad_arguments(box):
+    (result,) = run(box, ToolCall("multiply", {1: 2}, "call_0"))  # built by hand, not parsed
+    assert (result.error, result.content) == (
+        "bad_arguments",
+        "Error: multiply: the arguments must be a JSON object.",
+    )
+
+
+def test_closing_while_a_call_waits_for_a_thread_answers_it_closed():
+    started, release = threading.Event(), threading.Event()
+
+    def hold() -> str:
+        """Hold the only thread until released."""
+        started.set()
+        release.wait(30)
+        return "held"
+
+    tools = ToolBox([hold, multiply], timeout_s=20, max_concurrent=1)
+
+    async def scenario():
+        first = asyncio.ensure_future(tools.call(ToolCall("hold", {}, "call_0")))
+        queued = asyncio.ensure_future(tools.call(ToolCall("multiply", {"a": 1, "b": 2}, "c1")))
+        # both submitted once this yields; wait until hold runs, so multiply waits behind it
+        await asyncio.get_running_loop().run_in_executor(None, started.wait, 30)
+        tools.close()
+        release.set()
+        return await first, await queued
+
+    held, queued = asyncio.run(scenario())
+    assert (held.error, held.content) == (None, "held")  # a running call finishes
+    assert (queued.error, queued.content) == ("closed", "Error: multiply: the tools are closed.")

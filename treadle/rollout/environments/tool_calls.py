@@ -3,8 +3,8 @@
 The format is Hermes's, which Qwen2.5 and Qwen3 are trained on and their chat templates render:
 each call is one JSON object in its own block, ``<tool_call>\\n{"name": ..., "arguments":
 {...}}\\n</tool_call>``; several blocks in one turn are parallel calls. Reasoning comes first in a
-``<think>...</think>`` block (Qwen3), or ends with a bare ``</think>`` when the prompt opened it
-(the R1 distills' templates).
+``<think>...</think>`` block at the turn's start (Qwen3), or ends with a bare ``</think>`` when
+the prompt opened it (the R1 distills' templates: ``thinking_opened=True``).
 
 What a policy writes is not trusted: :func:`parse_assistant_turn` never raises. A block that is
 not a valid call becomes a :class:`ParseError` beside the valid calls, for the environment to
@@ -14,14 +14,12 @@ send back to the model (:func:`error_message`) or to end the episode with, and t
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
 MAX_ERROR_TEXT = 200
 """Characters of a malformed block kept in its :class:`ParseError` (a runaway block of
 thousands of characters must not flood logs or the next prompt)."""
@@ -60,34 +58,46 @@ class AssistantTurn:
     errors: tuple[ParseError, ...] = field(default=())
 
 
-def parse_assistant_turn(text: str) -> AssistantTurn:
+def parse_assistant_turn(text: str, thinking_opened: bool = False) -> AssistantTurn:
     """Split ``text`` (one assistant turn as sampled, without the end-of-turn token) into
-    reasoning, reply, valid tool calls and parse errors. Never raises.
+    reasoning, reply, valid tool calls and parse errors. Never raises for any string, and takes
+    time linear in its length.
 
-    - Reasoning: the text up to the first ``</think>``, from the ``<think>`` before it if there
-      is one (else from the start: the prompt opened it). A turn that opens ``<think>`` and never
-      closes it was cut while thinking: what follows the tag is reasoning, with no calls. A
-      ``<tool_call>`` inside the reasoning is thought, not a call.
+    - Reasoning: a ``<think>...</think>`` block at the start of the turn (after whitespace), or,
+      with ``thinking_opened`` (the prompt ended in ``<think>``), the text up to the first
+      ``</think>``. A turn cut while thinking (no ``</think>``) is all reasoning, with no calls.
+      Think tags anywhere else are text of the reply or of a call's JSON.
     - Calls: each ``<tool_call>...</tool_call>`` after the reasoning holds one JSON object with a
       non-empty string ``"name"`` and ``"arguments"`` as an object, or as a string holding a JSON
       object (some models write it so), or absent (``{}``); ``"parameters"`` is read as an alias.
+      ``NaN``, ``Infinity`` and unpaired surrogates are not JSON here.
     - A ``<tool_call>`` never closed (the turn ran out of tokens inside it) is an error, and the
       text from it on is not part of the reply.
     """
-    reasoning, rest = _split_reasoning(text)
+    reasoning, rest = _split_reasoning(text, thinking_opened)
     calls: list[ToolCall] = []
     errors: list[ParseError] = []
-    for body in _BLOCK.findall(rest):
-        parsed = _parse_call(body.strip(), len(calls))
+    reply: list[str] = []
+    at = 0
+    while (start := rest.find(CALL_OPEN, at)) >= 0:
+        reply.append(rest[at:start])
+        body_at = start + len(CALL_OPEN)
+        end = rest.find(CALL_CLOSE, body_at)
+        if end < 0:
+            unclosed = rest[body_at:]
+            errors.append(
+                ParseError(f"{CALL_OPEN} is never closed by {CALL_CLOSE}", _cut(unclosed))
+            )
+            at = len(rest)
+            break
+        parsed = _parse_call(rest[body_at:end].strip(), len(calls))
         if isinstance(parsed, ToolCall):
             calls.append(parsed)
         else:
             errors.append(parsed)
-    reply = _BLOCK.sub("", rest)
-    if CALL_OPEN in reply:
-        reply, unclosed = reply.split(CALL_OPEN, 1)
-        errors.append(ParseError(f"{CALL_OPEN} is never closed by {CALL_CLOSE}", _cut(unclosed)))
-    return AssistantTurn(reply.strip(), reasoning, tuple(calls), tuple(errors))
+        at = end + len(CALL_CLOSE)
+    reply.append(rest[at:])
+    return AssistantTurn("".join(reply).strip(), reasoning, tuple(calls), tuple(errors))
 
 
 def error_message(error: ParseError) -> str:
@@ -98,22 +108,21 @@ def error_message(error: ParseError) -> str:
     )
 
 
-def _split_reasoning(text: str) -> tuple[str | None, str]:
-    if THINK_CLOSE in text:
-        thought, rest = text.split(THINK_CLOSE, 1)
-        if THINK_OPEN in thought:  # text before the block stays part of the reply
-            before, thought = thought.split(THINK_OPEN, 1)
-            rest = before + rest
-        return thought.strip(), rest
-    if THINK_OPEN in text:  # cut while thinking
-        before, thought = text.split(THINK_OPEN, 1)
-        return thought.strip(), before
-    return None, text
+def _split_reasoning(text: str, thinking_opened: bool) -> tuple[str | None, str]:
+    if not thinking_opened:
+        stripped = text.lstrip()
+        if not stripped.startswith(THINK_OPEN):
+            return None, text
+        text = stripped[len(THINK_OPEN) :]
+    thought, closed, rest = text.partition(THINK_CLOSE)
+    if not closed:  # cut while thinking
+        return thought.strip(), ""
+    return thought.strip(), rest
 
 
 def _parse_call(body: str, index: int) -> ToolCall | ParseError:
     try:
-        call = json.loads(body)
+        call = _strict_json(body)
     except json.JSONDecodeError as e:
         return ParseError(f"invalid JSON: {e.msg} at character {e.pos}", _cut(body))
     except (ValueError, RecursionError):  # e.g. nesting too deep for the decoder
@@ -126,12 +135,25 @@ def _parse_call(body: str, index: int) -> ToolCall | ParseError:
     arguments = call.get("arguments", call.get("parameters", {}))
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
+            arguments = _strict_json(arguments)
         except (ValueError, RecursionError):
             return ParseError('"arguments" is a string that is not JSON', _cut(body))
     if not isinstance(arguments, dict):
         return ParseError('"arguments" must be a JSON object', _cut(body))
+    try:  # an escaped lone surrogate decodes, and fails later in any tokenizer or log
+        json.dumps([name, arguments], ensure_ascii=False).encode("utf-8")
+    except (UnicodeEncodeError, ValueError, RecursionError):
+        return ParseError("the call holds characters that are not valid Unicode", _cut(body))
     return ToolCall(name.strip(), arguments, f"call_{index}")
+
+
+def _strict_json(text: str) -> Any:
+    """``json.loads`` without the ``NaN``/``Infinity`` extension (raises ``ValueError``)."""
+    return json.loads(text, parse_constant=_not_json)
+
+
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")
 
 
 def _cut(text: str) -> str:

@@ -19,17 +19,23 @@ tools=...)`` renders (Qwen2.5 and Qwen3 templates list them in the system prompt
     messages = [r.message() for r in results]
 
 A timed-out call frees its episode at once, but Python cannot stop a thread: the function runs on
-in its pool slot until it returns. Tools that may hang for good belong in a process (the code
-sandbox, :mod:`treadle.rewards.sandbox`), not here.
+in its pool slot until it returns (:attr:`ToolBox.stuck` counts them; the pool's threads are
+daemons, so they never keep the process from exiting). Once every slot is stuck, later calls
+time out without running. Tools that may hang for good belong in a process (the code sandbox,
+:mod:`treadle.rewards.sandbox`), not here. Argument types are not checked against the schema:
+a tool checks its own inputs (its exception goes back to the model).
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
+import queue
+import threading
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,8 +51,8 @@ class ToolResult:
     content: str
     """The return value as text (``str``; JSON for a dict or list), or the error in words."""
     error: str | None
-    """None on success, else the kind: ``unknown_tool``, ``bad_arguments``, ``raised`` or
-    ``timeout`` (for metrics; the words are in ``content``)."""
+    """None on success, else the kind: ``unknown_tool``, ``bad_arguments``, ``raised``,
+    ``timeout`` or ``closed`` (for metrics; the words are in ``content``)."""
     seconds: float
     """Wall time from the call's submission to its result, queueing in the pool included."""
 
@@ -72,7 +78,9 @@ class ToolBox:
 
     Raises:
         UserError: a function without type hints or an ``Args:`` docstring for every argument
-            (transformers cannot build its schema), or two functions of one name.
+            (transformers cannot build its schema), with ``*args``, ``**kwargs`` or
+            positional-only parameters (a call passes keyword arguments only), two functions of
+            one name, ``timeout_s <= 0`` or ``max_concurrent < 1``.
     """
 
     def __init__(
@@ -83,6 +91,11 @@ class ToolBox:
     ) -> None:
         from transformers.utils import get_json_schema
 
+        if not timeout_s > 0 or max_concurrent < 1:
+            raise UserError(
+                f"tools: timeout_s={timeout_s} and max_concurrent={max_concurrent}; a call needs "
+                "a timeout above 0 s and the pool at least 1 thread"
+            )
         self.timeout_s = timeout_s
         self._functions: dict[str, Callable[..., Any]] = {}
         self.schemas: list[dict[str, Any]] = []
@@ -91,6 +104,7 @@ class ToolBox:
             name = getattr(fn, "__name__", repr(fn))
             if name in self._functions:
                 raise UserError(f"tools: two tools are named {name!r}; give each its own name")
+            _check_keyword_callable(name, fn)
             try:
                 schema = get_json_schema(fn)
             except Exception as e:  # transformers raises its own types for each defect
@@ -101,7 +115,14 @@ class ToolBox:
             self._functions[name] = fn
             self.schemas.append(schema)
         self._params = {s["function"]["name"]: s["function"]["parameters"] for s in self.schemas}
-        self._pool = ThreadPoolExecutor(max_concurrent, thread_name_prefix="treadle-tool")
+        self._pool = _DaemonPool(max_concurrent)
+        self._timed_out: list[Future] = []
+
+    @property
+    def stuck(self) -> int:
+        """Calls that timed out and still hold a pool thread."""
+        self._timed_out = [f for f in self._timed_out if not f.done()]
+        return len(self._timed_out)
 
     @property
     def names(self) -> list[str]:
@@ -125,32 +146,44 @@ class ToolBox:
         if problem:
             return result(f"Error: {call.name}: {problem}.", "bad_arguments")
 
-        def run() -> tuple[Any, BaseException | None]:  # the tool's own errors, as values
+        def run() -> tuple[str, BaseException | None]:  # in the pool: the tool, then its text
             try:
-                return fn(**call.arguments), None
-            except Exception as e:
-                return None, e
+                return _as_text(fn(**call.arguments)), None
+            except BaseException as e:  # SystemExit or KeyboardInterrupt from a tool, too
+                return "", e
 
-        loop = asyncio.get_running_loop()
+        future = self._pool.submit(run)
+        if future is None:
+            return result(f"Error: {call.name}: the tools are closed.", "closed")
         try:
-            value, raised = await asyncio.wait_for(
-                loop.run_in_executor(self._pool, run), self.timeout_s
-            )
+            text, raised = await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if future.cancelled() and not (task and task.cancelling()):  # close() while queued
+                return result(f"Error: {call.name}: the tools are closed.", "closed")
+            raise  # this task itself was cancelled
         except TimeoutError:
+            self._timed_out.append(future)
             return result(f"Error: {call.name} took longer than {self.timeout_s:g} s.", "timeout")
         if raised is not None:  # goes back to the model
-            return result(f"Error: {call.name} raised {type(raised).__name__}: {raised}", "raised")
-        return result(_as_text(value))
+            what = _as_text(raised)
+            return result(f"Error: {call.name} raised {type(raised).__name__}: {what}", "raised")
+        return result(text)
 
     async def call_all(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
         """Run a turn's calls concurrently; the results in the calls' order."""
         return list(await asyncio.gather(*(self.call(c) for c in calls)))
 
     def close(self) -> None:
-        """Stop taking calls; queued ones are cancelled, running ones finish on their own."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stop taking calls (later ones come back ``closed``); queued ones are cancelled,
+        running ones finish on their own. Idempotent."""
+        self._pool.shutdown()
 
     def _check_arguments(self, call: ToolCall) -> str | None:
+        if not isinstance(call.arguments, Mapping) or not all(
+            isinstance(k, str) for k in call.arguments
+        ):
+            return "the arguments must be a JSON object"
         params = self._params[call.name]
         expected = params.get("properties", {})
         unknown = sorted(set(call.arguments) - set(expected))
@@ -162,12 +195,70 @@ class ToolBox:
         return None
 
 
+def _check_keyword_callable(name: str, fn: Callable[..., Any]) -> None:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return  # no signature to read: get_json_schema refuses it next
+    odd = [p.name for p in params if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.POSITIONAL_ONLY)]
+    if odd:
+        raise UserError(
+            f"tool {name!r}: parameter(s) {', '.join(odd)} cannot be passed by name (*args, "
+            "**kwargs or positional-only); a call passes its JSON object's keys by name"
+        )
+
+
 def _as_text(value: Any) -> str:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, dict | list):
-        try:
-            return json.dumps(value)
-        except (TypeError, ValueError):
-            return str(value)
-    return str(value)
+    """``value`` as the text of a tool message; never raises (a value with no printable form,
+    such as an int over Python's 4,300-digit limit, is named by its type)."""
+    try:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, dict | list):
+            try:
+                return json.dumps(value)
+            except (TypeError, ValueError):
+                pass
+        return str(value)
+    except BaseException:
+        return f"<unprintable {type(value).__name__}>"
+
+
+class _DaemonPool:
+    """A fixed pool of daemon threads (``ThreadPoolExecutor``'s are joined at interpreter exit,
+    so one hung tool would keep the process alive)."""
+
+    def __init__(self, workers: int) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        self._lock = threading.Lock()
+        for i in range(workers):
+            threading.Thread(target=self._work, name=f"treadle-tool-{i}", daemon=True).start()
+
+    def submit(self, fn: Callable[[], Any]) -> Future | None:
+        """``fn``'s future, or None once shut down."""
+        with self._lock:
+            if self._closed:
+                return None
+            future: Future = Future()
+            self._jobs.put((future, fn))
+            return future
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._closed = True
+        while True:  # cancel what waits; the workers stop at the sentinel
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job[0].cancel()
+        self._jobs.put(None)
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn = job
+            if future.set_running_or_notify_cancel():
+                future.set_result(fn())  # fn returns its errors as values
+        self._jobs.put(None)  # wake the next worker to stop too
