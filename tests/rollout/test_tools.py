@@ -289,3 +289,35 @@ def test_closing_while_a_call_waits_for_a_thread_answers_it_closed():
     held, queued = asyncio.run(scenario())
     assert (held.error, held.content) == (None, "held")  # a running call finishes
     assert (queued.error, queued.content) == ("closed", "Error: multiply: the tools are closed.")
+
+
+def test_async_tools_run_on_the_loop_with_the_same_rules():
+    async def fetch(url: str) -> str:
+        """Fetch a page.
+
+        Args:
+            url: where
+        """
+        if url == "hang":
+            await asyncio.sleep(60)
+        if url == "bad":
+            raise ConnectionError("refused")
+        return f"page at {url}"
+
+    tools = ToolBox([fetch], timeout_s=0.2)
+    try:
+        ok, hung, bad = run(
+            tools,
+            ToolCall("fetch", {"url": "a"}, "call_0"),
+            ToolCall("fetch", {"url": "hang"}, "call_1"),
+            ToolCall("fetch", {"url": "bad"}, "call_2"),
+        )
+        assert (ok.error, ok.content) == (None, "page at a")
+        assert (hung.error, hung.content) == ("timeout", "Error: fetch took longer than 0.2 s.")
+        assert (bad.error, bad.content) == (
+            "raised",
+            "Error: fetch raised ConnectionError: refused",
+        )
+        assert tools.stuck == 0  # a coroutine is cancelled at its timeout, no thread held
+    finally:
+        tools.close()

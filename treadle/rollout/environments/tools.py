@@ -1,7 +1,8 @@
 """Typed Python functions as the tools of an episode: their JSON schemas for the chat template,
 and calls run concurrently in a bounded thread pool, each under a timeout, that never raise.
 
-A tool is a plain function with type hints and a Google-style docstring (an ``Args:`` section);
+A tool is a plain function (or an ``async def`` one, run on the caller's event loop) with type
+hints and a Google-style docstring (an ``Args:`` section);
 its schema is built by transformers' ``get_json_schema``, the format ``apply_chat_template(...,
 tools=...)`` renders (Qwen2.5 and Qwen3 templates list them in the system prompt)::
 
@@ -146,6 +147,22 @@ class ToolBox:
         if problem:
             return result(f"Error: {call.name}: {problem}.", "bad_arguments")
 
+        if inspect.iscoroutinefunction(fn):  # an async tool runs on this loop
+
+            async def run_async() -> tuple[str, BaseException | None]:
+                try:
+                    return _as_text(await fn(**call.arguments)), None
+                except (Exception, SystemExit, KeyboardInterrupt) as e:  # not CancelledError
+                    return "", e
+
+            try:
+                text, raised = await asyncio.wait_for(run_async(), self.timeout_s)
+            except TimeoutError:
+                return result(
+                    f"Error: {call.name} took longer than {self.timeout_s:g} s.", "timeout"
+                )
+            return result(*_outcome(call.name, text, raised))
+
         def run() -> tuple[str, BaseException | None]:  # in the pool: the tool, then its text
             try:
                 return _as_text(fn(**call.arguments)), None
@@ -165,10 +182,7 @@ class ToolBox:
         except TimeoutError:
             self._timed_out.append(future)
             return result(f"Error: {call.name} took longer than {self.timeout_s:g} s.", "timeout")
-        if raised is not None:  # goes back to the model
-            what = _as_text(raised)
-            return result(f"Error: {call.name} raised {type(raised).__name__}: {what}", "raised")
-        return result(text)
+        return result(*_outcome(call.name, text, raised))
 
     async def call_all(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
         """Run a turn's calls concurrently; the results in the calls' order."""
@@ -193,6 +207,13 @@ class ToolBox:
         if missing:
             return f"missing argument(s) {', '.join(missing)}"
         return None
+
+
+def _outcome(name: str, text: str, raised: BaseException | None) -> tuple[str, str | None]:
+    """A finished call's content and error kind; the tool's exception goes back to the model."""
+    if raised is None:
+        return text, None
+    return f"Error: {name} raised {type(raised).__name__}: {_as_text(raised)}", "raised"
 
 
 def _check_keyword_callable(name: str, fn: Callable[..., Any]) -> None:
