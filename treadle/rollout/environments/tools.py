@@ -135,6 +135,7 @@ class ToolBox:
         start = time.perf_counter()
 
         def result(content: str, error: str | None = None) -> ToolResult:
+            """The call's result, timed from its submission."""
             return ToolResult(call, content, error, time.perf_counter() - start)
 
         fn = self._functions.get(call.name)
@@ -150,6 +151,7 @@ class ToolBox:
         if inspect.iscoroutinefunction(fn):  # an async tool runs on this loop
 
             async def run_async() -> tuple[str, BaseException | None]:
+                """The tool, then its text; its errors as values."""
                 try:
                     return _as_text(await fn(**call.arguments)), None
                 except (Exception, SystemExit, KeyboardInterrupt) as e:  # not CancelledError
@@ -163,7 +165,8 @@ class ToolBox:
                 )
             return result(*_outcome(call.name, text, raised))
 
-        def run() -> tuple[str, BaseException | None]:  # in the pool: the tool, then its text
+        def run() -> tuple[str, BaseException | None]:
+            """In the pool: the tool, then its text; its errors as values."""
             try:
                 return _as_text(fn(**call.arguments)), None
             except BaseException as e:  # SystemExit or KeyboardInterrupt from a tool, too
@@ -266,6 +269,7 @@ class _DaemonPool:
             return future
 
     def shutdown(self) -> None:
+        """Take no more jobs, cancel the queued ones; running ones finish, then the threads end."""
         with self._lock:
             self._closed = True
         while True:  # cancel what waits; the workers stop at the sentinel
