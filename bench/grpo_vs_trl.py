@@ -374,6 +374,11 @@ def summarize(run: dict, before: dict, target: float) -> dict:
     }
 
 
+def shape_suffix(shape: str) -> str:
+    """The work folder's and the JSON's name suffix: none for the default shape."""
+    return "" if shape == "default" else f"_{shape}"
+
+
 def sft_model(out: Path) -> Path:
     """The default task's SFT checkpoint, made once under ``out``: both frameworks start there."""
     sft_dir = out / "sft"
@@ -444,8 +449,7 @@ def main() -> None:
     a.eval_every = (0 if at_scale else 10) if a.eval_every is None else a.eval_every
     # TRL's micro-batches: 64 of the default's 512 completions; the whole batch of 16 at 0.5B
     a.micro_batch = (16 if at_scale else 64) if a.micro_batch is None else a.micro_batch
-    suffix = f"_{a.shape}" if at_scale else ""
-    out = Path(a.out or ROOT / "bench" / "out" / f"grpo_vs_trl{suffix}")
+    out = Path(a.out or ROOT / "bench" / "out" / f"grpo_vs_trl{shape_suffix(a.shape)}")
     a.out = str(out)  # recorded in the JSON
     out.mkdir(parents=True, exist_ok=True)
     sft = random_model(out / "random_model") if at_scale else sft_model(out)
@@ -526,9 +530,8 @@ def write(stats: dict, failures: dict, a: argparse.Namespace, before: dict) -> N
     for name, err in failures.items():
         md += f"\n\n{name} did not run: `{err.splitlines()[-1][:300]}`"
     results = {"args": vars(a), "stats": stats, "failures": failures}
-    suffix = "" if a.shape == "default" else f"_{a.shape}"
     title = "GRPO step vs TRL" + ("" if a.shape == "default" else f" at the {a.shape} shape")
-    json_path = Path(__file__).with_name(f"grpo_vs_trl{suffix}.json")
+    json_path = Path(__file__).with_name(f"grpo_vs_trl{shape_suffix(a.shape)}.json")
     report.emit(title, md, results, json_path, append=a.append)
 
 

@@ -115,7 +115,7 @@ def test_a_malformed_call_is_an_error_beside_the_valid_ones(block, reason):
     assert turn.tool_calls == (ToolCall("ok", {"a": 1}, "call_0"),)  # ids count valid calls
     (error,) = turn.errors
     assert error.reason.startswith(reason)
-    assert len(error.text) <= MAX_ERROR_TEXT + 3
+    assert len(error.text) <= MAX_ERROR_TEXT + 3  # cut to 200 characters, then "..."
 
 
 def test_an_unclosed_call_is_an_error_and_not_part_of_the_reply():

@@ -35,7 +35,7 @@ import json
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -148,22 +148,12 @@ class ToolBox:
         if problem:
             return result(f"Error: {call.name}: {problem}.", "bad_arguments")
 
-        if inspect.iscoroutinefunction(fn):  # an async tool runs on this loop
-
-            async def run_async() -> tuple[str, BaseException | None]:
-                """The tool, then its text; its errors as values."""
-                try:
-                    return _as_text(await fn(**call.arguments)), None
-                except (Exception, SystemExit, KeyboardInterrupt) as e:  # not CancelledError
-                    return "", e
-
+        async def run_async() -> tuple[str, BaseException | None]:
+            """An async tool on this loop, then its text; its errors as values."""
             try:
-                text, raised = await asyncio.wait_for(run_async(), self.timeout_s)
-            except TimeoutError:
-                return result(
-                    f"Error: {call.name} took longer than {self.timeout_s:g} s.", "timeout"
-                )
-            return result(*_outcome(call.name, text, raised))
+                return _as_text(await fn(**call.arguments)), None
+            except (Exception, SystemExit, KeyboardInterrupt) as e:  # not CancelledError
+                return "", e
 
         def run() -> tuple[str, BaseException | None]:
             """In the pool: the tool, then its text; its errors as values."""
@@ -172,18 +162,25 @@ class ToolBox:
             except BaseException as e:  # SystemExit or KeyboardInterrupt from a tool, too
                 return "", e
 
-        future = self._pool.submit(run)
-        if future is None:
-            return result(f"Error: {call.name}: the tools are closed.", "closed")
+        closed = f"Error: {call.name}: the tools are closed."
+        future = None  # a pool thread's, for a plain function
+        if inspect.iscoroutinefunction(fn):
+            pending: Awaitable[tuple[str, BaseException | None]] = run_async()
+        else:
+            future = self._pool.submit(run)
+            if future is None:
+                return result(closed, "closed")
+            pending = asyncio.wrap_future(future)
         try:
-            text, raised = await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
+            text, raised = await asyncio.wait_for(pending, self.timeout_s)
         except asyncio.CancelledError:
             task = asyncio.current_task()
-            if future.cancelled() and not (task and task.cancelling()):  # close() while queued
-                return result(f"Error: {call.name}: the tools are closed.", "closed")
+            if future is not None and future.cancelled() and not (task and task.cancelling()):
+                return result(closed, "closed")  # close() while the call was queued
             raise  # this task itself was cancelled
         except TimeoutError:
-            self._timed_out.append(future)
+            if future is not None:  # the thread runs on; a coroutine was cancelled
+                self._timed_out.append(future)
             return result(f"Error: {call.name} took longer than {self.timeout_s:g} s.", "timeout")
         return result(*_outcome(call.name, text, raised))
 
