@@ -8,6 +8,16 @@ So far:
 - :mod:`~treadle.rollout.environments.tools`: typed Python functions as tools (JSON schemas for
   the chat template; calls concurrent in a bounded pool, each under a timeout; never raise).
 
-Not yet: the environment Protocol, the token-in-token-out trajectory builder and the episode
-loop on the per-request engine (issue 14 of the tracker).
+- :mod:`~treadle.rollout.environments.trajectory`: token-in-token-out trajectories: sampled ids
+  kept verbatim, environment messages rendered as a suffix after the template's glue, every
+  token's provenance, version and turn; the two history modes for templates that are not
+  prefix-stable, and the template self-check.
+- :mod:`~treadle.rollout.environments.base`: the :class:`~.base.Environment` Protocol (async
+  reset/step/reward/close), the thread-pool adapter for synchronous environments, ``ToolEnv``,
+  and environments found by name or ``package.module:Class``.
+- :mod:`~treadle.rollout.environments.episode`: one episode under its budgets (turns, tokens,
+  observation size, step and episode timeouts), from any ``sample(context, max_tokens)``.
+
+Not yet: episodes on the rollout scheduler and the training loop, the OpenAI-compatible
+endpoint, and the shipped environments (issue 14 of the tracker).
 """
