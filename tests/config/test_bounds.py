@@ -40,6 +40,9 @@ AT_LEAST = {
     "model.tiny.hidden_size": 1, "model.tiny.intermediate_size": 1,
     "model.tiny.num_hidden_layers": 1, "model.tiny.max_position_embeddings": 1,
     "sft.noise.loose_format_fraction": 0.0, "sft.noise.wrong_answer_fraction": 0.0,
+    "environment.max_turns": 1, "environment.max_tokens": 1,
+    "environment.max_observation_tokens": 1, "environment.max_concurrent": 1,
+    "environment.tool_threads": 1,
 }  # fmt: skip
 
 # What a key needs beside it to load at all (loads below start from no recipe).

@@ -18,9 +18,10 @@ from tests.rollout.environments_fakes import (
 )
 from treadle.core.errors import UserError
 from treadle.core.types import FinishReason
-from treadle.rollout.environments import base
-from treadle.rollout.environments.base import StepResult, Threaded, ToolEnv, make
+from treadle.rollout.environments import registry
+from treadle.rollout.environments.base import StepResult, Threaded, ToolEnv
 from treadle.rollout.environments.episode import TRUNCATED, Budgets, run_episode
+from treadle.rollout.environments.registry import make
 from treadle.rollout.environments.tools import ToolBox
 from treadle.rollout.environments.trajectory import ChatRenderer, Source
 
@@ -255,7 +256,7 @@ def test_a_synchronous_environment_runs_in_the_pool(renderer):
 
 
 def test_environments_by_name_and_by_import_path():
-    base.register("scripted-test", lambda **kw: ScriptedEnv([], **kw))
+    registry.register("scripted-test", lambda **kw: ScriptedEnv([], **kw))
     env = make("scripted-test", {"episode_reward": 0.25})
     assert isinstance(env, ScriptedEnv) and env.episode_reward == 0.25
     by_path = make("tests.rollout.environments_fakes:ScriptedEnv", {"results": []})
@@ -271,4 +272,4 @@ def test_environments_by_name_and_by_import_path():
     with pytest.raises(UserError, match=r"lacks one of reset, step, reward, close"):
         make("tests.rollout.environments_fakes:task")
     with pytest.raises(UserError, match="registered already"):
-        base.register("scripted-test", lambda: None)
+        registry.register("scripted-test", lambda: None)

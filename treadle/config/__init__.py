@@ -6,7 +6,8 @@ type; a value out of its field's bounds, or at odds with another field, names it
 was expected. All raise :class:`treadle.core.errors.UserError`.
 
 - :mod:`~treadle.config.sections`, :mod:`~treadle.config.data`,
-  :mod:`~treadle.config.algorithm`: the section dataclasses, each field with its bounds.
+  :mod:`~treadle.config.algorithm`, :mod:`~treadle.config.environment`: the section
+  dataclasses, each field with its bounds.
 - :mod:`~treadle.config.fields`: the one-field rules (``at_least``, ...) and their walk.
 - :mod:`~treadle.config.checks`: the rules that relate fields to each other.
 - :mod:`~treadle.config.loading`: recipes, ``base:``, overrides, and type coercion.
@@ -14,6 +15,7 @@ was expected. All raise :class:`treadle.core.errors.UserError`.
 
 from treadle.config.algorithm import GROUP_BASELINES, AlgorithmConfig, CriticConfig, KLConfig
 from treadle.config.data import DataConfig, DataSource, MixConfig, SourceConfig
+from treadle.config.environment import EnvironmentConfig
 from treadle.config.loading import load_config, to_dict
 from treadle.config.sections import (
     Config,
@@ -40,6 +42,7 @@ __all__ = [
     "DPOConfig",
     "DataConfig",
     "DataSource",
+    "EnvironmentConfig",
     "EvalConfig",
     "KLConfig",
     "MixConfig",

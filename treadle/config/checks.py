@@ -24,6 +24,7 @@ def check(cfg: Config) -> None:
     check_fields(cfg)
     _check_placement(cfg)
     _check_rollout_mode(cfg)
+    _check_environment(cfg)
     _check_model(cfg)
     _check_sources(cfg)
     _check_algorithm(cfg)
@@ -79,6 +80,28 @@ def _check_rollout_mode(cfg: Config) -> None:
         raise UserError(
             f"config rollout.mode={r.mode}: ReMax's greedy baseline is generated with the "
             "batch's policy; use rollout.mode=sync with algorithm.advantage=remax"
+        )
+
+
+def _check_environment(cfg: Config) -> None:
+    """What episodes support so far."""
+    e = cfg.environment
+    if not e.name:
+        return
+    if cfg.rollout.mode != "sync":
+        raise UserError(
+            f"config rollout.mode={cfg.rollout.mode}: environment episodes run in sync mode so "
+            "far; set rollout.mode=sync (or leave environment.name empty)"
+        )
+    if e.history != "as_sampled":
+        raise UserError(
+            f"config environment.history={e.history}: the training loop trains one sample per "
+            "episode so far; use environment.history=as_sampled"
+        )
+    if cfg.algorithm.advantage == "remax":
+        raise UserError(
+            "config algorithm.advantage=remax: its greedy baseline is a single completion, not "
+            "an episode; choose grpo, rloo or another group baseline with environment.name"
         )
 
 

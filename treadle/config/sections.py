@@ -8,6 +8,7 @@ from typing import Literal
 
 from treadle.config.algorithm import AlgorithmConfig
 from treadle.config.data import DataConfig
+from treadle.config.environment import EnvironmentConfig
 from treadle.config.fields import at_least, at_most, bounded, finite, only, positive
 
 
@@ -260,6 +261,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     reward: RewardConfig = field(
         default_factory=lambda: RewardConfig(functions=[RewardSpec("reasoning_gym")])
     )

@@ -104,6 +104,11 @@ class Completion:
     """Policy version that sampled each token, ``[R]``; empty when one version sampled them
     all (``policy_version``). See :meth:`versions`."""
 
+    sampled_mask: tuple[bool, ...] = ()
+    """``[R]`` True on the tokens the policy sampled, False on those it did not (an episode's
+    environment messages and template glue, see :mod:`treadle.rollout.environments`); empty when
+    the policy sampled them all. Only sampled tokens are trained."""
+
     def versions(self) -> tuple[int, ...]:
         """Policy version that sampled each token, ``[R]``."""
         return self.token_versions or (self.policy_version,) * len(self.token_ids)

@@ -28,6 +28,8 @@ from treadle.rewards.base import build_reward_function
 from treadle.rewards.pool import RewardPool
 from treadle.rollout.engines import build_engine
 from treadle.rollout.engines.sizing import kv_cache_gib
+from treadle.rollout.environments.registry import resolve
+from treadle.rollout.environments.rollout import episode_rollout
 from treadle.store.atomic import save_model_atomic
 from treadle.store.buffer import RolloutBuffer
 from treadle.store.checkpoint import (
@@ -113,8 +115,8 @@ def check_inputs(cfg: Config, data: Dataset) -> None:
 
     Raises:
         UserError: no held-out prompts, a missing model folder, a bad reward function, a data
-            domain no reward function scores, a Ray mode this machine cannot run, or an engine
-            whose package is not installed.
+            domain no reward function scores, a Ray mode this machine cannot run, an engine
+            whose package is not installed, or an environment that cannot be found.
     """
     if not data.held_out:
         raise UserError("data.eval_size: no held-out prompts left after removing trained-on ones")
@@ -141,6 +143,8 @@ def check_inputs(cfg: Config, data: Dataset) -> None:
             "rollout.engine vllm: the vllm package is not installed; install treadle[vllm] "
             "(scripts/install.sh does) or set rollout.engine=hf"
         )
+    if cfg.environment.name:
+        resolve(cfg.environment.name)  # a bad name or import path, before the run directory
 
 
 def check_context(tokenizer, data: Dataset, max_tokens: int, max_model_len: int) -> int:
@@ -293,6 +297,7 @@ def compose(
         buffer,
         roles.weight_sync,
         pending=state.pending if state else (),
+        episodes=episode_rollout(cfg, roles.tokenizer),
     )
     return parts, done
 

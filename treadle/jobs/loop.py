@@ -23,6 +23,7 @@ from treadle.core.protocols import InferenceEngine, SamplingParams, TrainingBack
 from treadle.core.types import DataPosition, RolloutGroup, Task, TrainSample
 from treadle.jobs.sources import Batch, OnPolicy, RolloutSource, Streamed
 from treadle.rewards.pool import RewardPool
+from treadle.rollout.environments.rollout import EpisodeRollout
 from treadle.rollout.evaluate import EvalResult, evaluate
 from treadle.rollout.generate import generate, score
 from treadle.rollout.samples import assign_advantages, build_samples, outcome_rewards
@@ -58,6 +59,8 @@ class RLParts:
     pending: tuple[DataPosition, ...] = ()
     """A resumed asynchronous run's prompts that were drawn and not trained at its checkpoint
     (generated again first)."""
+    episodes: EpisodeRollout | None = None
+    """Multi-turn episodes (the ``environment`` section), or None: one completion per sample."""
 
 
 def run_rl(parts: RLParts, start_step: int, progress: Progress) -> None:
@@ -185,7 +188,13 @@ def evaluate_policy(parts: RLParts) -> EvalResult:
     cfg = parts.cfg
     params = dataclasses.replace(sampling_params(cfg), n=cfg.eval.samples_per_prompt)
     return evaluate(
-        parts.engine, parts.tokenizer, parts.rewards, parts.held_out, params, greedy=cfg.eval.greedy
+        parts.engine,
+        parts.tokenizer,
+        parts.rewards,
+        parts.held_out,
+        params,
+        greedy=cfg.eval.greedy,
+        episodes=parts.episodes,
     )
 
 

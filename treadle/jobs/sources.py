@@ -26,6 +26,7 @@ from treadle.core.protocols import InferenceEngine, RequestEngine, SamplingParam
 from treadle.core.types import DataPosition, RolloutGroup, Task
 from treadle.rewards.pool import RewardPool
 from treadle.rollout.engines.sizing import CPU_MAX_SEQUENCES
+from treadle.rollout.environments.rollout import EpisodeRollout, score_episodes
 from treadle.rollout.generate import Generated, Scored, check_policy_version, generate, score
 from treadle.rollout.samples import filter_groups
 from treadle.rollout.scheduler import Draw, RolloutScheduler, SchedulerConfig
@@ -41,6 +42,7 @@ class RolloutInputs(Protocol):
     tokenizer: PreTrainedTokenizerBase
     rewards: RewardPool
     sampler: TaskSampler
+    episodes: EpisodeRollout | None
 
 
 @dataclass(frozen=True)
@@ -70,15 +72,26 @@ def collect_rollouts(
     want = cfg.rollout.prompts_per_step
     kept: list[RolloutGroup] = []
     failures = timeouts = cached = dropped = rounds = 0
+    env_stats: list[dict[str, float]] = []  # per sampling round, with an environment
     while len(kept) < want and rounds < cfg.algorithm.max_sampling_rounds:
         rounds += 1
         tasks = draw(want)
+        episodes = None
         with timed(t, "generate"):
-            generated = generate(p.engine, p.tokenizer, tasks, params)
+            if p.episodes is None:
+                generated = generate(p.engine, p.tokenizer, tasks, params)
+            else:  # multi-turn: every sample is an episode in the environment
+                episodes = p.episodes.run(cast(RequestEngine, p.engine), tasks, params)
+                generated = episodes.generated
+                env_stats.append(episodes.stats())
         if version is not None:
             check_policy_version(generated, version)
         with timed(t, "reward"):
-            scored = score(p.rewards, generated)
+            scored = (
+                score(p.rewards, generated)
+                if episodes is None
+                else score_episodes(p.rewards, episodes)
+            )
         failures, timeouts = failures + scored.failures, timeouts + scored.timeouts
         cached += scored.cached
         groups = scored.groups
@@ -94,6 +107,8 @@ def collect_rollouts(
         "reward/timeouts": float(timeouts),
         "reward/cached": float(cached),
     }
+    for key in sorted({k for s in env_stats for k in s}):  # the rounds' mean
+        metrics[key] = sum(s.get(key, 0.0) for s in env_stats) / len(env_stats)
     if cfg.algorithm.dynamic_sampling:
         metrics |= {
             "filter/dropped_groups": float(dropped),

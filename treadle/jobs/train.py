@@ -39,6 +39,7 @@ from treadle.jobs.compose import (
 )
 from treadle.jobs.loop import RLParts, evaluate_policy, run_rl
 from treadle.jobs.sft import demonstration_samples, run_sft, sft_backend, warm_up
+from treadle.rollout.environments.rollout import episode_rollout
 from treadle.store.atomic import save_model_atomic, write_json_atomic
 from treadle.store.data import Dataset, load_dataset
 from treadle.store.models import load_model
@@ -70,6 +71,7 @@ def train(cfg: Config, resume: Path | None = None, console: Console | None = Non
     # Before minutes of SFT: every prompt plus the completion budget must fit the context.
     tokenizer = AutoTokenizer.from_pretrained(start)
     longest = check_context(tokenizer, data, cfg.rollout.max_tokens, max_model_len)
+    episode_rollout(cfg, tokenizer)  # the environment and the chat template, before SFT
     if cfg.sft.steps > 0:
         start = warm_up(cfg, data, start, run_dir, console)
     parts, done = compose(cfg, data, run_dir, start, max_model_len, console, longest)

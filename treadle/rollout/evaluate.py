@@ -5,12 +5,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from transformers import PreTrainedTokenizerBase
 
-from treadle.core.protocols import InferenceEngine, SamplingParams
-from treadle.core.types import Task
+from treadle.core.protocols import InferenceEngine, RequestEngine, SamplingParams
+from treadle.core.types import RolloutGroup, Task
 from treadle.rewards.pool import RewardPool
+from treadle.rollout.environments.rollout import EpisodeRollout, score_episodes
 from treadle.rollout.generate import generate, score
 
 
@@ -47,21 +49,30 @@ def evaluate(
     params: SamplingParams,
     *,
     greedy: bool = True,
+    episodes: EpisodeRollout | None = None,
 ) -> EvalResult:
-    """Sample ``params.n`` completions per held-out task (and a greedy one) and score them.
+    """Sample ``params.n`` completions per held-out task (and a greedy one) and score them;
+    with ``episodes``, each sample is an episode in the environment (``engine`` then serves
+    single requests) and its final answer is scored.
 
     Raises:
         ValueError: ``tasks`` is empty.
     """
     if not tasks:
         raise ValueError("evaluate: no held-out tasks")
-    sampled = score(pool, generate(engine, tokenizer, tasks, params)).groups
+
+    def scored(p: SamplingParams) -> list[RolloutGroup]:
+        if episodes is None:
+            return score(pool, generate(engine, tokenizer, tasks, p)).groups
+        return score_episodes(pool, episodes.run(cast(RequestEngine, engine), tasks, p)).groups
+
+    sampled = scored(params)
     per_prompt = [sum(r.correct for r in g.rollouts) / len(g.rollouts) for g in sampled]
     rewards = [r.reward for g in sampled for r in g.rollouts]
     greedy_acc = None
     if greedy:
         argmax = dataclasses.replace(params, n=1, temperature=0.0)
-        greedy_groups = score(pool, generate(engine, tokenizer, tasks, argmax)).groups
+        greedy_groups = scored(argmax)
         greedy_acc = sum(g.rollouts[0].correct for g in greedy_groups) / len(greedy_groups)
     return EvalResult(
         pass_at_1=sum(per_prompt) / len(per_prompt),

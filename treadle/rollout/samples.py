@@ -64,7 +64,7 @@ def build_samples(
             samples.append(
                 TrainSample(
                     token_ids=[*g.prompt_token_ids, *c.token_ids],
-                    loss_mask=[False] * p + [trained] * n,
+                    loss_mask=[False] * p + [trained and m for m in c.sampled_mask or [True] * n],
                     behavior_logprobs=[0.0] * p + list(c.logprobs),
                     advantages=[0.0] * (p + n),
                     policy_version=c.policy_version,

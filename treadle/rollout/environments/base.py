@@ -13,21 +13,18 @@ without holding a thread. Adapters:
   ToolBox`: each turn's calls are run concurrently and their results sent back; a turn with no
   call is the final answer.
 
-Users bring their own by name (:func:`register`) or by import path ``package.module:Class``
-(:func:`make`), without editing treadle.
+Users bring their own by name or import path (:mod:`~treadle.rollout.environments.registry`),
+without editing treadle.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib
-import inspect
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from treadle.core.errors import UserError
 from treadle.core.types import Task
 from treadle.rollout.environments.tool_calls import AssistantTurn, error_message
 from treadle.rollout.environments.tools import ToolBox
@@ -196,84 +193,3 @@ class ToolEnv:
 
     async def close(self) -> None:
         """Nothing per episode: the box is shared, and closed by its owner."""
-
-
-EnvironmentFactory = Callable[..., "Environment | SyncEnvironment"]
-
-_REGISTRY: dict[str, EnvironmentFactory] = {}
-
-
-def register(name: str, factory: EnvironmentFactory) -> None:
-    """Make ``factory(**kwargs)`` available as ``environment.name: <name>``.
-
-    Raises:
-        UserError: ``name`` is taken by another factory.
-    """
-    if _REGISTRY.get(name, factory) is not factory:
-        raise UserError(f"environment {name!r} is registered already; choose another name")
-    _REGISTRY[name] = factory
-
-
-def resolve(spec: str) -> EnvironmentFactory:
-    """The factory registered as ``spec``, or imported from ``package.module:Attribute``.
-
-    Raises:
-        UserError: no such name, module or attribute (the error names the spec and the fix).
-    """
-    if spec in _REGISTRY:
-        return _REGISTRY[spec]
-    module, sep, attribute = spec.partition(":")
-    if not sep or not module or not attribute:
-        known = ", ".join(sorted(_REGISTRY)) or "none"
-        raise UserError(
-            f"config environment.name={spec!r}: not a registered environment ({known}) nor an "
-            "import path package.module:Class"
-        )
-    try:
-        found = getattr(importlib.import_module(module), attribute)
-    except ImportError as e:
-        raise UserError(
-            f"config environment.name={spec!r}: cannot import {module!r} ({e}); is its "
-            "package installed or on PYTHONPATH?"
-        ) from None
-    except AttributeError:
-        raise UserError(
-            f"config environment.name={spec!r}: module {module!r} has no {attribute!r}"
-        ) from None
-    if not callable(found):
-        raise UserError(f"config environment.name={spec!r}: {attribute!r} is not callable")
-    return found
-
-
-def make(
-    spec: str, kwargs: Mapping[str, Any] | None = None, pool: ThreadPoolExecutor | None = None
-) -> Environment:
-    """One episode's environment from its name or import path and keyword arguments; a
-    synchronous one is wrapped in :class:`Threaded` over ``pool``.
-
-    Raises:
-        UserError: see :func:`resolve`; the factory rejects the arguments; what it builds is
-            neither an :class:`Environment` nor a synchronous one; or it is synchronous and no
-            pool is given.
-    """
-    factory = resolve(spec)
-    try:
-        env = factory(**dict(kwargs or {}))
-    except TypeError as e:
-        raise UserError(f"config environment.kwargs for {spec!r}: {e}") from None
-    methods = ("reset", "step", "reward", "close")
-    if not all(callable(getattr(env, m, None)) for m in methods):
-        raise UserError(
-            f"config environment.name={spec!r}: {type(env).__name__} lacks one of "
-            f"{', '.join(methods)} (see treadle.rollout.environments.base.Environment)"
-        )
-    if all(inspect.iscoroutinefunction(getattr(env, m)) for m in methods):
-        return env  # type: ignore[return-value]  # an Environment (checked above)
-    if any(inspect.iscoroutinefunction(getattr(env, m)) for m in methods):
-        raise UserError(
-            f"config environment.name={spec!r}: {type(env).__name__} mixes async and plain "
-            "methods; make reset, step, reward and close all async or all plain"
-        )
-    if pool is None:
-        raise UserError(f"environment {spec!r} is synchronous: give make() a thread pool")
-    return Threaded(env, pool)  # type: ignore[arg-type]  # a SyncEnvironment (checked above)

@@ -1,0 +1,76 @@
+"""Multi-turn episodes through the real loop with the vLLM engine: ``treadle train`` with a
+user's environment given by import path (tests.integration.envs:Feedback, three turns each) and
+with the shipped calculator; then what the run left: finite losses, every parameter changed, the
+trainer's logprobs of every sampled token equal to the engine's (so the context each turn was
+sampled from is the context trained), environment tokens in the buffer and never in the loss."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from treadle.store.buffer import RolloutBuffer
+
+from .envs import FEEDBACK
+from .runs import is_finite_number, run_python, step_rows, write_recipe
+from .test_e2e_vllm import RECIPE
+from .tiny import ATOL, skip_without_vllm
+
+pytestmark = pytest.mark.slow
+
+ENVIRONMENTS = {
+    "feedback": {"name": "tests.integration.envs:Feedback", "kwargs": {"turns": 3}},
+    "calculator": {"name": "calculator", "max_turns": 2},
+}
+
+
+@pytest.fixture(scope="module", params=list(ENVIRONMENTS))
+def env_run(request, tmp_path_factory):
+    skip_without_vllm()
+    root = tmp_path_factory.mktemp(request.param)
+    recipe = json.loads(json.dumps(RECIPE))
+    recipe["run"] |= {"name": request.param, "output_dir": str(root / "runs")}
+    recipe["environment"] = {**ENVIRONMENTS[request.param], "max_tokens": 160}
+    path = write_recipe(root / "recipe.yaml", recipe)
+    run_python(["-m", "treadle.cli", "train", str(path)], cwd=root, timeout_s=900)
+    return request.param, root / "runs" / request.param
+
+
+def test_every_step_trains_on_episodes_the_engine_sampled(env_run):
+    name, run_dir = env_run
+    steps = step_rows(run_dir)
+    assert sorted(steps) == [1, 2]
+    for step, (row,) in steps.items():
+        assert is_finite_number(row["loss"]) and row["grad_norm"] > 0, row
+        # the trainer's logprob of every sampled token, on the whole episode as trained, is the
+        # engine's, which sampled turn 2 and 3 from the context treadle sent it
+        assert row["mismatch/abs_logprob_diff"] < ATOL, (step, row)
+        assert row["env/finish_done"] == 32, row  # 8 prompts x 4 episodes, all ended by the env
+        if name == "feedback":
+            assert row["env/turns"] == 3 and row["env/feedback"] == 2, row
+            # two gaps: "\n" after an end-of-turn token, or the token and "\n" after a cut turn
+            assert row["env/tokens_environment"] > 0 and 2 <= row["env/tokens_glue"] <= 4, row
+    sft = dict(AutoModelForCausalLM.from_pretrained(run_dir / "sft_model").named_parameters())
+    final = dict(AutoModelForCausalLM.from_pretrained(run_dir / "final_model").named_parameters())
+    assert [n for n, p in final.items() if torch.equal(p, sft[n])] == []
+
+
+@pytest.mark.parametrize("env_run", ["feedback"], indirect=True)  # every episode has 3 turns
+def test_the_buffer_holds_whole_episodes_with_only_sampled_tokens_in_the_loss(env_run):
+    _, run_dir = env_run
+    tokenizer = AutoTokenizer.from_pretrained(run_dir / "final_model")
+    stored = RolloutBuffer(run_dir).read_step(1)
+    for sample in stored.samples:
+        mask = sample.loss_mask
+        first = mask.index(True)
+        # three turns: three sampled spans, two user messages between them, none trained
+        spans = sum(1 for i in range(first, len(mask)) if mask[i] and not mask[i - 1])
+        assert spans == 3, sample
+        text = tokenizer.decode([t for t, m in zip(sample.token_ids, mask, strict=True)
+                                 if not m][first:])  # fmt: skip
+        assert text.count(FEEDBACK) == 2
+        assert all(lp == 0.0 for lp, m in zip(sample.behavior_logprobs, mask, strict=True)
+                   if not m)  # fmt: skip

@@ -1,0 +1,86 @@
+"""The ``calculator`` environment: arithmetic a small model cannot do in its head, with a tool
+that can. One tool, ``calculate(expression)``, evaluates integer arithmetic exactly; the episode
+ends at the first turn without a call, whose reply the task's domain reward scores.
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+import threading
+
+from treadle.rollout.environments.base import ToolEnv
+from treadle.rollout.environments.tools import ToolBox
+
+MAX_DIGITS = 60
+"""Digits of the largest operand or result :func:`calculate` accepts."""
+
+_OPERATORS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+}
+
+
+def calculate(expression: str) -> str:
+    """Evaluate integer arithmetic exactly.
+
+    Args:
+        expression: integers with + - * // % and parentheses, e.g. "(12 + 7) * 31".
+    """
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError:
+        return f"Error: cannot read {expression[:80]!r}; write integers with + - * // % ( )."
+    try:
+        return str(_evaluate(tree.body))
+    except ZeroDivisionError:
+        return "Error: division by zero."
+    except ValueError as e:
+        return f"Error: {e}."
+
+
+def _evaluate(node: ast.AST) -> int:
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return _checked(node.value)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
+        value = _evaluate(node.operand)
+        return -value if isinstance(node.op, ast.USub) else value
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+        return _checked(_OPERATORS[type(node.op)](_evaluate(node.left), _evaluate(node.right)))
+    raise ValueError(f"{ast.unparse(node)[:40]!r} is not integer arithmetic")
+
+
+def _checked(value: int) -> int:
+    if abs(value) >= 10**MAX_DIGITS:
+        raise ValueError(f"a number over {MAX_DIGITS} digits")
+    return value
+
+
+_BOX: ToolBox | None = None
+_BOX_LOCK = threading.Lock()
+
+
+def calculator_tools() -> ToolBox:
+    """The process's calculator tool box (one pool of 2 threads for all episodes; a call cannot
+    hang, the 5 s timeout is a guard)."""
+    global _BOX
+    with _BOX_LOCK:
+        if _BOX is None:
+            _BOX = ToolBox([calculate], timeout_s=5.0, max_concurrent=2)
+        return _BOX
+
+
+SYSTEM = (
+    "You can call the calculate tool for arithmetic. Call it, read its result, then give the "
+    "final answer without a call."
+)
+
+
+def calculator(on_parse_error: str = "reply", system: str = SYSTEM) -> ToolEnv:
+    """One calculator episode (see the module docstring)."""
+    if on_parse_error not in ("reply", "end"):
+        raise TypeError(f"on_parse_error must be 'reply' or 'end', got {on_parse_error!r}")
+    return ToolEnv(calculator_tools(), on_parse_error=on_parse_error, system=system)  # type: ignore[arg-type]

@@ -1,0 +1,102 @@
+"""Environments by name or import path: ``environment.name`` in a recipe.
+
+A name is one treadle ships (:data:`BUILTIN`) or one a user's code registered
+(:func:`register`); anything else is read as ``package.module:Attribute``, a factory called once
+per episode with ``environment.kwargs``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from treadle.core.errors import UserError
+from treadle.rollout.environments.base import Environment, SyncEnvironment, Threaded
+
+BUILTIN = {
+    "calculator": "treadle.rollout.environments.calculator:calculator",
+}
+"""The environments treadle ships, by name -> import path."""
+
+EnvironmentFactory = Callable[..., Environment | SyncEnvironment]
+
+_REGISTRY: dict[str, EnvironmentFactory] = {}
+
+
+def register(name: str, factory: EnvironmentFactory) -> None:
+    """Make ``factory(**kwargs)`` available as ``environment.name: <name>``.
+
+    Raises:
+        UserError: ``name`` is taken by another factory.
+    """
+    if name in BUILTIN or _REGISTRY.get(name, factory) is not factory:
+        raise UserError(f"environment {name!r} is registered already; choose another name")
+    _REGISTRY[name] = factory
+
+
+def resolve(spec: str) -> EnvironmentFactory:
+    """The factory registered as ``spec``, or imported from ``package.module:Attribute``.
+
+    Raises:
+        UserError: no such name, module or attribute (the error names the spec and the fix).
+    """
+    if spec in _REGISTRY:
+        return _REGISTRY[spec]
+    module, sep, attribute = BUILTIN.get(spec, spec).partition(":")
+    if not sep or not module or not attribute:
+        known = ", ".join(sorted({*BUILTIN, *_REGISTRY}))
+        raise UserError(
+            f"config environment.name={spec!r}: not a registered environment ({known}) nor an "
+            "import path package.module:Class"
+        )
+    try:
+        found = getattr(importlib.import_module(module), attribute)
+    except ImportError as e:
+        raise UserError(
+            f"config environment.name={spec!r}: cannot import {module!r} ({e}); is its "
+            "package installed or on PYTHONPATH?"
+        ) from None
+    except AttributeError:
+        raise UserError(
+            f"config environment.name={spec!r}: module {module!r} has no {attribute!r}"
+        ) from None
+    if not callable(found):
+        raise UserError(f"config environment.name={spec!r}: {attribute!r} is not callable")
+    return found
+
+
+def make(
+    spec: str, kwargs: Mapping[str, Any] | None = None, pool: ThreadPoolExecutor | None = None
+) -> Environment:
+    """One episode's environment from its name or import path and keyword arguments; a
+    synchronous one is wrapped in :class:`Threaded` over ``pool``.
+
+    Raises:
+        UserError: see :func:`resolve`; the factory rejects the arguments; what it builds is
+            neither an :class:`Environment` nor a synchronous one; or it is synchronous and no
+            pool is given.
+    """
+    factory = resolve(spec)
+    try:
+        env = factory(**dict(kwargs or {}))
+    except TypeError as e:
+        raise UserError(f"config environment.kwargs for {spec!r}: {e}") from None
+    methods = ("reset", "step", "reward", "close")
+    if not all(callable(getattr(env, m, None)) for m in methods):
+        raise UserError(
+            f"config environment.name={spec!r}: {type(env).__name__} lacks one of "
+            f"{', '.join(methods)} (see treadle.rollout.environments.base.Environment)"
+        )
+    if all(inspect.iscoroutinefunction(getattr(env, m)) for m in methods):
+        return env  # type: ignore[return-value]  # an Environment (checked above)
+    if any(inspect.iscoroutinefunction(getattr(env, m)) for m in methods):
+        raise UserError(
+            f"config environment.name={spec!r}: {type(env).__name__} mixes async and plain "
+            "methods; make reset, step, reward and close all async or all plain"
+        )
+    if pool is None:
+        raise UserError(f"environment {spec!r} is synchronous: give make() a thread pool")
+    return Threaded(env, pool)  # type: ignore[arg-type]  # a SyncEnvironment (checked above)
