@@ -5,7 +5,7 @@
     treadle dpo RECIPE [section.key=value ...]
     treadle reward-check RECIPE [section.key=value ...]
     treadle serve-reward RECIPE [section.key=value ...] [--host 127.0.0.1] [--port 8900]
-    treadle inspect RUN_DIR [--step N] [--limit K] [--replay]
+    treadle inspect RUN_DIR [--step N] [--limit K] [--replay] [--rollout ID]
 
 Bad input prints one line on stderr and exits with code 2, without a traceback.
 """
@@ -69,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("--limit", type=_positive, default=32, help="rollouts to print")
     inspect.add_argument(
         "--replay", action="store_true", help="recompute the step's loss and weights from disk"
+    )
+    inspect.add_argument(
+        "--rollout", help="print this rollout id turn by turn, with what is trained marked"
     )
     return parser
 
@@ -170,7 +173,7 @@ def _positive(text: str) -> int:
 
 
 def _inspect(args: argparse.Namespace, console) -> int:
-    from treadle.jobs.inspect_run import open_run, print_step, replay_step
+    from treadle.jobs.inspect_run import open_run, print_rollout, print_step, replay_step
 
     _, buffer = open_run(args.run_dir)
     steps = buffer.steps()
@@ -179,6 +182,9 @@ def _inspect(args: argparse.Namespace, console) -> int:
 
         raise UserError(f"inspect {args.run_dir}: the buffer holds no step yet")
     step = steps[-1] if args.step is None else args.step
+    if args.rollout is not None:
+        print_rollout(args.run_dir, step, args.rollout, console)
+        return 0
     print_step(args.run_dir, step, console, limit=args.limit)
     if args.replay:
         r = replay_step(args.run_dir, step)

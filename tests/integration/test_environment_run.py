@@ -1,6 +1,7 @@
 """Multi-turn episodes through the real loop with the vLLM engine: ``treadle train`` with a
-user's environment given by import path (tests.integration.envs:Feedback, three turns each) and
-with the shipped calculator; then what the run left: finite losses, every parameter changed, the
+user's environment given by import path (tests.integration.envs:Feedback, three turns each),
+with the shipped calculator, and with an outside agent calling treadle's OpenAI-compatible
+endpoint through the ``openai`` client (examples/openai_agent.py); then what the run left: finite losses, every parameter changed, the
 trainer's logprobs of every sampled token equal to the engine's (so the context each turn was
 sampled from is the context trained), environment tokens in the buffer and never in the loss."""
 
@@ -24,6 +25,8 @@ pytestmark = pytest.mark.slow
 ENVIRONMENTS = {
     "feedback": {"name": "tests.integration.envs:Feedback", "kwargs": {"turns": 3}},
     "calculator": {"name": "calculator", "max_turns": 2},
+    # an outside agent: OpenAI-client code calling treadle's endpoint (examples/openai_agent.py)
+    "agent": {"agent": "examples.openai_agent:solve"},
 }
 
 
@@ -49,6 +52,9 @@ def test_every_step_trains_on_episodes_the_engine_sampled(env_run):
         # engine's, which sampled turn 2 and 3 from the context treadle sent it
         assert row["mismatch/abs_logprob_diff"] < ATOL, (step, row)
         assert row["env/finish_done"] == 32, row  # 8 prompts x 4 episodes, all ended by the env
+        if name == "agent":  # every episode made its calls and none failed
+            assert row["env/agent_calls"] >= 1 and row["env/agent_errors"] == 0, row
+            assert row["env/agent_rewritten"] == 0, row  # its history extended the held tokens
         if name == "feedback":
             assert row["env/turns"] == 3 and row["env/feedback"] == 2, row
             # two gaps: "\n" after an end-of-turn token, or the token and "\n" after a cut turn
@@ -74,3 +80,18 @@ def test_the_buffer_holds_whole_episodes_with_only_sampled_tokens_in_the_loss(en
         assert text.count(FEEDBACK) == 2
         assert all(lp == 0.0 for lp, m in zip(sample.behavior_logprobs, mask, strict=True)
                    if not m)  # fmt: skip
+
+
+@pytest.mark.parametrize("env_run", ["feedback"], indirect=True)
+def test_inspect_shows_an_episode_turn_by_turn(env_run):
+    from rich.console import Console
+
+    from treadle.jobs.inspect_run import print_rollout
+
+    _, run_dir = env_run
+    console = Console(record=True, width=200)
+    print_rollout(run_dir, 1, "000001-0000-000", console)
+    text = console.export_text()
+    kinds = [line.split(" (")[0] for line in text.splitlines() if line.endswith("tokens)")]
+    assert kinds == ["prompt", "trained", "context", "trained", "context", "trained"]
+    assert text.count(FEEDBACK) == 2

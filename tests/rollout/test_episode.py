@@ -273,3 +273,29 @@ def test_environments_by_name_and_by_import_path():
         make("tests.rollout.environments_fakes:task")
     with pytest.raises(UserError, match="registered already"):
         registry.register("scripted-test", lambda: None)
+
+
+def test_a_recipe_environment_is_checked_before_anything_is_built():
+    from treadle.rollout.environments.registry import check
+
+    check("calculator", {"on_parse_error": "end"})
+    check("tests.rollout.environments_fakes:ScriptedEnv", {"results": []})
+    with pytest.raises(UserError, match=r"environment\.kwargs for 'calculator'.*'colour'"):
+        check("calculator", {"colour": "red"})
+    with pytest.raises(UserError, match="not a registered environment"):
+        check("calculator2")
+
+
+def test_an_import_path_is_found_in_the_current_directory(tmp_path, monkeypatch):
+    """As `treadle train` is run from the user's project (the console script does not put the
+    current directory on sys.path): their module is found there."""
+    import sys
+
+    (tmp_path / "my_envs_here.py").write_text(
+        "from tests.rollout.environments_fakes import ScriptedEnv\n"
+        "def make_env():\n    return ScriptedEnv([])\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    # a copy without the current directory (monkeypatch puts the original list back)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert type(make("my_envs_here:make_env")).__name__ == "ScriptedEnv"

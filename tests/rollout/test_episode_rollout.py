@@ -145,7 +145,9 @@ def test_an_environment_reward_replaces_the_domain_reward(renderer):
     assert [(r.reward, r.correct) for r in group.rollouts] == [(1.0, True), (0.5, False)]
 
 
-def test_episodes_of_one_task_must_share_their_first_prompt(renderer):
+def test_episodes_of_one_task_with_different_first_prompts_share_their_common_part(renderer):
+    """Two episodes whose resets differ ("a" vs "b"): the group's prompt is what their first
+    prompts share, and each completion holds the rest of its own, untrained."""
     questions = iter(["a", "b"])
 
     class Drifting(ScriptedEnv):
@@ -153,8 +155,14 @@ def test_episodes_of_one_task_must_share_their_first_prompt(renderer):
             return [{"role": "user", "content": next(questions)}]
 
     rollout = EpisodeRollout(lambda: Drifting([StepResult(done=True)]), renderer, Budgets())
-    with pytest.raises(UserError, match="began with different prompts"):
-        rollout.run(ScriptedEngine(length=lambda r: 2), [task()], PARAMS)
+    out = rollout.run(ScriptedEngine(length=lambda r: 2), [task()], PARAMS)
+    (g,) = out.generated
+    shared = renderer.encode("<|im_start|>user\n")
+    assert list(g.prompt_token_ids) == shared
+    for c, q in zip(g.completions, "ab", strict=True):
+        rest = renderer.encode(f"{q}<|im_end|>\n<|im_start|>assistant\n")
+        assert list(c.token_ids[: len(rest)]) == rest and not any(c.sampled_mask[: len(rest)])
+        assert c.sampled_mask[len(rest) :] == (True, True)
 
 
 def test_a_split_history_is_refused_by_the_trainer_side(renderer):

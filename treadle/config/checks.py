@@ -86,8 +86,13 @@ def _check_rollout_mode(cfg: Config) -> None:
 def _check_environment(cfg: Config) -> None:
     """What episodes support so far."""
     e = cfg.environment
-    if not e.name:
+    if not e.enabled:
         return
+    if e.name and e.agent:
+        raise UserError(
+            f"config environment.agent={e.agent!r}: an outside agent is its own environment; "
+            f"leave environment.name ({e.name!r}) empty"
+        )
     if cfg.rollout.mode != "sync":
         raise UserError(
             f"config rollout.mode={cfg.rollout.mode}: environment episodes run in sync mode so "

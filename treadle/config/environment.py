@@ -11,14 +11,23 @@ from treadle.config.fields import above, at_least, bounded
 @dataclass
 class EnvironmentConfig:
     """Multi-turn rollouts: each sample is an episode of the policy and an environment
-    (:mod:`treadle.rollout.environments`). Off when ``name`` is empty (one completion per
-    sample)."""
+    (:mod:`treadle.rollout.environments`), or of an outside agent (``agent``). Off when both
+    are empty (one completion per sample)."""
+
+    @property
+    def enabled(self) -> bool:
+        """Whether samples are episodes (an environment or an agent is named)."""
+        return bool(self.name or self.agent)
 
     name: str = ""
     """A registered environment (e.g. ``calculator``) or an import path
     ``package.module:Class`` of a factory called with ``kwargs`` once per episode."""
     kwargs: dict[str, bool | int | float | str] = field(default_factory=dict)
     """Keyword arguments of the factory."""
+    agent: str = ""
+    """Instead of ``name``: an outside agent, the import path ``package.module:function`` of
+    ``agent(base_url, messages) -> answer``, run once per episode with an OpenAI client pointed
+    at treadle's endpoint (:mod:`treadle.rollout.environments.agent_server`)."""
     history: Literal["as_sampled", "split"] = "as_sampled"
     """How a template that is not prefix-stable is handled (see
     :mod:`treadle.rollout.environments.trajectory`); the loop trains ``as_sampled`` so far."""

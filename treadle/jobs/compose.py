@@ -28,8 +28,9 @@ from treadle.rewards.base import build_reward_function
 from treadle.rewards.pool import RewardPool
 from treadle.rollout.engines import build_engine
 from treadle.rollout.engines.sizing import kv_cache_gib
-from treadle.rollout.environments.registry import resolve
-from treadle.rollout.environments.rollout import episode_rollout
+from treadle.rollout.environments.registry import check as check_environment_spec
+from treadle.rollout.environments.registry import import_path
+from treadle.rollout.environments.rollout import demonstrations, episode_rollout
 from treadle.store.atomic import save_model_atomic
 from treadle.store.buffer import RolloutBuffer
 from treadle.store.checkpoint import (
@@ -107,6 +108,11 @@ def tiny_tokenizer(cfg: Config, data: Dataset):
     corpus = [m.content for t in data.train for m in t.messages]
     for template in (cfg.data.answer_template, cfg.sft.noise.loose_template):
         corpus += [render_demonstration(t, template) for t in data.train]
+    if cfg.environment.name:  # the demonstration episodes as rendered (tool calls, results)
+        rollout = episode_rollout(cfg, build_tokenizer([], 260))  # bytes: any text
+        assert rollout is not None
+        episodes = demonstrations(rollout, data.train, cfg.data.answer_template, lambda t: None)
+        corpus += [rollout.renderer.decode(e.trajectory.current.token_ids) for e in episodes]
     return build_tokenizer(corpus, cfg.model.tiny.tokenizer_vocab_size)
 
 
@@ -144,7 +150,9 @@ def check_inputs(cfg: Config, data: Dataset) -> None:
             "(scripts/install.sh does) or set rollout.engine=hf"
         )
     if cfg.environment.name:
-        resolve(cfg.environment.name)  # a bad name or import path, before the run directory
+        check_environment_spec(cfg.environment.name, cfg.environment.kwargs)  # before the run dir
+    if cfg.environment.agent:
+        import_path(cfg.environment.agent, f"environment.agent={cfg.environment.agent!r}")
 
 
 def check_context(tokenizer, data: Dataset, max_tokens: int, max_model_len: int) -> int:

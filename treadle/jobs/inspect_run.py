@@ -52,7 +52,17 @@ def print_step(
     _, buffer = open_run(run_dir)
     stored = _read(buffer, run_dir, step)
     table = Table(title=f"{run_dir} step {step}: {len(stored.rows)} rollouts")
-    for column in ("rollout id", "prompt", "completion", "reward", "ok", "advantage", "finish"):
+    columns = (
+        "rollout id",
+        "prompt",
+        "completion",
+        "trained",
+        "reward",
+        "ok",
+        "advantage",
+        "finish",
+    )
+    for column in columns:
         text = column in ("prompt", "completion")  # the texts wrap; ids and numbers never do
         table.add_column(column, overflow="fold", no_wrap=not text, min_width=None if text else 4)
     for row in stored.rows[:limit]:
@@ -63,6 +73,7 @@ def print_step(
             row["rollout_id"],
             _clip(prompt, width, tail=True),  # a question's specifics come at its end
             _clip(row["completion"], width),
+            f"{len(trained)}/{len(row['token_ids']) - row['prompt_tokens']}",  # tokens after prompt
             f"{row['reward']:.3f}",
             "yes" if row["correct"] else "no",
             f"{advantage:+.3f}",
@@ -78,6 +89,52 @@ def print_step(
             "logged: "
             + ", ".join(f"{k} {logged[k]:.4g}" for k in keys if _is_number(logged.get(k)))
         )
+
+
+def trajectory_spans(row: dict) -> list[tuple[str, list[int]]]:
+    """A stored rollout's tokens as runs of one kind, in order: ``prompt`` (its first prompt),
+    ``trained`` (sampled by the policy, in the loss) and ``context`` (after the prompt and not
+    trained: an episode's environment messages and template glue, or a filtered sample)."""
+    spans: list[tuple[str, list[int]]] = []
+    for i, (token, trained) in enumerate(zip(row["token_ids"], row["loss_mask"], strict=True)):
+        kind = "prompt" if i < row["prompt_tokens"] else "trained" if trained else "context"
+        if spans and spans[-1][0] == kind:
+            spans[-1][1].append(token)
+        else:
+            spans.append((kind, [token]))
+    return spans
+
+
+def print_rollout(run_dir: Path, step: int, rollout_id: str, console: Console) -> None:
+    """Print one stored rollout turn by turn, special tokens shown: the prompt dim, the trained
+    (sampled) tokens green, the context that is not trained (tool results, glue) yellow, each
+    run with its token count.
+
+    Raises:
+        UserError: the step or the rollout id is not in the buffer.
+    """
+    from transformers import AutoTokenizer
+
+    cfg, buffer = open_run(run_dir)
+    rows = {r["rollout_id"]: r for r in _read(buffer, run_dir, step).rows}
+    if rollout_id not in rows:
+        some = ", ".join(list(rows)[:3])
+        raise UserError(f"inspect {run_dir} --step {step}: no rollout {rollout_id!r} (e.g. {some})")
+    row = rows[rollout_id]
+    folder = run_dir / "final_model"
+    tokenizer = AutoTokenizer.from_pretrained(
+        folder if folder.is_dir() else _starting_model(cfg, run_dir)
+    )
+    style = {"prompt": "dim", "trained": "green", "context": "yellow"}
+    console.print(
+        f"{rollout_id} (step {step}): reward {row['reward']:.3f}, "
+        f"{'correct' if row['correct'] else 'not correct'}, {row['finish_reason']}; "
+        "[dim]prompt[/dim] [green]trained[/green] [yellow]context, not trained[/yellow]"
+    )
+    for kind, ids in trajectory_spans(row):
+        text = tokenizer.decode(ids, skip_special_tokens=False)
+        console.print(f"[bold]{kind} ({len(ids)} tokens)[/bold]")
+        console.print(text, style=style[kind], markup=False, highlight=False)
 
 
 @dataclass(frozen=True)

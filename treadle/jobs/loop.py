@@ -23,7 +23,7 @@ from treadle.core.protocols import InferenceEngine, SamplingParams, TrainingBack
 from treadle.core.types import DataPosition, RolloutGroup, Task, TrainSample
 from treadle.jobs.sources import Batch, OnPolicy, RolloutSource, Streamed
 from treadle.rewards.pool import RewardPool
-from treadle.rollout.environments.rollout import EpisodeRollout
+from treadle.rollout.environments.rollout import AgentRollout, EpisodeRollout
 from treadle.rollout.evaluate import EvalResult, evaluate
 from treadle.rollout.generate import generate, score
 from treadle.rollout.samples import assign_advantages, build_samples, outcome_rewards
@@ -59,7 +59,7 @@ class RLParts:
     pending: tuple[DataPosition, ...] = ()
     """A resumed asynchronous run's prompts that were drawn and not trained at its checkpoint
     (generated again first)."""
-    episodes: EpisodeRollout | None = None
+    episodes: EpisodeRollout | AgentRollout | None = None
     """Multi-turn episodes (the ``environment`` section), or None: one completion per sample."""
 
 

@@ -18,6 +18,7 @@ from treadle.core.errors import UserError
 from treadle.core.protocols import TrainingBackend
 from treadle.core.types import Task, TrainSample
 from treadle.jobs.compose import base_model, check_inputs, prepare_run_dir, seed_everything
+from treadle.rollout.environments.rollout import demonstrations, episode_rollout
 from treadle.store.atomic import save_model_atomic
 from treadle.store.data import Dataset, load_dataset, render_demonstration, render_prompt
 from treadle.store.models import load_model
@@ -70,6 +71,59 @@ def demonstration_samples(
     return samples
 
 
+def episode_demonstration_samples(
+    cfg: Config, tasks: Sequence[Task], tokenizer: PreTrainedTokenizerBase
+) -> list[TrainSample]:
+    """With ``environment.name``: one demonstration episode per task written by the
+    environment's expert (e.g. the calculator's: call the tool, answer with its result), trained
+    on its assistant turns only, in the same token-in-token-out form as the RL episodes. A share
+    ``sft.noise.wrong_answer_fraction`` of them answer at once instead, without the environment,
+    off by 1 to 3 (a guess, as a model that skips its tools makes).
+
+    Raises:
+        UserError: the environment has no expert, or the training data is empty.
+    """
+    rollout = episode_rollout(cfg, tokenizer)
+    assert rollout is not None  # environment.name is set (the caller checked)
+    noise, template = cfg.sft.noise, cfg.data.answer_template
+
+    def direct(task: Task) -> str | None:
+        rng = random.Random(f"{cfg.run.seed}/{task.task_id}/direct")
+        if rng.random() >= noise.wrong_answer_fraction or not task.answer.lstrip("-").isdecimal():
+            return None
+        guess = str(int(task.answer) + rng.choice([-3, -2, -1, 1, 2, 3]))
+        return render_demonstration(task, template, guess)
+
+    samples = []
+    for episode in demonstrations(rollout, tasks, template, direct):
+        seg = episode.trajectory.current
+        samples.append(
+            TrainSample(
+                token_ids=list(seg.token_ids),
+                loss_mask=seg.loss_mask,
+                behavior_logprobs=[0.0] * len(seg),
+                advantages=[0.0] * len(seg),
+                policy_version=0,
+                group_id=episode.task.task_id,
+            )
+        )
+    if not samples:
+        raise UserError("sft: no demonstrations (the training data is empty)")
+    return samples
+
+
+def sft_samples(
+    cfg: Config, data: Dataset, tokenizer: PreTrainedTokenizerBase
+) -> list[TrainSample]:
+    """The run's SFT demonstrations: episodes through the environment when
+    ``environment.name`` is set, else one prompt and its demonstration per task."""
+    if cfg.environment.name:
+        return episode_demonstration_samples(cfg, data.train, tokenizer)
+    return demonstration_samples(
+        data.train, tokenizer, cfg.sft.noise, cfg.data.answer_template, cfg.run.seed
+    )
+
+
 def run_sft(
     backend: TrainingBackend,
     samples: Sequence[TrainSample],
@@ -120,9 +174,7 @@ def warm_up(cfg: Config, data: Dataset, start: Path, run_dir: Path, console: Con
     if (folder / "config.json").exists():
         return folder
     model, tokenizer = load_model(start, cfg.model.dtype)
-    samples = demonstration_samples(
-        data.train, tokenizer, cfg.sft.noise, cfg.data.answer_template, cfg.run.seed
-    )
+    samples = sft_samples(cfg, data, tokenizer)
     backend = sft_backend(cfg, model, cfg.sft.steps)
     metrics = MetricsLogger(run_dir / "sft")
     metrics.truncate_after(0)  # an interrupted warm-up restarts from its beginning

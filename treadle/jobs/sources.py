@@ -26,7 +26,7 @@ from treadle.core.protocols import InferenceEngine, RequestEngine, SamplingParam
 from treadle.core.types import DataPosition, RolloutGroup, Task
 from treadle.rewards.pool import RewardPool
 from treadle.rollout.engines.sizing import CPU_MAX_SEQUENCES
-from treadle.rollout.environments.rollout import EpisodeRollout, score_episodes
+from treadle.rollout.environments.rollout import AgentRollout, EpisodeRollout, score_episodes
 from treadle.rollout.generate import Generated, Scored, check_policy_version, generate, score
 from treadle.rollout.samples import filter_groups
 from treadle.rollout.scheduler import Draw, RolloutScheduler, SchedulerConfig
@@ -42,7 +42,7 @@ class RolloutInputs(Protocol):
     tokenizer: PreTrainedTokenizerBase
     rewards: RewardPool
     sampler: TaskSampler
-    episodes: EpisodeRollout | None
+    episodes: EpisodeRollout | AgentRollout | None
 
 
 @dataclass(frozen=True)

@@ -38,8 +38,9 @@ from treadle.jobs.compose import (
     seed_everything,
 )
 from treadle.jobs.loop import RLParts, evaluate_policy, run_rl
-from treadle.jobs.sft import demonstration_samples, run_sft, sft_backend, warm_up
+from treadle.jobs.sft import run_sft, sft_backend, sft_samples, warm_up
 from treadle.rollout.environments.rollout import episode_rollout
+from treadle.rollout.evaluate import EvalResult
 from treadle.store.atomic import save_model_atomic, write_json_atomic
 from treadle.store.data import Dataset, load_dataset
 from treadle.store.models import load_model
@@ -113,6 +114,7 @@ def evaluate_before_rl(parts: RLParts, console: Console) -> dict:
         "accuracy_before_rl": before.pass_at_1,
         "greedy_accuracy_before_rl": before.greedy_accuracy,
         "pass_at_k_before_rl": before.pass_at_k,
+        **_tool_use(before, "before_rl"),
     }
     write_json_atomic(path, summary)
     return summary
@@ -130,6 +132,7 @@ def evaluate_after_rl(parts: RLParts, console: Console, rl_seconds: float) -> di
         "accuracy_after_rl": after.pass_at_1,
         "greedy_accuracy_after_rl": after.greedy_accuracy,
         "pass_at_k_after_rl": after.pass_at_k,
+        **_tool_use(after, "after_rl"),
         "k": after.k,
         "rl_steps": cfg.run.steps,
         "rl_wall_time_s": rl_seconds,
@@ -145,9 +148,7 @@ def control_run(parts: RLParts, data: Dataset, run_dir: Path, seconds: float) ->
     """The control: the same wall time spent on more SFT from the SFT checkpoint instead of RL."""
     cfg = parts.cfg
     model, tokenizer = load_model(run_dir / "sft_model", cfg.model.dtype)
-    samples = demonstration_samples(
-        data.train, tokenizer, cfg.sft.noise, cfg.data.answer_template, cfg.run.seed
-    )
+    samples = sft_samples(cfg, data, tokenizer)
     probe = sft_backend(cfg, copy.deepcopy(model), 2)
     t0 = time.perf_counter()
     run_sft(probe, samples, steps=2, batch_size=cfg.sft.batch_size, seed=cfg.run.seed)
@@ -166,6 +167,14 @@ def control_run(parts: RLParts, data: Dataset, run_dir: Path, seconds: float) ->
         "control_sft_steps": done,
         "accuracy_control_sft": result.pass_at_1,
         "greedy_accuracy_control_sft": result.greedy_accuracy,
+    }
+
+
+def _tool_use(result: EvalResult, when: str) -> dict:
+    """An environment run's held-out episode statistics for the summary (per episode)."""
+    keys = {"env/turns": "turns", "env/tool_calls": "tool_calls", "env/tool_errors": "tool_errors"}
+    return {
+        f"{name}_{when}": result.episodes[k] for k, name in keys.items() if k in result.episodes
     }
 
 

@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerBase
 from treadle.core.protocols import InferenceEngine, RequestEngine, SamplingParams
 from treadle.core.types import RolloutGroup, Task
 from treadle.rewards.pool import RewardPool
-from treadle.rollout.environments.rollout import EpisodeRollout, score_episodes
+from treadle.rollout.environments.rollout import AgentRollout, EpisodeRollout, score_episodes
 from treadle.rollout.generate import generate, score
 
 
@@ -28,6 +28,9 @@ class EvalResult:
     greedy_accuracy: float | None
     """Share of prompts whose greedy completion is right (None when not measured)."""
     mean_reward: float
+    episodes: dict[str, float] = dataclasses.field(default_factory=dict)
+    """With an environment: the sampled episodes' ``env/*`` statistics (tool calls, turns, ...
+    per episode); empty otherwise."""
 
     def metrics(self) -> dict[str, float]:
         """The result as ``eval/...`` metrics (``eval/greedy_accuracy`` only when measured)."""
@@ -35,6 +38,7 @@ class EvalResult:
             "eval/pass@1": self.pass_at_1,
             "eval/pass@k": self.pass_at_k,
             "eval/reward": self.mean_reward,
+            **{f"eval/{k}": v for k, v in self.episodes.items()},
         }
         if self.greedy_accuracy is not None:
             out["eval/greedy_accuracy"] = self.greedy_accuracy
@@ -49,7 +53,7 @@ def evaluate(
     params: SamplingParams,
     *,
     greedy: bool = True,
-    episodes: EpisodeRollout | None = None,
+    episodes: EpisodeRollout | AgentRollout | None = None,
 ) -> EvalResult:
     """Sample ``params.n`` completions per held-out task (and a greedy one) and score them;
     with ``episodes``, each sample is an episode in the environment (``engine`` then serves
@@ -60,13 +64,17 @@ def evaluate(
     """
     if not tasks:
         raise ValueError("evaluate: no held-out tasks")
+    stats: dict[str, float] = {}
 
     def scored(p: SamplingParams) -> list[RolloutGroup]:
         if episodes is None:
             return score(pool, generate(engine, tokenizer, tasks, p)).groups
-        return score_episodes(pool, episodes.run(cast(RequestEngine, engine), tasks, p)).groups
+        ran = episodes.run(cast(RequestEngine, engine), tasks, p)
+        stats.update(ran.stats())
+        return score_episodes(pool, ran).groups
 
     sampled = scored(params)
+    episode_stats = dict(stats)  # the sampled ones', not the greedy pass's
     per_prompt = [sum(r.correct for r in g.rollouts) / len(g.rollouts) for g in sampled]
     rewards = [r.reward for g in sampled for r in g.rollouts]
     greedy_acc = None
@@ -80,4 +88,5 @@ def evaluate(
         k=params.n,
         greedy_accuracy=greedy_acc,
         mean_reward=sum(rewards) / len(rewards),
+        episodes=episode_stats,
     )

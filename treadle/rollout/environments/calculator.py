@@ -1,15 +1,22 @@
 """The ``calculator`` environment: arithmetic a small model cannot do in its head, with a tool
 that can. One tool, ``calculate(expression)``, evaluates integer arithmetic exactly; the episode
-ends at the first turn without a call, whose reply the task's domain reward scores.
+ends at the first turn without a call, whose reply the task's domain reward scores. Its expert
+(:meth:`Calculator.expert_turn`) writes the SFT demonstrations: call the tool on the question's
+expression, then answer with its result.
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import operator
+import re
 import threading
 
-from treadle.rollout.environments.base import ToolEnv
+from treadle.core.errors import UserError
+from treadle.core.types import Task
+from treadle.rollout.environments.base import StepResult, ToolEnv
+from treadle.rollout.environments.tool_calls import CALL_CLOSE, CALL_OPEN, AssistantTurn
 from treadle.rollout.environments.tools import ToolBox
 
 MAX_DIGITS = 60
@@ -79,8 +86,51 @@ SYSTEM = (
 )
 
 
-def calculator(on_parse_error: str = "reply", system: str = SYSTEM) -> ToolEnv:
+_EXPRESSION = re.compile(r"-?\d+(?:\s*(?:[-+*%]|//)\s*-?\d+)+")
+
+
+class Calculator(ToolEnv):
+    """A :class:`ToolEnv` with the calculate tool and an expert for demonstrations."""
+
+    def __init__(self, on_parse_error: str = "reply", system: str = SYSTEM) -> None:
+        if on_parse_error not in ("reply", "end"):
+            raise TypeError(f"on_parse_error must be 'reply' or 'end', got {on_parse_error!r}")
+        super().__init__(calculator_tools(), on_parse_error, system=system)  # type: ignore[arg-type]
+        self.result: str | None = None
+
+    async def reset(self, task: Task) -> list[dict]:
+        """The system message and the task's messages."""
+        self.result = None
+        return await super().reset(task)
+
+    async def step(self, turn: AssistantTurn) -> StepResult:
+        """Run the turn's calls; the last successful result is kept for the expert."""
+        out = await super().step(turn)
+        for m in out.messages:
+            if not str(m["content"]).startswith("Error"):
+                self.result = str(m["content"])
+        return out
+
+    def expert_turn(self, answer_template: str) -> str:
+        """The next turn of a correct demonstration: a call on the last user message's
+        expression, then ``answer_template`` with the tool's result.
+
+        Raises:
+            UserError: the task's question holds no integer arithmetic expression.
+        """
+        if self.result is not None:
+            return answer_template.format(answer=self.result, reasoning="").strip()
+        question = self.task.messages[-1].content if self.task else ""
+        found = _EXPRESSION.findall(question)
+        if not found:
+            raise UserError(
+                f"calculator: task {self.task.task_id if self.task else '?'} has no arithmetic "
+                f"expression to demonstrate a call on: {question[:80]!r}"
+            )
+        call = {"name": "calculate", "arguments": {"expression": found[-1]}}
+        return f"{CALL_OPEN}\n{json.dumps(call)}\n{CALL_CLOSE}"
+
+
+def calculator(on_parse_error: str = "reply", system: str = SYSTEM) -> Calculator:
     """One calculator episode (see the module docstring)."""
-    if on_parse_error not in ("reply", "end"):
-        raise TypeError(f"on_parse_error must be 'reply' or 'end', got {on_parse_error!r}")
-    return ToolEnv(calculator_tools(), on_parse_error=on_parse_error, system=system)  # type: ignore[arg-type]
+    return Calculator(on_parse_error, system)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -45,27 +47,57 @@ def resolve(spec: str) -> EnvironmentFactory:
     """
     if spec in _REGISTRY:
         return _REGISTRY[spec]
-    module, sep, attribute = BUILTIN.get(spec, spec).partition(":")
-    if not sep or not module or not attribute:
+    if ":" not in BUILTIN.get(spec, spec):
         known = ", ".join(sorted({*BUILTIN, *_REGISTRY}))
         raise UserError(
             f"config environment.name={spec!r}: not a registered environment ({known}) nor an "
             "import path package.module:Class"
         )
+    return import_path(BUILTIN.get(spec, spec), f"environment.name={spec!r}")
+
+
+def import_path(path: str, what: str) -> Callable[..., Any]:
+    """The callable at ``package.module:Attribute``; ``what`` names it in errors (a config key
+    and its value). Modules are found on ``sys.path`` and, as uvicorn finds its apps, in the
+    current directory.
+
+    Raises:
+        UserError: not such a path, no such module or attribute, or not callable.
+    """
+    module, sep, attribute = path.partition(":")
+    if not sep or not module or not attribute:
+        raise UserError(f"config {what}: expected an import path package.module:function")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # `treadle train` run where the user's code is
     try:
         found = getattr(importlib.import_module(module), attribute)
     except ImportError as e:
         raise UserError(
-            f"config environment.name={spec!r}: cannot import {module!r} ({e}); is its "
-            "package installed or on PYTHONPATH?"
+            f"config {what}: cannot import {module!r} ({e}); is its package installed or on "
+            "PYTHONPATH?"
         ) from None
     except AttributeError:
-        raise UserError(
-            f"config environment.name={spec!r}: module {module!r} has no {attribute!r}"
-        ) from None
+        raise UserError(f"config {what}: module {module!r} has no {attribute!r}") from None
     if not callable(found):
-        raise UserError(f"config environment.name={spec!r}: {attribute!r} is not callable")
+        raise UserError(f"config {what}: {attribute!r} is not callable")
     return found
+
+
+def check(spec: str, kwargs: Mapping[str, Any] | None = None) -> None:
+    """That ``spec`` names a factory and it takes ``kwargs`` (nothing is built).
+
+    Raises:
+        UserError: see :func:`resolve`; or the factory's signature does not take ``kwargs``.
+    """
+    factory = resolve(spec)
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # a builtin without a signature: found at make()
+        return
+    try:
+        signature.bind(**dict(kwargs or {}))
+    except TypeError as e:
+        raise UserError(f"config environment.kwargs for {spec!r}: {e}") from None
 
 
 def make(

@@ -18,20 +18,24 @@ import itertools
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from treadle.config import Config
 from treadle.core.errors import UserError
-from treadle.core.protocols import Request, RequestEngine, SamplingParams
+from treadle.core.protocols import RequestEngine, SamplingParams
 from treadle.core.types import Completion, FinishReason, Task
 from treadle.rewards.pool import RewardPool
+from treadle.rollout.environments.agent_server import AgentServer
 from treadle.rollout.environments.base import Environment
 from treadle.rollout.environments.episode import Budgets, Episode, run_episode
-from treadle.rollout.environments.registry import make
+from treadle.rollout.environments.registry import import_path, make
+from treadle.rollout.environments.sampler import EngineSampler
 from treadle.rollout.environments.trajectory import (
     ChatRenderer,
     HistoryMode,
+    Segment,
     Source,
     check_template,
 )
@@ -44,62 +48,6 @@ _FINISH = {
     "timeout": FinishReason.LENGTH,
     "aborted": FinishReason.ABORT,
 }
-
-
-class EngineSampler:
-    """Serves the turns of concurrent episodes from one engine, on the running event loop.
-
-    Args:
-        engine: the policy's per-request engine (stepped only from this loop).
-        params: how a turn is sampled (``n`` and ``max_tokens`` are set per request).
-    """
-
-    def __init__(self, engine: RequestEngine, params: SamplingParams) -> None:
-        self.engine, self.params = engine, replace(params, n=1)
-        self._ids = itertools.count()
-        self._waiting: dict[str, asyncio.Future[Completion]] = {}
-        self._pump: asyncio.Task[None] | None = None
-        self.requests = 0
-
-    async def sample(self, context: list[int], max_tokens: int) -> Completion:
-        """One turn: ``context`` (``[P]`` ids, sent as they are) -> the sampled completion.
-
-        Raises:
-            Whatever the engine raised while stepping.
-        """
-        rid = f"turn-{next(self._ids)}"
-        future = asyncio.get_running_loop().create_future()
-        self._waiting[rid] = future
-        self.engine.submit(
-            Request(rid, tuple(context), replace(self.params, max_tokens=max_tokens))
-        )
-        self.requests += 1
-        if self._pump is None or self._pump.done():
-            self._pump = asyncio.create_task(self._serve())
-        try:
-            return await future
-        except asyncio.CancelledError:
-            if self._waiting.pop(rid, None) is not None:
-                self.engine.abort([rid])
-            raise
-
-    async def _serve(self) -> None:
-        try:
-            while self._waiting:
-                if not self.engine.running():
-                    raise RuntimeError(
-                        f"the engine holds none of the {len(self._waiting)} requests waiting"
-                    )
-                for finished in self.engine.step():
-                    future = self._waiting.pop(finished.request_id, None)
-                    if future is not None and not future.done():
-                        future.set_result(finished.completion)
-                await asyncio.sleep(0)  # let the episodes that got a turn go on
-        except Exception as e:
-            for future in self._waiting.values():
-                if not future.done():
-                    future.set_exception(e)
-            self._waiting.clear()
 
 
 def episode_completion(episode: Episode) -> Completion:
@@ -115,12 +63,25 @@ def episode_completion(episode: Episode) -> Completion:
     segments = episode.trajectory.segments
     if len(segments) != 1:
         raise ValueError(f"episode of task {episode.task.task_id} has {len(segments)} samples")
-    seg = segments[0]
-    start = seg.prompt_tokens
+    return segment_completion(segments[0], _FINISH[episode.finish], episode.answer)
+
+
+def segment_completion(
+    seg: Segment, finish: FinishReason, text: str, start: int | None = None
+) -> Completion:
+    """One trajectory segment as a completion of its first ``start`` tokens (default: its
+    prompt; a shorter start puts the rest of the prompt in the completion, not trained). See
+    :func:`episode_completion`.
+
+    Raises:
+        ValueError: the segment sampled nothing.
+    """
+    start = seg.prompt_tokens if start is None else start
     end = max((i + 1 for i, s in enumerate(seg.sources) if s == Source.SAMPLED), default=start)
-    if end == start:
-        raise ValueError(f"episode of task {episode.task.task_id} sampled no token")
-    versions, last = [], seg.versions[start]
+    if Source.SAMPLED not in seg.sources[start:end]:
+        raise ValueError("an episode sampled no token")
+    first_sampled = seg.sources.index(Source.SAMPLED)
+    versions, last = [], seg.versions[first_sampled]
     for v, s in zip(seg.versions[start:end], seg.sources[start:end], strict=True):
         last = v if s == Source.SAMPLED else last
         versions.append(last)
@@ -128,9 +89,9 @@ def episode_completion(episode: Episode) -> Completion:
     return Completion(
         token_ids=tuple(seg.token_ids[start:end]),
         logprobs=tuple(seg.logprobs[start:end]),
-        finish_reason=_FINISH[episode.finish],
+        finish_reason=finish,
         policy_version=min(versions),
-        text=episode.answer,
+        text=text,
         token_versions=tuple(versions) if len(set(versions)) > 1 else (),
         sampled_mask=() if all(mask) else mask,
     )
@@ -217,21 +178,40 @@ class EpisodeRollout:
         runs = [[one(t) for _ in range(params.n)] for t in tasks]
         flat = await asyncio.gather(*(r for group in runs for r in group))
         episodes = [list(flat[i * params.n : (i + 1) * params.n]) for i in range(len(tasks))]
-        generated = []
-        for task, group in zip(tasks, episodes, strict=True):
-            prompts = {tuple(e.trajectory.segments[0].token_ids[: _first_prompt(e)]) for e in group}
-            if len(prompts) != 1:
-                raise UserError(
-                    f"task {task.task_id}: its {params.n} episodes began with different prompts; "
-                    "a group must share one (make the environment's reset depend on the task only)"
-                )
-            completions = tuple(episode_completion(e) for e in group)
-            generated.append(Generated(task, prompts.pop(), completions))
-        return EpisodeGroups(generated, episodes)
+        return EpisodeGroups(group_generated(tasks, episodes), episodes)
 
 
-def _first_prompt(episode: Episode) -> int:
-    return episode.trajectory.segments[0].prompt_tokens
+def group_generated(
+    tasks: Sequence[Task], episodes: Sequence[Sequence[Episode]]
+) -> list[Generated]:
+    """Each task's episodes as one generated group: the longest prompt their first samples
+    share, and one completion each holding the rest (the part of its own prompt beyond the
+    shared one, not trained, then its turns); a masked episode trains no token.
+    """
+    generated = []
+    for task, group in zip(tasks, episodes, strict=True):
+        firsts = [e.trajectory.segments[0] for e in group]
+        shared = _common_prefix([s.token_ids[: s.prompt_tokens] for s in firsts])
+        completions = []
+        for e, first in zip(group, firsts, strict=True):
+            finish = _FINISH[e.finish]
+            c = segment_completion(first, finish, e.answer, start=len(shared))
+            if e.masked:  # trained on nothing, but its reward still counts in the group
+                c = replace(c, sampled_mask=(False,) * len(c.token_ids))
+            elif len(e.trajectory.segments) > 1:
+                raise ValueError(f"episode of task {task.task_id} has several samples")
+            completions.append(c)
+        generated.append(Generated(task, tuple(shared), tuple(completions)))
+    return generated
+
+
+def _common_prefix(sequences: Sequence[Sequence[int]]) -> list[int]:
+    first = list(sequences[0])
+    n = len(first)
+    for other in sequences[1:]:
+        n = next((i for i, (a, b) in enumerate(zip(first[:n], other, strict=False)) if a != b),
+                 min(n, len(other)))  # fmt: skip
+    return first[:n]
 
 
 def score_episodes(pool: RewardPool, groups: EpisodeGroups) -> Scored:
@@ -249,7 +229,9 @@ def score_episodes(pool: RewardPool, groups: EpisodeGroups) -> Scored:
     return replace(scored, groups=out)
 
 
-def episode_rollout(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> EpisodeRollout | None:
+def episode_rollout(
+    cfg: Config, tokenizer: PreTrainedTokenizerBase
+) -> EpisodeRollout | AgentRollout | None:
     """The run's episodes from the ``environment`` section, None when it names none. The chat
     template is checked first (:func:`~treadle.rollout.environments.trajectory.check_template`).
 
@@ -258,6 +240,9 @@ def episode_rollout(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> EpisodeR
             rendered in the chosen history mode.
     """
     e = cfg.environment
+    if e.agent:
+        agent = import_path(e.agent, f"environment.agent={e.agent!r}")
+        return AgentRollout(agent, ChatRenderer(tokenizer), min(e.max_concurrent, 32))
     if not e.name:
         return None
     pool = ThreadPoolExecutor(e.tool_threads, thread_name_prefix="treadle-env")
@@ -276,3 +261,127 @@ def episode_rollout(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> EpisodeR
     return EpisodeRollout(
         lambda: make(e.name, e.kwargs, pool), renderer, budgets, e.history, e.max_concurrent
     )
+
+
+def demonstrations(
+    rollout: EpisodeRollout,
+    tasks: Sequence[Task],
+    answer_template: str,
+    direct: Callable[[Task], str | None],
+) -> list[Episode]:
+    """One SFT demonstration episode per task, each turn written by the environment's expert
+    (``expert_turn(answer_template)``, e.g. :meth:`~treadle.rollout.environments.calculator.
+    Calculator.expert_turn`) with the real environment answering; ``direct(task)``, when not
+    None, is a one-turn reply written instead (an imperfect demonstration, as real data holds).
+    The episodes' sampled tokens (version 0, logprob 0.0) are the tokens to train.
+
+    Raises:
+        UserError: the environment has no expert.
+    """
+    budgets = replace(rollout.budgets, turn_max_tokens=rollout.budgets.max_tokens)
+
+    async def one(task: Task) -> Episode:
+        env = rollout.make_env()
+        expert = getattr(env, "expert_turn", None)
+        if expert is None:
+            await env.close()
+            raise UserError(
+                f"sft: environment {type(env).__name__} has no expert_turn to write "
+                "demonstrations; set sft.steps=0 and start from a model that uses its tools "
+                "(model.path)"
+            )
+        reply = direct(task)
+
+        async def sample(context: list[int], max_tokens: int) -> Completion:
+            text = reply if reply is not None else expert(answer_template)
+            ids = (*rollout.renderer.encode(text), rollout.renderer.end_of_turn_id)
+            return Completion(ids, (0.0,) * len(ids), FinishReason.STOP, 0)
+
+        return await run_episode(env, task, sample, rollout.renderer, budgets, rollout.mode)
+
+    async def every() -> list[Episode]:
+        gate = asyncio.Semaphore(rollout.max_concurrent)
+
+        async def gated(task: Task) -> Episode:
+            async with gate:
+                return await one(task)
+
+        return list(await asyncio.gather(*(gated(t) for t in tasks)))
+
+    return asyncio.run(every())
+
+
+Agent = Callable[[str, list[dict[str, Any]]], str | None]
+"""An outside agent: ``agent(base_url, messages)`` runs one episode of the task whose first
+messages are ``messages`` with an OpenAI client at ``base_url``; returns its final answer (for
+the task's domain reward), or None when it posted a reward itself."""
+
+
+class AgentRollout:
+    """Episodes run by an outside agent through an :class:`AgentServer` (``environment.agent``),
+    each agent call in a thread of its own (agents are plain blocking code).
+
+    Args:
+        agent: the agent function.
+        renderer: the chat template.
+        max_concurrent: agents running at once.
+    """
+
+    def __init__(self, agent: Agent, renderer: ChatRenderer, max_concurrent: int = 16) -> None:
+        self.agent, self.renderer, self.max_concurrent = agent, renderer, max_concurrent
+        self._ids = itertools.count()
+
+    def run(self, engine: RequestEngine, tasks: Sequence[Task], params: SamplingParams):
+        """``params.n`` agent episodes of every task; an episode whose agent rewrote its
+        history (several samples) or raised is kept with reward 0 and not trained.
+
+        Returns:
+            :class:`~treadle.rollout.environments.rollout.EpisodeGroups`.
+
+        Raises:
+            UserError: the episodes of a task began with different prompts.
+        """
+        server = AgentServer(engine, self.renderer, params)
+        try:
+            ids = [[f"ep{next(self._ids)}" for _ in range(params.n)] for _ in tasks]
+            for group in ids:
+                for episode in group:
+                    server.open(episode)
+            jobs = [
+                (task, episode) for task, group in zip(tasks, ids, strict=True) for episode in group
+            ]
+            with ThreadPoolExecutor(
+                self.max_concurrent, thread_name_prefix="treadle-agent"
+            ) as pool:
+                outcomes = list(pool.map(lambda job: self._one(server, *job), jobs))
+        finally:
+            server.close()
+        episodes = [outcomes[i * params.n : (i + 1) * params.n] for i in range(len(tasks))]
+        return EpisodeGroups(group_generated(tasks, episodes), episodes)
+
+    def _one(self, server: AgentServer, task: Task, episode_id: str) -> Episode:
+        messages = [{"role": m.role, "content": m.content} for m in task.messages]
+        raised = None
+        try:
+            answer = self.agent(server.base_url(episode_id), messages)
+        except Exception as e:  # the agent's bug: this episode is not trained
+            answer, raised = None, e
+        record = server.episodes[episode_id]
+        trajectory = record.trajectory
+        if trajectory is None:
+            raise UserError(
+                f"environment.agent: the agent made no chat call for task {task.task_id}"
+                + (f" (it raised {type(raised).__name__}: {raised})" if raised else "")
+            )
+        episode = Episode(task, trajectory, "done", answer=answer or record.answer)
+        episode.reward = record.reward
+        episode.masked = raised is not None or len(trajectory.segments) > 1
+        if episode.masked:
+            episode.reward = 0.0
+        episode.stats = {
+            "agent_calls": float(record.calls),
+            "agent_errors": float(raised is not None),
+            "agent_rewritten": float(len(trajectory.segments) > 1),
+            **{f"tokens_{s.name.lower()}": float(trajectory.count(s)) for s in Source},
+        }
+        return episode

@@ -277,6 +277,16 @@ class Trajectory:
         """Tokens of one provenance over all segments."""
         return sum(s.count(source) for s in self.segments)
 
+    def start_segment(self, messages: Sequence[Message] | None = None, ids=None) -> None:
+        """A new sample from the official render of ``messages`` (a history the caller
+        rewrote), or from raw prompt ``ids``; the next turn is sampled into it."""
+        self.segments.append(Segment())
+        if messages is not None:
+            self.messages = list(messages)
+            ids = self.renderer.prompt(messages)
+        self.current.add(list(ids or []), Source.PROMPT, self.turn)
+        self._closed = True
+
 
 @dataclass(frozen=True)
 class TemplateCheck:

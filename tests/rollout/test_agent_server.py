@@ -1,0 +1,147 @@
+"""The OpenAI-compatible endpoint for outside agents, driven by the ``openai`` client package
+against a loopback server: what each call returns, and the tokens it records."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from examples.openai_agent import solve
+from tests.rollout.environments_fakes import byte_tokenizer, task
+from treadle.core.protocols import Finished, SamplingParams, check_new_request
+from treadle.core.types import Completion, FinishReason
+from treadle.rollout.environments.agent_server import AgentServer
+from treadle.rollout.environments.rollout import AgentRollout
+from treadle.rollout.environments.trajectory import ChatRenderer, Source
+
+openai = pytest.importorskip("openai", reason="the openai client package is not installed")
+
+CALL = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "6 * 7"}}\n</tool_call>'
+PARAMS = SamplingParams(n=1, temperature=1.0, top_p=1.0, max_tokens=200)
+
+
+class TextEngine:
+    """A per-request engine that answers each request with the next scripted text (its ids and
+    the end token, logprob -0.25 each), and records the prompts it was sent."""
+
+    def __init__(self, renderer: ChatRenderer, texts):
+        self.renderer, self.texts, self.prompts = renderer, list(texts), []
+        self._live: dict[str, tuple[int, ...]] = {}
+
+    def submit(self, request):
+        check_new_request(request, self._live)
+        self.prompts.append(list(request.prompt_token_ids))
+        text = self.texts.pop(0)
+        self._live[request.request_id] = (*self.renderer.encode(text), self.renderer.end_of_turn_id)
+
+    def step(self):
+        done = [
+            Finished(rid, Completion(ids, (-0.25,) * len(ids), FinishReason.STOP, 2))
+            for rid, ids in self._live.items()
+        ]
+        self._live.clear()
+        return done
+
+    def abort(self, request_ids):
+        return []
+
+    def running(self):
+        return len(self._live)
+
+
+@pytest.fixture
+def renderer():
+    return ChatRenderer(byte_tokenizer())
+
+
+def test_an_agent_tool_loop_is_recorded_as_one_sample_of_the_sampled_ids(renderer):
+    engine = TextEngine(renderer, [CALL, "<answer>42</answer>"])
+    server = AgentServer(engine, renderer, PARAMS)
+    try:
+        server.open("e1")
+        answer = solve(server.base_url("e1"), [{"role": "user", "content": "What is 6 * 7?"}])
+        episode = server.episodes["e1"]
+    finally:
+        server.close()
+    assert answer == "<answer>42</answer>" and episode.calls == 2
+    (seg,) = episode.trajectory.segments  # the agent appended to its history: one sample
+    first, second = engine.prompts
+    call_ids = [*renderer.encode(CALL), renderer.end_of_turn_id]
+    # the second call's context is the first's, the sampled call as sampled, the glue and the
+    # tool result rendered as a suffix: nothing re-encoded from the text the agent sent back
+    assert second[: len(first) + len(call_ids)] == first + call_ids
+    assert seg.token_ids[: len(second)] == second
+    sampled = [t for t, s in zip(seg.token_ids, seg.sources, strict=True) if s == Source.SAMPLED]
+    assert sampled == [*call_ids, *renderer.encode("<answer>42</answer>"), renderer.end_of_turn_id]
+    env_text = renderer.decode(
+        [t for t, s in zip(seg.token_ids, seg.sources, strict=True) if s == Source.ENVIRONMENT]
+    )
+    assert "42" in env_text  # the tool's result, in the context and out of the loss
+
+
+def test_the_response_carries_the_parsed_tool_calls(renderer):
+    server = AgentServer(TextEngine(renderer, [CALL]), renderer, PARAMS)
+    try:
+        server.open("e1")
+        client = openai.OpenAI(base_url=server.base_url("e1"), api_key="x")
+        reply = client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "6 * 7?"}]
+        )
+    finally:
+        server.close()
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == ""
+    (call,) = choice.message.tool_calls
+    assert (
+        call.function.name == "calculate" and call.function.arguments == '{"expression": "6 * 7"}'
+    )
+    assert reply.usage.completion_tokens == len(renderer.encode(CALL)) + 1
+
+
+def test_a_rewritten_history_starts_a_new_sample_and_rewards_can_be_posted(renderer):
+    server = AgentServer(TextEngine(renderer, ["one", "two"]), renderer, PARAMS)
+    try:
+        server.open("e1")
+        client = openai.OpenAI(base_url=server.base_url("e1"), api_key="x")
+        user = {"role": "user", "content": "hi"}
+        client.chat.completions.create(model="policy", messages=[user])
+        # the agent sends back an edited reply: the held tokens are not what it shows
+        edited = [user, {"role": "assistant", "content": "ONE"}, {"role": "user", "content": "?"}]
+        client.chat.completions.create(model="policy", messages=edited)
+        url = server.base_url("e1").removesuffix("/v1")
+        assert httpx.post(f"{url}/reward", json={"reward": 0.75}).status_code == 200
+        assert httpx.post(f"{url}/reward", json={"reward": "high"}).status_code == 400
+        missing = httpx.post(server.base_url("nope") + "/chat/completions", json={"messages": []})
+        assert missing.status_code == 404 and "no episode 'nope'" in missing.text
+        bad = httpx.post(server.base_url("e1") + "/chat/completions", content=b"{not json")
+        assert bad.status_code == 400
+        episode = server.episodes["e1"]
+    finally:
+        server.close()
+    assert len(episode.trajectory.segments) == 2 and episode.reward == 0.75
+    assert renderer.decode(episode.trajectory.segments[1].token_ids).count("ONE") == 1
+
+
+def test_an_agent_rollout_makes_groups_and_keeps_a_failed_agent_untrained(renderer):
+    """Three episodes of one task, one at a time: the second agent crashes after its first
+    call; its episode stays in the group (reward 0) with no token trained."""
+    episodes = iter(range(3))
+
+    def agent(base_url, messages):
+        if next(episodes) == 1:
+            client = openai.OpenAI(base_url=base_url, api_key="x")
+            client.chat.completions.create(model="policy", messages=messages)
+            raise RuntimeError("the agent crashed")
+        return solve(base_url, messages)
+
+    answer = "<answer>42</answer>"
+    engine = TextEngine(renderer, [CALL, answer, CALL, CALL, answer])
+    rollout = AgentRollout(agent, renderer, max_concurrent=1)
+    out = rollout.run(engine, [task()], SamplingParams(3, 1.0, 1.0, 200))
+    (generated,) = out.generated
+    assert [e.masked for e in out.episodes[0]] == [False, True, False]
+    assert [e.reward for e in out.episodes[0]] == [None, 0.0, None]  # None: the domain scores
+    first, crashed, third = (c.sampled_mask for c in generated.completions)
+    assert True in first and False in first and first == third  # call, tool result, answer
+    assert crashed == (False,) * len(crashed)
+    assert out.stats()["env/agent_errors"] == pytest.approx(1 / 3)
