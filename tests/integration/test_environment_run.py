@@ -1,9 +1,10 @@
 """Multi-turn episodes through the real loop with the vLLM engine: ``treadle train`` with a
 user's environment given by import path (tests.integration.envs:Feedback, three turns each),
 with the shipped calculator, and with an outside agent calling treadle's OpenAI-compatible
-endpoint through the ``openai`` client (examples/openai_agent.py); then what the run left: finite losses, every parameter changed, the
-trainer's logprobs of every sampled token equal to the engine's (so the context each turn was
-sampled from is the context trained), environment tokens in the buffer and never in the loss."""
+endpoint through the ``openai`` client (examples/openai_agent.py). Then what each run left:
+finite losses, every parameter changed, the trainer's logprobs of every sampled token equal to
+the engine's (so the context each turn was sampled from is the context trained), environment
+tokens in the buffer and never in the loss."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from treadle.store.buffer import RolloutBuffer
 
 from .envs import FEEDBACK
-from .runs import is_finite_number, run_python, step_rows, write_recipe
+from .runs import REPO, is_finite_number, run_python, step_rows, write_recipe
 from .test_e2e_vllm import RECIPE
 from .tiny import ATOL, skip_without_vllm
 
@@ -25,18 +26,33 @@ pytestmark = pytest.mark.slow
 ENVIRONMENTS = {
     "feedback": {"name": "tests.integration.envs:Feedback", "kwargs": {"turns": 3}},
     "calculator": {"name": "calculator", "max_turns": 2},
+    "guess_number": {"name": "guess_number", "kwargs": {"high": 9, "max_turns": 3}, "max_turns": 3},
     # an outside agent: OpenAI-client code calling treadle's endpoint (examples/openai_agent.py)
     "agent": {"agent": "examples.openai_agent:solve"},
 }
 
 
-@pytest.fixture(scope="module", params=list(ENVIRONMENTS))
+MBPP = REPO.parent / "shared" / "data" / "mbpp" / "sanitized-mbpp.json"
+CODE = {  # python_tests needs code tasks: MBPP's, with the code reward
+    "model": {"tiny": {**RECIPE["model"]["tiny"], "max_position_embeddings": 4096}},
+    "data": {"source": "mbpp", "path": str(MBPP), "domain": "code", "size": 24, "eval_size": 8},
+    "reward": {"functions": [{"name": "code"}]},
+}
+
+
+@pytest.fixture(scope="module", params=[*ENVIRONMENTS, "python_tests"])
 def env_run(request, tmp_path_factory):
     skip_without_vllm()
     root = tmp_path_factory.mktemp(request.param)
     recipe = json.loads(json.dumps(RECIPE))
     recipe["run"] |= {"name": request.param, "output_dir": str(root / "runs")}
-    recipe["environment"] = {**ENVIRONMENTS[request.param], "max_tokens": 160}
+    if request.param == "python_tests":
+        if not MBPP.exists():
+            pytest.skip(f"MBPP is not at {MBPP} (../shared/data)")
+        recipe |= CODE
+        recipe["environment"] = {"name": "python_tests", "max_turns": 2, "max_tokens": 3500}
+    else:
+        recipe["environment"] = {**ENVIRONMENTS[request.param], "max_tokens": 160}
     path = write_recipe(root / "recipe.yaml", recipe)
     run_python(["-m", "treadle.cli", "train", str(path)], cwd=root, timeout_s=900)
     return request.param, root / "runs" / request.param
@@ -51,7 +67,9 @@ def test_every_step_trains_on_episodes_the_engine_sampled(env_run):
         # the trainer's logprob of every sampled token, on the whole episode as trained, is the
         # engine's, which sampled turn 2 and 3 from the context treadle sent it
         assert row["mismatch/abs_logprob_diff"] < ATOL, (step, row)
-        assert row["env/finish_done"] == 32, row  # 8 prompts x 4 episodes, all ended by the env
+        # 8 prompts x 4 episodes, each ended by the environment or its budget
+        ended = sum(v for k, v in row.items() if k.startswith("env/finish_"))
+        assert ended == 32 and row.get("env/dropped_groups") == 0, row
         if name == "agent":  # every episode made its calls and none failed
             assert row["env/agent_calls"] >= 1 and row["env/agent_errors"] == 0, row
             assert row["env/agent_rewritten"] == 0, row  # its history extended the held tokens

@@ -225,3 +225,25 @@ def test_the_calculator_is_found_by_name_and_calls_its_tool(renderer):
 def test_the_config_refuses_what_episodes_do_not_support(overrides, message):
     with pytest.raises(UserError, match=message):
         load_config("recipes/default.yaml", ["environment.name=calculator", *overrides])
+
+
+def test_a_group_with_fewer_than_two_finished_episodes_trains_no_token(renderer):
+    """Two tasks x 2 episodes; the second task's first episode times out: its group has one
+    finished episode, so none of its tokens is trained; the first task's group is kept."""
+
+    class SlowOnce(ScriptedEnv):
+        calls = 0
+
+        async def step(self, turn):
+            SlowOnce.calls += 1
+            if SlowOnce.calls == 3:
+                await asyncio.sleep(5)
+            return StepResult(done=True)
+
+    rollout = EpisodeRollout(lambda: SlowOnce([]), renderer, Budgets(step_timeout_s=0.2))
+    out = rollout.run(ScriptedEngine(length=lambda r: 2), [task("a"), task("b")], PARAMS)
+    kept, dropped = out.without_unfinished()
+    assert dropped == 1
+    assert [e.finish for e in out.episodes[1]] == ["timeout", "done"]
+    assert all(c.sampled_mask in ((), (True, True)) for c in kept.generated[0].completions)
+    assert all(not any(c.sampled_mask) for c in kept.generated[1].completions)

@@ -81,7 +81,8 @@ def episode_demonstration_samples(
     off by 1 to 3 (a guess, as a model that skips its tools makes).
 
     Raises:
-        UserError: the environment has no expert, or the training data is empty.
+        UserError: the environment has no expert, a demonstration did not finish within the
+            episode budgets, or the training data is empty.
     """
     rollout = episode_rollout(cfg, tokenizer)
     assert rollout is not None  # environment.name is set (the caller checked)
@@ -94,8 +95,17 @@ def episode_demonstration_samples(
         guess = str(int(task.answer) + rng.choice([-3, -2, -1, 1, 2, 3]))
         return render_demonstration(task, template, guess)
 
+    episodes = demonstrations(rollout, tasks, template, direct)
+    unfinished = [e for e in episodes if e.finish != "done"]
+    if unfinished:
+        e = unfinished[0]
+        raise UserError(
+            f"sft: {len(unfinished)} of {len(episodes)} demonstration episodes did not finish "
+            f"(task {e.task.task_id}: {e.finish} after {len(e.trajectory.current)} tokens); raise "
+            "environment.max_tokens or environment.max_turns"
+        )
     samples = []
-    for episode in demonstrations(rollout, tasks, template, direct):
+    for episode in episodes:
         seg = episode.trajectory.current
         samples.append(
             TrainSample(

@@ -82,8 +82,9 @@ def collect_rollouts(
                 generated = generate(p.engine, p.tokenizer, tasks, params)
             else:  # multi-turn: every sample is an episode in the environment
                 episodes = p.episodes.run(cast(RequestEngine, p.engine), tasks, params)
+                episodes, unfinished = episodes.without_unfinished()
                 generated = episodes.generated
-                env_stats.append(episodes.stats())
+                env_stats.append(episodes.stats() | {"env/dropped_groups": float(unfinished)})
         if version is not None:
             check_policy_version(generated, version)
         with timed(t, "reward"):

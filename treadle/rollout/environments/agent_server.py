@@ -173,7 +173,7 @@ class AgentServer:
             return _error(400, "prompt: expected a string")
         ids = self.renderer.encode(prompt)  # a raw completion is a sample of its own
         if episode.trajectory is None:
-            episode.trajectory = Trajectory(self.renderer, [], "split")
+            episode.trajectory = Trajectory(self.renderer, [], "as_sampled")
             episode.trajectory.segments.clear()
         episode.trajectory.start_segment(ids=ids)
         episode.held = []
@@ -208,7 +208,7 @@ class AgentServer:
         extends = held and [_key(m) for m in messages[: len(held)]] == held
         if episode.trajectory is None or not extends or len(messages) == len(held):
             if episode.trajectory is None:
-                episode.trajectory = Trajectory(renderer, messages, "split")
+                episode.trajectory = Trajectory(renderer, messages, "as_sampled")
             else:  # a new sample from the official render of what the agent sent
                 episode.trajectory.renderer = renderer
                 episode.trajectory.start_segment(messages)

@@ -105,6 +105,9 @@ class Threaded:
     def __init__(self, env: SyncEnvironment, pool: ThreadPoolExecutor) -> None:
         self.env, self.pool = env, pool
         self.tools = getattr(env, "tools", ())
+        expert = getattr(env, "expert_turn", None)
+        if expert is not None:  # a demonstrator's turns are computed, not blocking: called as is
+            self.expert_turn = expert
         self._closed = False
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:

@@ -76,6 +76,13 @@ class Episode:
     """``turns``, ``splits``, ``tokens_<source>`` and the environment's counts (``tool_calls``,
     ``tool_errors``, ``tool_timeouts``, ``parse_errors``, ``step_timeouts``)."""
 
+    @property
+    def finished(self) -> bool:
+        """Ended by the environment or a budget, not by a timeout, an engine abort or an
+        outside agent's error."""
+        ended = self.finish in ("done", "max_turns", "max_tokens")
+        return ended and not self.stats.get("agent_errors", 0.0)
+
 
 def truncate_observation(renderer: ChatRenderer, message: Message, max_tokens: int) -> Message:
     """``message`` with its string content cut to ``max_tokens`` tokens (at a token boundary,

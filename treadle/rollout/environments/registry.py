@@ -20,6 +20,8 @@ from treadle.rollout.environments.base import Environment, SyncEnvironment, Thre
 
 BUILTIN = {
     "calculator": "treadle.rollout.environments.calculator:calculator",
+    "guess_number": "treadle.rollout.environments.guess_number:GuessNumber",
+    "python_tests": "treadle.rollout.environments.python_tests:PythonTests",
 }
 """The environments treadle ships, by name -> import path."""
 

@@ -111,6 +111,23 @@ class EpisodeGroups:
         the answer."""
         return [[e.reward for e in group] for group in self.episodes]
 
+    def without_unfinished(self, least: int = 2) -> tuple[EpisodeGroups, int]:
+        """The groups with fewer than ``least`` finished episodes (ended by the environment or
+        a budget; not by a timeout, an engine abort or an agent's error) trained on no token:
+        a group baseline over fewer is no baseline. Returns them and how many groups that is.
+        """
+        out, dropped = [], 0
+        for g, group in zip(self.generated, self.episodes, strict=True):
+            if sum(e.finished for e in group) >= least:
+                out.append(g)
+                continue
+            dropped += 1
+            none = tuple(
+                replace(c, sampled_mask=(False,) * len(c.token_ids)) for c in g.completions
+            )
+            out.append(replace(g, completions=none))
+        return EpisodeGroups(out, self.episodes), dropped
+
     def stats(self) -> dict[str, float]:
         """Episode metrics, means over the step's episodes (``env/*``), and ``env/finish_*``
         counts."""
