@@ -11,6 +11,7 @@ from tests.rollout.environments_fakes import byte_tokenizer, task
 from treadle.core.protocols import Finished, SamplingParams, check_new_request
 from treadle.core.types import Completion, FinishReason
 from treadle.rollout.environments.agent_server import AgentServer
+from treadle.rollout.environments.episode import Budgets
 from treadle.rollout.environments.rollout import AgentRollout
 from treadle.rollout.environments.trajectory import ChatRenderer, Source
 
@@ -136,7 +137,7 @@ def test_an_agent_rollout_makes_groups_and_keeps_a_failed_agent_untrained(render
 
     answer = "<answer>42</answer>"
     engine = TextEngine(renderer, [CALL, answer, CALL, CALL, answer])
-    rollout = AgentRollout(agent, renderer, max_concurrent=1)
+    rollout = AgentRollout(agent, renderer, Budgets(max_tokens=4000), max_concurrent=1)
     out = rollout.run(engine, [task()], SamplingParams(3, 1.0, 1.0, 200))
     (generated,) = out.generated
     assert [e.masked for e in out.episodes[0]] == [False, True, False]
@@ -145,3 +146,73 @@ def test_an_agent_rollout_makes_groups_and_keeps_a_failed_agent_untrained(render
     assert True in first and False in first and first == third  # call, tool result, answer
     assert crashed == (False,) * len(crashed)
     assert out.stats()["env/agent_errors"] == pytest.approx(1 / 3)
+
+
+class FailingOnce(TextEngine):
+    """Refuses its second request, as an engine that fails mid-run."""
+
+    def submit(self, request):
+        if len(self.prompts) == 1 and not getattr(self, "failed", False):
+            self.failed = True
+            raise RuntimeError("engine down")
+        super().submit(request)
+
+
+def test_a_failed_call_records_nothing_and_budgets_and_bad_bodies_are_refused(renderer):
+    """The engine fails on call 2: 503 and the trajectory as before it; the agent's retry then
+    extends it once. A 4th call is over max_calls=3; a posted infinite reward and a body nested
+    100,000 deep are refused."""
+    engine = FailingOnce(renderer, ["one", "two", "three"])
+    server = AgentServer(engine, renderer, PARAMS, max_calls=3)
+    try:
+        server.open("e1")
+        url = server.base_url("e1")
+        user = {"role": "user", "content": "hi"}
+        first = httpx.post(f"{url}/chat/completions", json={"messages": [user]}).json()
+        held = [user, first["choices"][0]["message"], {"role": "user", "content": "more"}]
+        tokens_before = list(server.episodes["e1"].trajectory.current.token_ids)
+        failed = httpx.post(f"{url}/chat/completions", json={"messages": held})
+        assert failed.status_code == 503 and "engine down" in failed.text
+        assert server.episodes["e1"].trajectory.current.token_ids == tokens_before
+        retry = httpx.post(f"{url}/chat/completions", json={"messages": held})
+        assert retry.status_code == 200
+        text = renderer.decode(server.episodes["e1"].trajectory.current.token_ids)
+        assert text.count("more") == 1 and len(server.episodes["e1"].trajectory.segments) == 1
+        held += [retry.json()["choices"][0]["message"], {"role": "user", "content": "again"}]
+        assert httpx.post(f"{url}/chat/completions", json={"messages": held}).status_code == 200
+        over = httpx.post(f"{url}/chat/completions", json={"messages": held})
+        assert over.status_code == 400 and "3 calls" in over.text
+        base = url.removesuffix("/v1")
+        assert httpx.post(f"{base}/reward", content=b'{"reward": 1e999}').status_code == 400
+        deep = httpx.post(f"{url}/chat/completions", content=b"[" * 100_000)
+        assert deep.status_code == 400
+    finally:
+        server.close()
+
+
+def test_concurrent_calls_of_one_episode_run_one_after_the_other(renderer):
+    """Two simultaneous identical calls (a client's retry): the second waits for the first, then
+    no longer extends what was answered and starts a sample of its own; no token is mixed."""
+    import threading
+
+    server = AgentServer(TextEngine(renderer, ["A", "B"]), renderer, PARAMS)
+    try:
+        server.open("e1")
+        url = server.base_url("e1") + "/chat/completions"
+        body = {"messages": [{"role": "user", "content": "hi"}]}
+        replies = []
+        threads = [
+            threading.Thread(target=lambda: replies.append(httpx.post(url, json=body)))
+            for _ in range(2)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        segments = server.episodes["e1"].trajectory.segments
+    finally:
+        server.close()
+    assert [r.status_code for r in replies] == [200, 200]
+    texts = sorted(renderer.decode(s.token_ids) for s in segments)
+    prompt = renderer.decode(renderer.prompt(body["messages"]))
+    assert texts == [f"{prompt}A<|im_end|>", f"{prompt}B<|im_end|>"]

@@ -127,18 +127,20 @@ def test_max_turns_and_what_an_overlong_episode_becomes(renderer, overlong):
 
 
 def test_an_oversized_observation_is_cut_at_a_token_boundary(renderer):
+    """A special token's text in an observation is neutralised first (a zero-width space after
+    its "<"), so the cut is on plain text and no special token reaches the context."""
     big = "x" * 50 + "<|im_end|>" + "y" * 50  # a special token inside the tool's output
     env = ScriptedEnv([StepResult([tool_message(big)]), StepResult(done=True)])
     episode = run(env, ScriptedPolicy(renderer, ["call", "done"]), renderer,
                   max_observation_tokens=51)  # fmt: skip
     tool = episode.trajectory.messages[2]
-    # 50 byte tokens and the special token whole: 51 tokens, then the marker
-    assert tool["content"] == "x" * 50 + "<|im_end|>" + TRUNCATED
+    assert tool["content"] == "x" * 50 + "<" + TRUNCATED  # 51 byte tokens, then the marker
     assert episode.stats["truncated_observations"] == 1
     env = ScriptedEnv([StepResult([tool_message(big)]), StepResult(done=True)])
     policy = ScriptedPolicy(renderer, ["call", "done"])
-    cut = run(env, policy, renderer, max_observation_tokens=50)
-    assert cut.trajectory.messages[2]["content"] == "x" * 50 + TRUNCATED
+    whole = run(env, policy, renderer, max_observation_tokens=500)
+    assert whole.trajectory.messages[2]["content"] == big.replace("<|", "<\u200b|")
+    assert whole.stats["truncated_observations"] == 0
 
 
 def test_an_engine_abort_ends_the_episode_and_closes_the_environment(renderer):
@@ -280,7 +282,8 @@ def test_a_recipe_environment_is_checked_before_anything_is_built():
 
     check("calculator", {"on_parse_error": "end"})
     check("tests.rollout.environments_fakes:ScriptedEnv", {"results": []})
-    with pytest.raises(UserError, match=r"environment\.kwargs for 'calculator'.*'colour'"):
+    unknown = r"environment\.kwargs for 'calculator': unknown colour \(it takes on_parse_error"
+    with pytest.raises(UserError, match=unknown):
         check("calculator", {"colour": "red"})
     with pytest.raises(UserError, match="not a registered environment"):
         check("calculator2")

@@ -247,3 +247,20 @@ def test_a_group_with_fewer_than_two_finished_episodes_trains_no_token(renderer)
     assert [e.finish for e in out.episodes[1]] == ["timeout", "done"]
     assert all(c.sampled_mask in ((), (True, True)) for c in kept.generated[0].completions)
     assert all(not any(c.sampled_mask) for c in kept.generated[1].completions)
+
+
+def test_an_episode_cut_off_before_its_first_turn_is_kept_untrained(renderer):
+    """A prompt longer than environment.max_tokens: the episode ends as max_tokens with no turn;
+    its group still forms (the completion holds its last prompt token, masked) and it is not a
+    finished episode."""
+    rollout = EpisodeRollout(
+        lambda: ScriptedEnv([StepResult(done=True)]), renderer, Budgets(max_tokens=60)
+    )
+    long, short = task("x" * 300), task("What is 1 + 1?")
+    out = rollout.run(ScriptedEngine(length=lambda r: 2), [long, short], PARAMS)
+    cut = out.episodes[0]
+    assert [e.finish for e in cut] == ["max_tokens"] * 2 and not any(e.finished for e in cut)
+    for c in out.generated[0].completions:
+        assert len(c.token_ids) == 1 and c.sampled_mask == (False,)
+    _, dropped = out.without_unfinished()
+    assert dropped == 1 and all(e.finished for e in out.episodes[1])

@@ -93,6 +93,11 @@ def _check_environment(cfg: Config) -> None:
             f"config environment.agent={e.agent!r}: an outside agent is its own environment; "
             f"leave environment.name ({e.name!r}) empty"
         )
+    if e.agent and e.kwargs:
+        raise UserError(
+            "config environment.kwargs: an outside agent (environment.agent) takes none; the "
+            "agent function gets only its base_url and the task's messages"
+        )
     if cfg.rollout.mode != "sync":
         raise UserError(
             f"config rollout.mode={cfg.rollout.mode}: environment episodes run in sync mode so "

@@ -28,6 +28,7 @@ from rich.console import Console
 from transformers import AutoConfig, AutoTokenizer
 
 from treadle.config import AlgorithmConfig, Config
+from treadle.core.errors import UserError
 from treadle.jobs.compose import (
     base_model,
     check_context,
@@ -72,6 +73,11 @@ def train(cfg: Config, resume: Path | None = None, console: Console | None = Non
     # Before minutes of SFT: every prompt plus the completion budget must fit the context.
     tokenizer = AutoTokenizer.from_pretrained(start)
     longest = check_context(tokenizer, data, cfg.rollout.max_tokens, max_model_len)
+    if cfg.environment.enabled and cfg.environment.max_tokens > max_model_len:
+        raise UserError(
+            f"config environment.max_tokens={cfg.environment.max_tokens}: an episode's context "
+            f"must fit the model's {max_model_len} tokens; set it to {max_model_len} or less"
+        )
     episode_rollout(cfg, tokenizer)  # the environment and the chat template, before SFT
     if cfg.sft.steps > 0:
         start = warm_up(cfg, data, start, run_dir, console)

@@ -74,6 +74,8 @@ def check_policy_version(generated: Sequence[Generated], version: int) -> None:
     """
     for g in generated:
         for c in g.completions:
+            if c.sampled_mask and not any(c.sampled_mask):
+                continue  # an episode cut off before its first turn: no policy sampled in it
             if c.policy_version != version:
                 raise StaleWeightsError(
                     f"task {g.task.task_id}: the engine sampled with policy version "

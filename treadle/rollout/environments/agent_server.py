@@ -15,8 +15,10 @@ episode's reward (else the task's domain reward scores its last answer).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import math
 import socket
 import threading
 import time
@@ -52,6 +54,8 @@ class AgentEpisode:
     """The last reply's text (what the domain reward scores)."""
     reward: float | None = None
     """Posted by the agent, or None."""
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """One call at a time per episode (a client's retry waits for the call it repeats)."""
 
 
 class AgentServer:
@@ -65,6 +69,9 @@ class AgentServer:
         params: how a call samples (a request's ``max_tokens`` and ``temperature`` are ignored:
             the policy samples as in training, at most ``params.max_tokens`` per call).
         host: bind address.
+        max_calls: chat or completion calls one episode may make (``environment.max_turns``).
+        max_tokens: tokens of one call's context plus its reply (``environment.max_tokens``);
+            a call is sampled for what is left, at most ``params.max_tokens``.
     """
 
     def __init__(
@@ -73,10 +80,13 @@ class AgentServer:
         renderer: ChatRenderer,
         params: SamplingParams,
         host: str = "127.0.0.1",
+        max_calls: int = 8,
+        max_tokens: int = 4096,
     ) -> None:
         import uvicorn
 
         self.renderer, self.params = renderer, replace(params, n=1)
+        self.max_calls, self.max_tokens = max_calls, max_tokens
         self.episodes: dict[str, AgentEpisode] = {}
         self._lock = threading.Lock()
         self._sampler = EngineSampler(engine, self.params)
@@ -128,8 +138,8 @@ class AgentServer:
     async def _body(self, request: HTTPRequest) -> dict[str, Any] | JSONResponse:
         try:
             body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error(400, "the request body is not JSON")
+        except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError included
+            return _error(400, "the request body is not JSON (or nests too deep)")
         return body if isinstance(body, dict) else _error(400, "the request body is not an object")
 
     async def _chat(self, request: HTTPRequest) -> JSONResponse:
@@ -139,26 +149,40 @@ class AgentServer:
         messages = body.get("messages")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             return _error(400, "messages: expected a list of message objects")
-        try:
-            context = self._extend(episode, [_plain(m) for m in messages], body.get("tools"))
-        except Exception as e:  # a template error on what the agent sent: its fault
-            return _error(400, f"messages cannot be rendered by the chat template: {e}")
-        completion = await self._sample(context)
-        text = episode.trajectory.add_turn(completion)  # type: ignore[union-attr]  # set above
-        turn = parse_assistant_turn(text)
-        episode.calls, episode.answer = episode.calls + 1, turn.content
-        calls = [
-            {
-                "id": c.id,
-                "type": "function",
-                "function": {"name": c.name, "arguments": json.dumps(dict(c.arguments))},
-            }
-            for c in turn.tool_calls
-        ]
-        message: dict[str, Any] = {"role": "assistant", "content": turn.content}
-        if calls:
-            message["tool_calls"] = calls
-        episode.held = [*messages, message]
+        async with episode.lock:
+            if episode.calls >= self.max_calls:
+                return _error(400, f"the episode made its {self.max_calls} calls (max_turns)")
+            trajectory = episode.trajectory
+            before = (trajectory.clone() if trajectory else None, list(episode.held))
+            try:
+                context = self._extend(episode, [_plain(m) for m in messages], body.get("tools"))
+            except Exception as e:  # a template error on what the agent sent: its fault
+                episode.trajectory, episode.held = before
+                return _error(400, f"messages cannot be rendered by the chat template: {e}")
+            left = self.max_tokens - len(context)
+            if left <= 0:
+                episode.trajectory, episode.held = before
+                return _error(400, f"the context is {len(context)} tokens (max_tokens)")
+            try:
+                completion = await self._sampler.sample(context, min(left, self.params.max_tokens))
+            except Exception as e:  # the engine's failure, not the agent's: nothing recorded
+                episode.trajectory, episode.held = before
+                return _error(503, f"the engine failed: {type(e).__name__}: {e}")
+            text = episode.trajectory.add_turn(completion)  # type: ignore[union-attr]  # set
+            turn = parse_assistant_turn(text)
+            episode.calls, episode.answer = episode.calls + 1, turn.content
+            calls = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": json.dumps(dict(c.arguments))},
+                }
+                for c in turn.tool_calls
+            ]
+            message: dict[str, Any] = {"role": "assistant", "content": turn.content}
+            if calls:
+                message["tool_calls"] = calls
+            episode.held = [*messages, message]
         finish = "tool_calls" if calls else _FINISH[completion.finish_reason]
         return _response(
             "chat.completion", {"message": message, "finish_reason": finish}, context, completion
@@ -172,14 +196,23 @@ class AgentServer:
         if not isinstance(prompt, str):
             return _error(400, "prompt: expected a string")
         ids = self.renderer.encode(prompt)  # a raw completion is a sample of its own
-        if episode.trajectory is None:
-            episode.trajectory = Trajectory(self.renderer, [], "as_sampled")
-            episode.trajectory.segments.clear()
-        episode.trajectory.start_segment(ids=ids)
-        episode.held = []
-        completion = await self._sample(ids)
-        text = episode.trajectory.add_turn(completion)
-        episode.calls, episode.answer = episode.calls + 1, text
+        async with episode.lock:
+            if episode.calls >= self.max_calls:
+                return _error(400, f"the episode made its {self.max_calls} calls (max_turns)")
+            left = self.max_tokens - len(ids)
+            if left <= 0:
+                return _error(400, f"the prompt is {len(ids)} tokens (max_tokens)")
+            try:
+                completion = await self._sampler.sample(ids, min(left, self.params.max_tokens))
+            except Exception as e:
+                return _error(503, f"the engine failed: {type(e).__name__}: {e}")
+            if episode.trajectory is None:
+                episode.trajectory = Trajectory(self.renderer, [], "as_sampled")
+                episode.trajectory.segments.clear()
+            episode.trajectory.start_segment(ids=ids)
+            episode.held = []
+            text = episode.trajectory.add_turn(completion)
+            episode.calls, episode.answer = episode.calls + 1, text
         choice = {"text": text, "finish_reason": _FINISH[completion.finish_reason]}
         return _response("text_completion", choice, ids, completion)
 
@@ -191,8 +224,10 @@ class AgentServer:
         if isinstance(episode, JSONResponse) or isinstance(body, JSONResponse):
             return episode if isinstance(episode, JSONResponse) else body  # type: ignore[return-value]
         reward = body.get("reward")
-        if not isinstance(reward, int | float) or isinstance(reward, bool) or reward != reward:
+        if not isinstance(reward, int | float) or isinstance(reward, bool):
             return _error(400, "reward: expected a number")
+        if not math.isfinite(reward):
+            return _error(400, f"reward: expected a finite number, got {reward}")
         episode.reward = float(reward)
         return JSONResponse({"ok": True})
 
@@ -216,9 +251,6 @@ class AgentServer:
         episode.trajectory.renderer = renderer
         episode.trajectory.add_messages(messages[len(held) :])
         return episode.trajectory.context()
-
-    async def _sample(self, context: Sequence[int]) -> Completion:
-        return await self._sampler.sample(list(context), self.params.max_tokens)
 
 
 def _plain(message: Mapping[str, Any]) -> dict[str, Any]:

@@ -122,14 +122,15 @@ class Threaded:
         return await self._run(self.env.step, turn)
 
     async def reward(self) -> float | None:
-        """The wrapped reward, in the pool."""
-        return await self._run(self.env.reward)
+        """The wrapped reward, in a thread of its own (not behind a hung step in the pool)."""
+        return await asyncio.to_thread(self.env.reward)
 
     async def close(self) -> None:
-        """The wrapped close, once."""
+        """The wrapped close, once, in a thread of its own: a step still hung in the pool
+        (past its timeout) neither delays it nor is waited for."""
         if not self._closed:
             self._closed = True
-            await self._run(self.env.close)
+            await asyncio.to_thread(self.env.close)
 
 
 class ToolEnv:

@@ -21,6 +21,8 @@ from treadle.rollout.environments.tools import ToolBox
 
 MAX_DIGITS = 60
 """Digits of the largest operand or result :func:`calculate` accepts."""
+MAX_CHARS = 500
+"""Characters of the longest expression (bounds the parse's depth and time)."""
 
 _OPERATORS = {
     ast.Add: operator.add,
@@ -37,14 +39,20 @@ def calculate(expression: str) -> str:
     Args:
         expression: integers with + - * // % and parentheses, e.g. "(12 + 7) * 31".
     """
+    if not isinstance(expression, str) or len(expression) > MAX_CHARS:
+        return f"Error: the expression must be text of at most {MAX_CHARS} characters."
     try:
         tree = ast.parse(expression.strip(), mode="eval")
+    except (RecursionError, MemoryError):
+        return "Error: the expression nests too deep."
     except SyntaxError:
         return f"Error: cannot read {expression[:80]!r}; write integers with + - * // % ( )."
     try:
         return str(_evaluate(tree.body))
     except ZeroDivisionError:
         return "Error: division by zero."
+    except (RecursionError, MemoryError):
+        return "Error: the expression nests too deep."
     except ValueError as e:
         return f"Error: {e}."
 

@@ -81,7 +81,7 @@ class Episode:
         """Ended by the environment or a budget, not by a timeout, an engine abort or an
         outside agent's error."""
         ended = self.finish in ("done", "max_turns", "max_tokens")
-        return ended and not self.stats.get("agent_errors", 0.0)
+        return ended and self.stats.get("turns", 1.0) > 0 and not self.stats.get("agent_errors")
 
 
 def truncate_observation(renderer: ChatRenderer, message: Message, max_tokens: int) -> Message:
@@ -124,12 +124,22 @@ async def run_episode(
         ``max_tokens`` (no token left in the context budget), ``timeout`` (the episode's) or
         ``aborted`` (the engine aborted a turn: the caller drops or continues it).
 
+    ``budgets.step_timeout_s`` bounds each of reset, step and reward; ``episode_timeout_s``
+    the turns (generation and steps together).
+
     Raises:
+        TimeoutError: ``env.reset`` took longer than ``step_timeout_s``.
         Whatever ``env`` or ``sample`` raise (an environment's bug is not a reward of 0).
     """
     run: _Run | None = None
     try:
-        first = await env.reset(task)
+        try:
+            first = await asyncio.wait_for(env.reset(task), budgets.step_timeout_s)
+        except TimeoutError:
+            raise TimeoutError(
+                f"environment {type(env).__name__}: reset of task {task.task_id} took longer "
+                f"than environment.step_timeout_s={budgets.step_timeout_s:g} s"
+            ) from None
         trajectory = Trajectory(renderer, first, mode)
         run = _Run(task, trajectory)
         try:
@@ -137,7 +147,11 @@ async def run_episode(
         except TimeoutError:
             run.episode.finish = "timeout"
         episode = run.episode
-        environment_reward = await env.reward()
+        try:
+            environment_reward = await asyncio.wait_for(env.reward(), budgets.step_timeout_s)
+        except TimeoutError:  # counted; the episode scores 0
+            run.count({"reward_timeouts": 1.0})
+            episode.finish, environment_reward = "timeout", 0.0
         if episode.finish == "done":
             episode.reward = environment_reward
         elif episode.finish in ("max_turns", "max_tokens"):
@@ -186,10 +200,12 @@ async def _turns(run: _Run, env: Environment, sample: Sample, budgets: Budgets) 
         episode.turn_rewards.append(result.reward)
         if result.done:
             return
-        observations = [
-            truncate_observation(renderer, m, budgets.max_observation_tokens)
+        observations = [  # special tokens' texts neutralised first: then cut as plain text
+            truncate_observation(renderer, renderer.neutral(m), budgets.max_observation_tokens)
             for m in result.messages
         ]
-        cut = sum(a is not b for a, b in zip(observations, result.messages, strict=True))
+        cut = sum(a["content"].endswith(TRUNCATED) and not b["content"].endswith(TRUNCATED)
+                  for a, b in zip(observations, result.messages, strict=True)
+                  if isinstance(b.get("content"), str))  # fmt: skip
         run.count({"truncated_observations": float(cut)})
         trajectory.add_messages(observations)

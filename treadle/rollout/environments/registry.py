@@ -20,6 +20,7 @@ from treadle.rollout.environments.base import Environment, SyncEnvironment, Thre
 
 BUILTIN = {
     "calculator": "treadle.rollout.environments.calculator:calculator",
+    "frozen_lake": "treadle.rollout.environments.frozen_lake:FrozenLake",
     "guess_number": "treadle.rollout.environments.guess_number:GuessNumber",
     "python_tests": "treadle.rollout.environments.python_tests:PythonTests",
 }
@@ -72,14 +73,19 @@ def import_path(path: str, what: str) -> Callable[..., Any]:
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())  # `treadle train` run where the user's code is
     try:
-        found = getattr(importlib.import_module(module), attribute)
+        imported = importlib.import_module(module)
     except ImportError as e:
         raise UserError(
             f"config {what}: cannot import {module!r} ({e}); is its package installed or on "
             "PYTHONPATH?"
         ) from None
-    except AttributeError:
-        raise UserError(f"config {what}: module {module!r} has no {attribute!r}") from None
+    except Exception as e:  # the module itself fails (a SyntaxError, an error at import)
+        raise UserError(
+            f"config {what}: importing {module!r} failed: {type(e).__name__}: {e}"
+        ) from None
+    found = getattr(imported, attribute, None)
+    if found is None:
+        raise UserError(f"config {what}: module {module!r} has no {attribute!r}")
     if not callable(found):
         raise UserError(f"config {what}: {attribute!r} is not callable")
     return found
@@ -96,8 +102,18 @@ def check(spec: str, kwargs: Mapping[str, Any] | None = None) -> None:
         signature = inspect.signature(factory)
     except (TypeError, ValueError):  # a builtin without a signature: found at make()
         return
+    given = dict(kwargs or {})
+    params = signature.parameters.values()
+    if not any(p.kind == p.VAR_KEYWORD for p in params):
+        unknown = sorted(set(given) - {p.name for p in params})
+        if unknown:
+            known = ", ".join(p.name for p in params) or "none"
+            raise UserError(
+                f"config environment.kwargs for {spec!r}: unknown {', '.join(unknown)} (it takes "
+                f"{known})"
+            )
     try:
-        signature.bind(**dict(kwargs or {}))
+        signature.bind(**given)
     except TypeError as e:
         raise UserError(f"config environment.kwargs for {spec!r}: {e}") from None
 

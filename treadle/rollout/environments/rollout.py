@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -80,8 +82,7 @@ def segment_completion(
     end = max((i + 1 for i, s in enumerate(seg.sources) if s == Source.SAMPLED), default=start)
     if Source.SAMPLED not in seg.sources[start:end]:
         raise ValueError("an episode sampled no token")
-    first_sampled = seg.sources.index(Source.SAMPLED)
-    versions, last = [], seg.versions[first_sampled]
+    versions, last = [], seg.versions[seg.sources.index(Source.SAMPLED)]
     for v, s in zip(seg.versions[start:end], seg.sources[start:end], strict=True):
         last = v if s == Source.SAMPLED else last
         versions.append(last)
@@ -209,10 +210,18 @@ def group_generated(
     for task, group in zip(tasks, episodes, strict=True):
         firsts = [e.trajectory.segments[0] for e in group]
         shared = _common_prefix([s.token_ids[: s.prompt_tokens] for s in firsts])
+        if any(Source.SAMPLED not in s.sources for s in firsts):
+            # an episode that sampled nothing still needs a completion: its last prompt token
+            shared = shared[: max(0, min(s.prompt_tokens for s in firsts) - 1)]
         completions = []
         for e, first in zip(group, firsts, strict=True):
             finish = _FINISH[e.finish]
-            c = segment_completion(first, finish, e.answer, start=len(shared))
+            if Source.SAMPLED not in first.sources:  # cut off before its first turn
+                e.masked = True
+                ids = tuple(first.token_ids[len(shared) : first.prompt_tokens])
+                c = Completion(ids, (0.0,) * len(ids), finish, 0, e.answer)
+            else:
+                c = segment_completion(first, finish, e.answer, start=len(shared))
             if e.masked:  # trained on nothing, but its reward still counts in the group
                 c = replace(c, sampled_mask=(False,) * len(c.token_ids))
             elif len(e.trajectory.segments) > 1:
@@ -257,15 +266,6 @@ def episode_rollout(
             rendered in the chosen history mode.
     """
     e = cfg.environment
-    if e.agent:
-        agent = import_path(e.agent, f"environment.agent={e.agent!r}")
-        return AgentRollout(agent, ChatRenderer(tokenizer), min(e.max_concurrent, 32))
-    if not e.name:
-        return None
-    pool = ThreadPoolExecutor(e.tool_threads, thread_name_prefix="treadle-env")
-    probe = make(e.name, e.kwargs, pool)  # fails here, before any rollout, on a bad name
-    renderer = ChatRenderer(tokenizer, tools=probe.tools)
-    check_template(renderer, e.history)
     budgets = Budgets(
         max_turns=e.max_turns,
         max_tokens=e.max_tokens,
@@ -275,6 +275,15 @@ def episode_rollout(
         episode_timeout_s=e.episode_timeout_s,
         overlong=e.overlong,
     )
+    if e.agent:
+        agent = import_path(e.agent, f"environment.agent={e.agent!r}")
+        return AgentRollout(agent, ChatRenderer(tokenizer), budgets, min(e.max_concurrent, 32))
+    if not e.name:
+        return None
+    pool = ThreadPoolExecutor(e.tool_threads, thread_name_prefix="treadle-env")
+    probe = make(e.name, e.kwargs, pool)  # fails here, before any rollout, on a bad name
+    renderer = ChatRenderer(tokenizer, tools=probe.tools)
+    check_template(renderer, e.history)
     return EpisodeRollout(
         lambda: make(e.name, e.kwargs, pool), renderer, budgets, e.history, e.max_concurrent
     )
@@ -341,56 +350,69 @@ class AgentRollout:
     Args:
         agent: the agent function.
         renderer: the chat template.
+        budgets: ``max_turns`` bounds an episode's calls, ``max_tokens`` a call's context and
+            reply, ``episode_timeout_s`` the agent's wall time (a late agent's episode is kept
+            untrained; its thread is left to end by itself).
         max_concurrent: agents running at once.
     """
 
-    def __init__(self, agent: Agent, renderer: ChatRenderer, max_concurrent: int = 16) -> None:
-        self.agent, self.renderer, self.max_concurrent = agent, renderer, max_concurrent
+    def __init__(
+        self, agent: Agent, renderer: ChatRenderer, budgets: Budgets, max_concurrent: int = 16
+    ) -> None:
+        self.agent, self.renderer, self.budgets = agent, renderer, budgets
+        self.max_concurrent = max_concurrent
         self._ids = itertools.count()
 
-    def run(self, engine: RequestEngine, tasks: Sequence[Task], params: SamplingParams):
+    def run(
+        self, engine: RequestEngine, tasks: Sequence[Task], params: SamplingParams
+    ) -> EpisodeGroups:
         """``params.n`` agent episodes of every task; an episode whose agent rewrote its
-        history (several samples) or raised is kept with reward 0 and not trained.
-
-        Returns:
-            :class:`~treadle.rollout.environments.rollout.EpisodeGroups`.
+        history (several samples), raised or ran out of time is kept with reward 0 and not
+        trained.
 
         Raises:
-            UserError: the episodes of a task began with different prompts.
+            UserError: an agent made no chat call.
         """
-        server = AgentServer(engine, self.renderer, params)
+        b = self.budgets
+        server = AgentServer(engine, self.renderer, params, max_calls=b.max_turns,
+                             max_tokens=b.max_tokens)  # fmt: skip
+        pool = ThreadPoolExecutor(self.max_concurrent, thread_name_prefix="treadle-agent")
         try:
-            ids = [[f"ep{next(self._ids)}" for _ in range(params.n)] for _ in tasks]
-            for group in ids:
-                for episode in group:
-                    server.open(episode)
-            jobs = [
-                (task, episode) for task, group in zip(tasks, ids, strict=True) for episode in group
-            ]
-            with ThreadPoolExecutor(
-                self.max_concurrent, thread_name_prefix="treadle-agent"
-            ) as pool:
-                outcomes = list(pool.map(lambda job: self._one(server, *job), jobs))
+            jobs = [(t, f"ep{next(self._ids)}") for t in tasks for _ in range(params.n)]
+            for _, episode in jobs:
+                server.open(episode)
+            futures = [pool.submit(self._call, server, *job) for job in jobs]
+            deadline = time.monotonic() + b.episode_timeout_s * -(-len(jobs) // self.max_concurrent)
+            outcomes = []
+            for (task, episode), future in zip(jobs, futures, strict=True):
+                try:
+                    answer, raised = future.result(timeout=max(0.0, deadline - time.monotonic()))
+                except FutureTimeout:
+                    answer, raised = None, TimeoutError("the agent ran out of time")
+                outcomes.append(self._episode(server, task, episode, answer, raised))
         finally:
+            pool.shutdown(wait=False, cancel_futures=True)
             server.close()
         episodes = [outcomes[i * params.n : (i + 1) * params.n] for i in range(len(tasks))]
         return EpisodeGroups(group_generated(tasks, episodes), episodes)
 
-    def _one(self, server: AgentServer, task: Task, episode_id: str) -> Episode:
+    def _call(self, server: AgentServer, task: Task, episode_id: str):
         messages = [{"role": m.role, "content": m.content} for m in task.messages]
-        raised = None
         try:
-            answer = self.agent(server.base_url(episode_id), messages)
+            return self.agent(server.base_url(episode_id), messages), None
         except Exception as e:  # the agent's bug: this episode is not trained
-            answer, raised = None, e
+            return None, e
+
+    def _episode(self, server: AgentServer, task: Task, episode_id: str, answer, raised) -> Episode:
         record = server.episodes[episode_id]
         trajectory = record.trajectory
         if trajectory is None:
             raise UserError(
                 f"environment.agent: the agent made no chat call for task {task.task_id}"
-                + (f" (it raised {type(raised).__name__}: {raised})" if raised else "")
+                + (f" ({type(raised).__name__}: {raised})" if raised else "")
             )
-        episode = Episode(task, trajectory, "done", answer=answer or record.answer)
+        finish = "timeout" if isinstance(raised, TimeoutError) else "done"
+        episode = Episode(task, trajectory, finish, answer=answer or record.answer)
         episode.reward = record.reward
         episode.masked = raised is not None or len(trajectory.segments) > 1
         if episode.masked:

@@ -34,9 +34,13 @@ class EngineSampler:
         rid = f"turn-{next(self._ids)}"
         future = asyncio.get_running_loop().create_future()
         self._waiting[rid] = future
-        self.engine.submit(
-            Request(rid, tuple(context), replace(self.params, max_tokens=max_tokens))
-        )
+        try:
+            self.engine.submit(
+                Request(rid, tuple(context), replace(self.params, max_tokens=max_tokens))
+            )
+        except BaseException:
+            del self._waiting[rid]  # nothing will answer it
+            raise
         self.requests += 1
         if self._pump is None or self._pump.done():
             self._pump = asyncio.create_task(self._serve())

@@ -14,6 +14,7 @@ send back to the model (:func:`error_message`) or to end the episode with, and t
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -148,8 +149,16 @@ def _parse_call(body: str, index: int) -> ToolCall | ParseError:
 
 
 def _strict_json(text: str) -> Any:
-    """``json.loads`` without the ``NaN``/``Infinity`` extension (raises ``ValueError``)."""
-    return json.loads(text, parse_constant=_not_json)
+    """``json.loads`` without the ``NaN``/``Infinity`` extension, nor numbers that overflow to
+    infinity (``1e999``) (raises ``ValueError``)."""
+    return json.loads(text, parse_constant=_not_json, parse_float=_finite)
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:20]} is out of a float's range")
+    return value
 
 
 def _not_json(constant: str) -> Any:

@@ -23,6 +23,7 @@ tokens; the two history modes choose:
 
 from __future__ import annotations
 
+import copy
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -142,6 +143,10 @@ class ChatRenderer:
         self.kwargs = dict(template_kwargs or {})
         self.end_of_turn = tokenizer.eos_token
         self.end_of_turn_id = tokenizer.convert_tokens_to_ids(self.end_of_turn)
+        self.specials = sorted(
+            {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}, key=len
+        )[::-1]
+        """The special tokens' texts, longest first (see :meth:`neutral`)."""
         self._glue = self._glue_text()
 
     def render(self, messages: Sequence[Message], generation_prompt: bool = True) -> str:
@@ -171,12 +176,26 @@ class ChatRenderer:
         generation prompt. ``closed``: the turn ended with the end-of-turn token (else the glue
         writes it first).
 
+        Special tokens written in the messages' text are neutralised (:meth:`neutral`).
+
         Raises:
             UserError: the template does not render the messages after an assistant turn as
-                text appended to it (see :meth:`check`).
+                text appended to it (see :func:`check_template`).
         """
         glue = self._glue if closed else self.end_of_turn + self._glue
-        return self.encode(glue), self.encode(self._environment_text(messages))
+        neutral = [self.neutral(m) for m in messages]
+        return self.encode(glue), self.encode(self._environment_text(neutral))
+
+    def neutral(self, message: Message) -> Message:
+        """``message`` with the special tokens written in its text broken by a zero-width
+        space (``<|im_end|>`` -> ``<\u200b|im_end|>``), so that an environment's (or a tool's
+        echo of the policy's) text cannot end a turn or open a role in the context."""
+        content = message.get("content")
+        if not isinstance(content, str) or not any(s in content for s in self.specials):
+            return message
+        for special in self.specials:
+            content = content.replace(special, special[0] + "\u200b" + special[1:])
+        return {**message, "content": content}
 
     def _assistant_context(self) -> list[dict[str, str]]:
         return [
@@ -260,6 +279,7 @@ class Trajectory:
         """Append the environment's messages and the next generation prompt. In ``split``
         mode, when the official render of the conversation is no longer the held text
         extended, a new segment starts from that render. Returns True when it split."""
+        messages = [self.renderer.neutral(m) for m in messages]  # as the context holds them
         glue, env = self.renderer.suffix(messages, self._closed)
         self.messages += messages
         if self.mode == "split":
@@ -276,6 +296,13 @@ class Trajectory:
     def count(self, source: Source) -> int:
         """Tokens of one provenance over all segments."""
         return sum(s.count(source) for s in self.segments)
+
+    def clone(self) -> Trajectory:
+        """An independent copy (its segments and messages copied; the renderer shared)."""
+        twin = copy.copy(self)
+        twin.segments = [copy.deepcopy(s) for s in self.segments]
+        twin.messages = list(self.messages)
+        return twin
 
     def start_segment(self, messages: Sequence[Message] | None = None, ids=None) -> None:
         """A new sample from the official render of ``messages`` (a history the caller
