@@ -26,7 +26,9 @@ pytestmark = pytest.mark.slow
 ENVIRONMENTS = {
     "feedback": {"name": "tests.integration.envs:Feedback", "kwargs": {"turns": 3}},
     "calculator": {"name": "calculator", "max_turns": 2},
-    "guess_number": {"name": "guess_number", "kwargs": {"high": 9, "max_turns": 3}, "max_turns": 3},
+    # small games, so that a barely trained policy wins some (rewards vary within groups)
+    "guess_number": {"name": "guess_number", "kwargs": {"high": 3, "max_turns": 3}, "max_turns": 3},
+    "frozen_lake": {"name": "frozen_lake", "kwargs": {"size": 2}, "max_turns": 4},
     # an outside agent: OpenAI-client code calling treadle's endpoint (examples/openai_agent.py)
     "agent": {"agent": "examples.openai_agent:solve"},
 }
@@ -36,7 +38,8 @@ MBPP = REPO.parent / "shared" / "data" / "mbpp" / "sanitized-mbpp.json"
 CODE = {  # python_tests needs code tasks: MBPP's, with the code reward
     "model": {"tiny": {**RECIPE["model"]["tiny"], "max_position_embeddings": 4096}},
     "data": {"source": "mbpp", "path": str(MBPP), "domain": "code", "size": 24, "eval_size": 8},
-    "reward": {"functions": [{"name": "code"}]},
+    # the tiny policy passes no test: a small reward for any digit varies within groups
+    "reward": {"functions": [{"name": "code"}, RECIPE["reward"]["functions"][1]]},
 }
 
 
@@ -52,7 +55,10 @@ def env_run(request, tmp_path_factory):
         recipe |= CODE
         recipe["environment"] = {"name": "python_tests", "max_turns": 2, "max_tokens": 3500}
     else:
-        recipe["environment"] = {**ENVIRONMENTS[request.param], "max_tokens": 160}
+        recipe["environment"] = {"max_tokens": 400, **ENVIRONMENTS[request.param]}
+    if request.param in ("guess_number", "frozen_lake"):  # SFT long enough to learn the moves
+        recipe["sft"] = {"steps": 150}
+        recipe["rollout"]["max_tokens"] = 16  # room for <answer>right</answer>
     path = write_recipe(root / "recipe.yaml", recipe)
     run_python(["-m", "treadle.cli", "train", str(path)], cwd=root, timeout_s=900)
     return request.param, root / "runs" / request.param
