@@ -89,6 +89,7 @@ def episode_demonstration_samples(
     noise, template = cfg.sft.noise, cfg.data.answer_template
 
     def direct(task: Task) -> str | None:
+        """A guess instead of the expert's episode for a seeded share of the tasks, else None."""
         rng = random.Random(f"{cfg.run.seed}/{task.task_id}/direct")
         if rng.random() >= noise.wrong_answer_fraction or not task.answer.lstrip("-").isdecimal():
             return None

@@ -76,23 +76,7 @@ def collect_rollouts(
     while len(kept) < want and rounds < cfg.algorithm.max_sampling_rounds:
         rounds += 1
         tasks = draw(want)
-        episodes = None
-        with timed(t, "generate"):
-            if p.episodes is None:
-                generated = generate(p.engine, p.tokenizer, tasks, params)
-            else:  # multi-turn: every sample is an episode in the environment
-                episodes = p.episodes.run(cast(RequestEngine, p.engine), tasks, params)
-                episodes, unfinished = episodes.without_unfinished()
-                generated = episodes.generated
-                env_stats.append(episodes.stats() | {"env/dropped_groups": float(unfinished)})
-        if version is not None:
-            check_policy_version(generated, version)
-        with timed(t, "reward"):
-            scored = (
-                score(p.rewards, generated)
-                if episodes is None
-                else score_episodes(p.rewards, episodes)
-            )
+        scored = _generate_and_score(p, tasks, params, t, version, env_stats)
         failures, timeouts = failures + scored.failures, timeouts + scored.timeouts
         cached += scored.cached
         groups = scored.groups
@@ -117,6 +101,32 @@ def collect_rollouts(
             "filter/kept_groups": float(min(len(kept), want)),
         }
     return Batch(kept[:want], metrics)
+
+
+def _generate_and_score(
+    p: RolloutInputs,
+    tasks: list[Task],
+    params: SamplingParams,
+    t: dict[str, float],
+    version: int | None,
+    env_stats: list[dict[str, float]],
+) -> Scored:
+    """One sampling round: completions (or, with an environment, episodes, their statistics
+    appended to ``env_stats``), checked against ``version``, then scored."""
+    with timed(t, "generate"):
+        if p.episodes is None:
+            generated = generate(p.engine, p.tokenizer, tasks, params)
+        else:  # multi-turn: every sample is an episode in the environment
+            episodes = p.episodes.run(cast(RequestEngine, p.engine), tasks, params)
+            episodes, unfinished = episodes.without_unfinished()
+            generated = episodes.generated
+            env_stats.append(episodes.stats() | {"env/dropped_groups": float(unfinished)})
+    if version is not None:
+        check_policy_version(generated, version)
+    with timed(t, "reward"):
+        if p.episodes is None:
+            return score(p.rewards, generated)
+        return score_episodes(p.rewards, episodes)
 
 
 class OnPolicy:

@@ -67,6 +67,7 @@ def evaluate(
     stats: dict[str, float] = {}
 
     def scored(p: SamplingParams) -> list[RolloutGroup]:
+        """The held-out tasks sampled with ``p`` and scored (episodes' statistics kept)."""
         if episodes is None:
             return score(pool, generate(engine, tokenizer, tasks, p)).groups
         ran = episodes.run(cast(RequestEngine, engine), tasks, p)

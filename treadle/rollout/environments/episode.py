@@ -104,6 +104,7 @@ class _Run:
         self.stats: dict[str, float] = {}
 
     def count(self, info: dict[str, float] | StepResult) -> None:
+        """Add counts (or a step's ``info``) to the episode's statistics."""
         items = info.info.items() if isinstance(info, StepResult) else info.items()
         for key, value in items:
             self.stats[key] = self.stats.get(key, 0.0) + value

@@ -188,6 +188,7 @@ class EpisodeRollout:
         gate = asyncio.Semaphore(self.max_concurrent)
 
         async def one(task: Task) -> Episode:
+            """One episode of ``task`` once a place among the running ones is free."""
             async with gate:
                 return await run_episode(
                     self.make_env(), task, sampler.sample, self.renderer, self.budgets, self.mode
@@ -307,6 +308,7 @@ def demonstrations(
     budgets = replace(rollout.budgets, turn_max_tokens=rollout.budgets.max_tokens)
 
     async def one(task: Task) -> Episode:
+        """One demonstration episode of ``task`` in a fresh environment."""
         env = rollout.make_env()
         expert = getattr(env, "expert_turn", None)
         if expert is None:
@@ -319,6 +321,7 @@ def demonstrations(
         reply = direct(task)
 
         async def sample(context: list[int], max_tokens: int) -> Completion:
+            """The expert's (or the guess's) next turn, as if sampled at version 0."""
             text = reply if reply is not None else expert(answer_template)
             ids = (*rollout.renderer.encode(text), rollout.renderer.end_of_turn_id)
             return Completion(ids, (0.0,) * len(ids), FinishReason.STOP, 0)
@@ -326,9 +329,11 @@ def demonstrations(
         return await run_episode(env, task, sample, rollout.renderer, budgets, rollout.mode)
 
     async def every() -> list[Episode]:
+        """Every task's demonstration, at most ``max_concurrent`` at once."""
         gate = asyncio.Semaphore(rollout.max_concurrent)
 
         async def gated(task: Task) -> Episode:
+            """:func:`one` once a place is free."""
             async with gate:
                 return await one(task)
 
