@@ -217,7 +217,7 @@ def test_the_calculator_is_found_by_name_and_calls_its_tool(renderer):
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["rollout.mode=async"], "episodes run in sync mode"),
+        (["rollout.mode=async", "rollout.partial=true"], "a whole batch at a time"),
         (["environment.history=split"], "trains one sample per episode"),
         (["algorithm.advantage=remax"], "greedy baseline is a single completion"),
     ],

@@ -98,11 +98,13 @@ def _check_environment(cfg: Config) -> None:
             "config environment.kwargs: an outside agent (environment.agent) takes none; the "
             "agent function gets only its base_url and the task's messages"
         )
-    if cfg.rollout.mode != "sync":
-        raise UserError(
-            f"config rollout.mode={cfg.rollout.mode}: environment episodes run in sync mode so "
-            "far; set rollout.mode=sync (or leave environment.name empty)"
-        )
+    for key, value in (("partial", cfg.rollout.partial), ("oversample", cfg.rollout.oversample)):
+        if value:
+            raise UserError(
+                f"config rollout.{key}: episodes are generated a whole batch at a time, each by "
+                "one policy version; leave it off with an environment (rollout.mode=async with "
+                "max_staleness bounds how far they run ahead)"
+            )
     if e.history != "as_sampled":
         raise UserError(
             f"config environment.history={e.history}: the training loop trains one sample per "

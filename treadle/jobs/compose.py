@@ -30,7 +30,11 @@ from treadle.rollout.engines import build_engine
 from treadle.rollout.engines.sizing import kv_cache_gib
 from treadle.rollout.environments.registry import check as check_environment_spec
 from treadle.rollout.environments.registry import import_path
-from treadle.rollout.environments.rollout import demonstrations, episode_rollout
+from treadle.rollout.environments.rollout import (
+    EpisodeRollout,
+    demonstrations,
+    episode_rollout,
+)
 from treadle.store.atomic import save_model_atomic
 from treadle.store.buffer import RolloutBuffer
 from treadle.store.checkpoint import (
@@ -108,9 +112,8 @@ def tiny_tokenizer(cfg: Config, data: Dataset):
     corpus = [m.content for t in data.train for m in t.messages]
     for template in (cfg.data.answer_template, cfg.sft.noise.loose_template):
         corpus += [render_demonstration(t, template) for t in data.train]
-    if cfg.environment.name:  # the demonstration episodes as rendered (tool calls, results)
-        rollout = episode_rollout(cfg, build_tokenizer([], 260))  # bytes: any text
-        assert rollout is not None
+    rollout = episode_rollout(cfg, build_tokenizer([], 260)) if cfg.environment.name else None
+    if isinstance(rollout, EpisodeRollout) and rollout.has_expert():  # the demonstrations too
         episodes = demonstrations(rollout, data.train, cfg.data.answer_template, lambda t: None)
         corpus += [rollout.renderer.decode(e.trajectory.current.token_ids) for e in episodes]
     return build_tokenizer(corpus, cfg.model.tiny.tokenizer_vocab_size)

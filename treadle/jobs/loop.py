@@ -21,6 +21,7 @@ from transformers import PreTrainedTokenizerBase
 from treadle.config import Config
 from treadle.core.protocols import InferenceEngine, SamplingParams, TrainingBackend, WeightSync
 from treadle.core.types import DataPosition, RolloutGroup, Task, TrainSample
+from treadle.jobs.episode_source import StreamedEpisodes
 from treadle.jobs.sources import Batch, OnPolicy, RolloutSource, Streamed
 from treadle.rewards.pool import RewardPool
 from treadle.rollout.environments.rollout import AgentRollout, EpisodeRollout
@@ -32,6 +33,9 @@ from treadle.store.checkpoint import RunState, save_checkpoint
 from treadle.store.data import TaskSampler
 from treadle.store.observe import MetricsLogger, Progress, SampleRecord, timed, write_samples
 from treadle.train.objectives import PolicyObjective, ValueObjective
+
+Source = RolloutSource | StreamedEpisodes
+"""Where :func:`rl_step` takes its rollouts from, by ``rollout.mode`` (and episodes or not)."""
 
 
 @dataclass
@@ -91,7 +95,7 @@ def run_rl(parts: RLParts, start_step: int, progress: Progress) -> None:
 
 
 def rl_step(
-    parts: RLParts, source: RolloutSource, step: int, objective: PolicyObjective
+    parts: RLParts, source: Source, step: int, objective: PolicyObjective
 ) -> tuple[Batch, list[TrainSample], dict[str, float]]:
     """One RL step on policy version ``step``: rollouts (generate -> score -> filter) -> old/ref
     logprobs and values -> advantages -> update (policy, critic) -> sync. Returns the batch, its
@@ -138,14 +142,16 @@ def rl_step(
 
 
 @contextlib.contextmanager
-def rollout_source(parts: RLParts, params: SamplingParams, step: int) -> Iterator[RolloutSource]:
+def rollout_source(parts: RLParts, params: SamplingParams, step: int) -> Iterator[Source]:
     """The rollouts of ``rollout.mode`` from policy version ``step`` on, closed on exit."""
     mode = parts.cfg.rollout.mode
-    source = (
-        OnPolicy(parts, params, parts.pending)
-        if mode == "sync"
-        else Streamed(parts, params, step, parts.pending)
-    )
+    source: Source
+    if mode == "sync":
+        source = OnPolicy(parts, params, parts.pending)
+    elif parts.episodes is not None:  # whole batches of episodes, generated a batch ahead
+        source = StreamedEpisodes(parts, params, step, parts.pending)
+    else:
+        source = Streamed(parts, params, step, parts.pending)
     try:
         yield source
     finally:

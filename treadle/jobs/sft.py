@@ -18,7 +18,11 @@ from treadle.core.errors import UserError
 from treadle.core.protocols import TrainingBackend
 from treadle.core.types import Task, TrainSample
 from treadle.jobs.compose import base_model, check_inputs, prepare_run_dir, seed_everything
-from treadle.rollout.environments.rollout import demonstrations, episode_rollout
+from treadle.rollout.environments.rollout import (
+    EpisodeRollout,
+    demonstrations,
+    episode_rollout,
+)
 from treadle.store.atomic import save_model_atomic
 from treadle.store.data import Dataset, load_dataset, render_demonstration, render_prompt
 from treadle.store.models import load_model
@@ -127,8 +131,10 @@ def sft_samples(
     cfg: Config, data: Dataset, tokenizer: PreTrainedTokenizerBase
 ) -> list[TrainSample]:
     """The run's SFT demonstrations: episodes through the environment when
-    ``environment.name`` is set, else one prompt and its demonstration per task."""
-    if cfg.environment.name:
+    ``environment.name`` names one with an expert, else one prompt and its demonstration per
+    task (an environment without an expert, or an outside agent, is met first in RL)."""
+    rollout = episode_rollout(cfg, tokenizer) if cfg.environment.name else None
+    if isinstance(rollout, EpisodeRollout) and rollout.has_expert():
         return episode_demonstration_samples(cfg, data.train, tokenizer)
     return demonstration_samples(
         data.train, tokenizer, cfg.sft.noise, cfg.data.answer_template, cfg.run.seed

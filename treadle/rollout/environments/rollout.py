@@ -170,6 +170,14 @@ class EpisodeRollout:
         self.make_env, self.renderer, self.budgets = make_env, renderer, budgets
         self.mode, self.max_concurrent = mode, max_concurrent
 
+    def has_expert(self) -> bool:
+        """Whether the environment writes demonstrations (has an ``expert_turn``)."""
+        env = self.make_env()
+        try:
+            return callable(getattr(env, "expert_turn", None))
+        finally:
+            asyncio.run(env.close())
+
     def run(
         self, engine: RequestEngine, tasks: Sequence[Task], params: SamplingParams
     ) -> EpisodeGroups:
