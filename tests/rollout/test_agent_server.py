@@ -216,3 +216,23 @@ def test_concurrent_calls_of_one_episode_run_one_after_the_other(renderer):
     texts = sorted(renderer.decode(s.token_ids) for s in segments)
     prompt = renderer.decode(renderer.prompt(body["messages"]))
     assert texts == [f"{prompt}A<|im_end|>", f"{prompt}B<|im_end|>"]
+
+
+def test_a_raw_completion_call_is_a_sample_of_its_own(renderer):
+    """/v1/completions: the agent's prompt text encoded as it is (special tokens read), the
+    reply sampled after it; each call starts a sample of its own."""
+    engine = TextEngine(renderer, ["4", "5"])
+    server = AgentServer(engine, renderer, PARAMS)
+    try:
+        server.open("e1")
+        client = openai.OpenAI(base_url=server.base_url("e1"), api_key="x")
+        first = client.completions.create(model="policy", prompt="2 + 2 =")
+        second = client.completions.create(model="policy", prompt="2 + 3 =")
+        episode = server.episodes["e1"]
+    finally:
+        server.close()
+    assert first.choices[0].text == "4" and second.choices[0].text == "5"
+    assert engine.prompts == [renderer.encode("2 + 2 ="), renderer.encode("2 + 3 =")]
+    texts = [renderer.decode(s.token_ids) for s in episode.trajectory.segments]
+    assert texts == ["2 + 2 =4<|im_end|>", "2 + 3 =5<|im_end|>"]
+    assert episode.calls == 2 and episode.answer == "5"

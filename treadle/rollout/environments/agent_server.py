@@ -207,9 +207,9 @@ class AgentServer:
             except Exception as e:
                 return _error(503, f"the engine failed: {type(e).__name__}: {e}")
             if episode.trajectory is None:
-                episode.trajectory = Trajectory(self.renderer, [], "as_sampled")
-                episode.trajectory.segments.clear()
-            episode.trajectory.start_segment(ids=ids)
+                episode.trajectory = Trajectory.from_ids(self.renderer, ids)
+            else:
+                episode.trajectory.start_segment(ids=ids)
             episode.held = []
             text = episode.trajectory.add_turn(completion)
             episode.calls, episode.answer = episode.calls + 1, text

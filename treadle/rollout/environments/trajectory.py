@@ -258,6 +258,17 @@ class Trajectory:
         """Assistant turns sampled so far."""
         self._closed = True
 
+    @classmethod
+    def from_ids(cls, renderer: ChatRenderer, ids: Sequence[int]) -> Trajectory:
+        """A trajectory whose first sample's prompt is raw ``ids`` (a text completion, no chat
+        messages)."""
+        self = cls.__new__(cls)
+        self.renderer, self.mode, self.messages, self.turn = renderer, "as_sampled", [], 0
+        self.segments = [Segment()]
+        self.current.add(list(ids), Source.PROMPT, 0)
+        self._closed = True
+        return self
+
     @property
     def current(self) -> Segment:
         """The segment the next turn is sampled into."""
