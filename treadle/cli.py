@@ -97,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         print(
-            "treadle: interrupted; checkpoints are intact: continue a training run with "
-            "treadle train --resume RUN_DIR",
+            "treadle: interrupted; nothing on disk is half-written: treadle train --resume "
+            "RUN_DIR continues from the last checkpoint (an interrupted SFT warm-up starts again)",
             file=sys.stderr,
         )
         return 130
