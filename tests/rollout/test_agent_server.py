@@ -4,6 +4,7 @@ against a loopback server: what each call returns, and the tokens it records."""
 from __future__ import annotations
 
 import httpx
+import openai
 import pytest
 
 from examples.openai_agent import solve
@@ -14,8 +15,6 @@ from treadle.rollout.environments.agent_server import AgentServer
 from treadle.rollout.environments.episode import Budgets
 from treadle.rollout.environments.rollout import AgentRollout
 from treadle.rollout.environments.trajectory import ChatRenderer, Source
-
-openai = pytest.importorskip("openai", reason="the openai client package is not installed")
 
 CALL = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "6 * 7"}}\n</tool_call>'
 PARAMS = SamplingParams(n=1, temperature=1.0, top_p=1.0, max_tokens=200)

@@ -81,7 +81,7 @@ class Episode:
         """Ended by the environment or a budget, not by a timeout, an engine abort or an
         outside agent's error."""
         ended = self.finish in ("done", "max_turns", "max_tokens")
-        return ended and self.stats.get("turns", 1.0) > 0 and not self.stats.get("agent_errors")
+        return ended and self.trajectory.turn > 0 and not self.stats.get("agent_errors")
 
 
 def truncate_observation(renderer: ChatRenderer, message: Message, max_tokens: int) -> Message:
