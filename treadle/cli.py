@@ -79,8 +79,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``treadle`` command; returns the process exit status.
 
-    0 on success, 2 on a :class:`~treadle.core.errors.UserError` (printed to stderr), 130 on
-    Ctrl-C. ``argv`` defaults to ``sys.argv[1:]``.
+    0 on success, 2 on a :class:`~treadle.core.errors.UserError` (printed to stderr), 143 on
+    SIGTERM and 130 on SIGINT (Ctrl-C): a run stops after its step, checkpointed. ``argv`` defaults to ``sys.argv[1:]``.
     """
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -89,12 +89,17 @@ def main(argv: list[str] | None = None) -> int:
     # Our own progress bars report the run; transformers' per-save/load bars only add noise.
     transformers.utils.logging.disable_progress_bar()
     from treadle.core.errors import UserError
+    from treadle.jobs.stopping import Stopped, stop_on_signal
 
     try:
-        return _run(args)
+        with stop_on_signal():  # SIGTERM stops any command at once; train waits for its step
+            return _run(args)
     except UserError as e:
         print(f"treadle: error: {e}", file=sys.stderr)
         return 2
+    except Stopped as e:
+        print(f"treadle: {_stopped(e, args)}", file=sys.stderr)
+        return e.exit_code
     except KeyboardInterrupt:
         print(
             "treadle: interrupted; nothing on disk is half-written: treadle train --resume "
@@ -163,6 +168,19 @@ def _run(args: argparse.Namespace) -> int:
 
     train(cfg, resume=args.resume, console=console)
     return 0
+
+
+def _stopped(stop, args: argparse.Namespace) -> str:
+    """The one line printed when a run stops on a signal: where it stopped, how to resume."""
+    where = f"after step {stop.step}" if stop.step is not None else "at once"
+    saved = f", checkpoint {stop.checkpoint.name} saved" if stop.checkpoint else ""
+    if args.command != "train":
+        return f"stopped by {stop.name} {where}; nothing on disk is half-written"
+    run_dir = stop.run_dir or args.resume or "RUN_DIR"
+    return (
+        f"stopped by {stop.name} {where}{saved}; continue with: treadle train --resume {run_dir} "
+        "(from the last checkpoint; nothing on disk is half-written)"
+    )
 
 
 def _positive(text: str) -> int:

@@ -19,7 +19,7 @@ RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 # Every "at least" bound of the config: the table the cross-field check held before the bounds
 # moved beside their fields (an int bound reads "1", a float one "0.0").
 AT_LEAST = {
-    "run.steps": 0, "run.save_every": 1, "run.keep_last": 1,
+    "run.steps": 0, "run.save_every": 1, "run.keep_last": 2,
     "data.size": 1, "data.eval_size": 1,
     "sft.steps": 0, "sft.batch_size": 1,
     "rollout.prompts_per_step": 1, "rollout.n": 1, "rollout.max_tokens": 1,

@@ -213,7 +213,12 @@ class RunConfig:
     steps: int = bounded(at_least(0), default=20)
     """RL steps (one batch of rollouts each)."""
     save_every: int = bounded(at_least(1), default=10)
-    keep_last: int = bounded(at_least(1), default=2)
+    keep_last: int = bounded(at_least(2), default=2)
+    """Checkpoints kept (the newest ones): at least two, so a checkpoint found corrupt on
+    resume has an older one to fall back to."""
+    checkpoint_on_stop: bool = True
+    """On SIGTERM or SIGINT, checkpoint the step the run stops after even when no checkpoint
+    is due (False: only at ``save_every``; the steps since the last one are then redone)."""
     samples_to_log: int = 16
     """Completions saved per step under samples/."""
     threads: int = bounded(at_least(1), default=2)

@@ -40,10 +40,10 @@ from treadle.store.buffer import RolloutBuffer
 from treadle.store.checkpoint import (
     CRITIC_DIRNAME,
     RunState,
-    latest_checkpoint,
     load_critic_state,
     load_trainer_state,
     read_checkpoint_state,
+    resume_checkpoint,
 )
 from treadle.store.data import Dataset, TaskSampler, render_demonstration, render_prompt
 from treadle.store.models import (
@@ -266,9 +266,12 @@ def compose(
     checkpoint; returns them and the RL steps already done (0 for a new run).
 
     Raises:
-        UserError: a corrupt or incompatible checkpoint (see :mod:`treadle.store.checkpoint`).
+        UserError: no checkpoint verifies, or one is incompatible (see
+            :mod:`treadle.store.checkpoint`).
     """
-    ckpt = latest_checkpoint(run_dir)
+    # Whatever ran before (an SFT warm-up, or none on resume) the parts start from one RNG state.
+    seed_everything(cfg.run.seed)
+    ckpt = resume_checkpoint(run_dir)  # the newest that verifies (a fallback is logged)
     weights = ckpt / "model" if ckpt else start
     spec = EngineSpec(
         model_dir=str(weights),
@@ -290,7 +293,8 @@ def compose(
     state: RunState | None = load_trainer_state(ckpt, roles.policy) if ckpt else None
     done = state.step if state else 0
     metrics = MetricsLogger(run_dir)
-    metrics.truncate_after(done)
+    # As when the checkpoint was saved: its step's one row; with none, nothing (step 0 again).
+    metrics.truncate_after(done, rows_at_step=1 if ckpt else 0)
     buffer = RolloutBuffer(run_dir)
     buffer.truncate_after(done)
     parts = RLParts(

@@ -23,6 +23,7 @@ from treadle.core.protocols import InferenceEngine, SamplingParams, TrainingBack
 from treadle.core.types import DataPosition, RolloutGroup, Task, TrainSample
 from treadle.jobs.episode_source import StreamedEpisodes
 from treadle.jobs.sources import Batch, OnPolicy, RolloutSource, Streamed
+from treadle.jobs.stopping import StopOnSignal
 from treadle.rewards.pool import RewardPool
 from treadle.rollout.environments.rollout import AgentRollout, EpisodeRollout
 from treadle.rollout.evaluate import EvalResult, evaluate
@@ -67,13 +68,17 @@ class RLParts:
     """Multi-turn episodes (the ``environment`` section), or None: one completion per sample."""
 
 
-def run_rl(parts: RLParts, start_step: int, progress: Progress) -> None:
-    """RL steps ``start_step .. cfg.run.steps - 1``, each: :func:`rl_step`, then log, store the
-    rollouts in the buffer, save, evaluate."""
+def run_rl(parts: RLParts, start_step: int, progress: Progress, stop: StopOnSignal) -> None:
+    """RL steps ``start_step .. cfg.run.steps - 1``, each: :func:`rl_step`, then evaluate, log,
+    store the rollouts in the buffer, save, and stop there if a signal came (``stop``).
+
+    Raises:
+        Stopped: after the step during which SIGTERM or SIGINT arrived, checkpointed.
+    """
     cfg = parts.cfg
     params = sampling_params(cfg)
     objective = PolicyObjective.from_config(cfg.algorithm, cfg.rollout.max_tokens)
-    with rollout_source(parts, params, start_step) as source:
+    with rollout_source(parts, params, start_step) as source, stop.deferred():
         for step in range(start_step, cfg.run.steps):
             batch, samples, metrics = rl_step(parts, source, step, objective)
             done = step + 1
@@ -84,14 +89,17 @@ def run_rl(parts: RLParts, start_step: int, progress: Progress) -> None:
             parts.buffer.add(done, batch.groups, samples)
             records = sample_records(batch.groups, samples, cfg.run.samples_to_log)
             write_samples(parts.run_dir, done, records)
-            if done % cfg.run.save_every == 0 or done == cfg.run.steps:
-                save_state(parts, done, *source.snapshot())
+            saved = None
+            due = done % cfg.run.save_every == 0 or done == cfg.run.steps
+            if due or (stop.requested is not None and cfg.run.checkpoint_on_stop):
+                saved = save_state(parts, done, *source.snapshot())
             progress.update(
                 done,
                 reward=metrics["reward/mean"],
                 accuracy=metrics["reward/accuracy"],
                 step_time_s=metrics["time/step_s"],
             )
+            stop.check(done, saved)  # the safe point: all of this step is on disk
 
 
 def rl_step(

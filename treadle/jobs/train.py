@@ -18,9 +18,12 @@ The run's parts are built by :mod:`treadle.jobs.compose`; the RL steps are
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -40,11 +43,12 @@ from treadle.jobs.compose import (
 )
 from treadle.jobs.loop import RLParts, evaluate_policy, run_rl
 from treadle.jobs.sft import run_sft, sft_backend, sft_samples, warm_up
+from treadle.jobs.stopping import StopOnSignal, stop_on_signal
 from treadle.rollout.environments.rollout import episode_rollout
 from treadle.rollout.evaluate import EvalResult
 from treadle.store.atomic import save_model_atomic, write_json_atomic
 from treadle.store.data import Dataset, load_dataset
-from treadle.store.models import load_model
+from treadle.store.models import load_model, require_chat_template, require_model_folder
 from treadle.store.observe import Progress
 from treadle.store.report import plot_run, print_summary, write_summary
 
@@ -62,39 +66,23 @@ def train(cfg: Config, resume: Path | None = None, console: Console | None = Non
     seed_everything(cfg.run.seed)
     data = load_dataset(cfg.data)
     check_inputs(cfg, data)  # bad input fails here, before a run directory exists
+    if cfg.model.path is not None:  # the model's own checks too, before the run directory
+        check_model(cfg, data, Path(cfg.model.path))
+    created = resume is None
     run_dir = prepare_run_dir(cfg, resume)
     finished = _load_json(run_dir / "summary.json")
     if finished.get("rl_steps", -1) >= cfg.run.steps:  # nothing to do (a longer run goes on)
         console.print(f"{run_dir} has finished its {cfg.run.steps} steps; its summary:")
         print_summary(console, finished)
         return finished
-    start = base_model(cfg, data, run_dir)
-    max_model_len = min(AutoConfig.from_pretrained(start).max_position_embeddings, 8192)
-    # Before minutes of SFT: every prompt plus the completion budget must fit the context.
-    tokenizer = AutoTokenizer.from_pretrained(start)
-    longest = check_context(tokenizer, data, cfg.rollout.max_tokens, max_model_len)
-    if cfg.environment.enabled and cfg.environment.max_tokens > max_model_len:
-        raise UserError(
-            f"config environment.max_tokens={cfg.environment.max_tokens}: an episode's context "
-            f"must fit the model's {max_model_len} tokens; set it to {max_model_len} or less"
-        )
-    episode_rollout(cfg, tokenizer)  # the environment and the chat template, before SFT
-    if cfg.sft.steps > 0:
-        start = warm_up(cfg, data, start, run_dir, console)
-    parts, done = compose(cfg, data, run_dir, start, max_model_len, console, longest)
-    try:
-        summary = evaluate_before_rl(parts, console)
-        rl_start = time.perf_counter()
-        console.print(f"RL ({describe(cfg.algorithm)}): {cfg.run.steps} steps")
-        with Progress(cfg.run.steps, console=console, start_step=done) as bar:
-            run_rl(parts, done, bar)
-        rl_seconds = time.perf_counter() - rl_start
-        summary |= evaluate_after_rl(parts, console, rl_seconds)
-        if cfg.eval.control_sft and cfg.sft.steps > 0:
-            console.print(f"control: {rl_seconds:.0f} s of extra SFT from sft_model instead of RL")
-            summary |= control_run(parts, data, run_dir, rl_seconds)
-    finally:
-        close(parts)
+    with stop_on_signal(run_dir) as stop:
+        with remove_on_error(run_dir if created else None):  # a failed start leaves nothing
+            start = base_model(cfg, data, run_dir)
+            max_model_len, longest = check_model(cfg, data, start)
+        if cfg.sft.steps > 0:
+            start = warm_up(cfg, data, start, run_dir, console)
+        parts, done = compose(cfg, data, run_dir, start, max_model_len, console, longest)
+        summary = _run_parts(parts, data, done, stop, console)
     summary["wall_time_s"] = time.perf_counter() - started
     write_summary(run_dir, summary)
     plot_run(run_dir / "metrics.jsonl", run_dir / "plot.png")
@@ -103,11 +91,67 @@ def train(cfg: Config, resume: Path | None = None, console: Console | None = Non
     return summary
 
 
-def evaluate_before_rl(parts: RLParts, console: Console) -> dict:
+def check_model(cfg: Config, data: Dataset, start: Path) -> tuple[int, int]:
+    """Before minutes of SFT: the starting model's tokenizer has a chat template, every prompt
+    plus the completion budget fits its context, and the environment's messages render with
+    it. Returns the engine's ``max_model_len`` and the longest prompt (tokens).
+
+    Raises:
+        UserError: naming the folder, or the config field to change.
+    """
+    require_model_folder(start)
+    max_model_len = min(AutoConfig.from_pretrained(start).max_position_embeddings, 8192)
+    tokenizer = AutoTokenizer.from_pretrained(start)
+    require_chat_template(tokenizer, start)
+    longest = check_context(tokenizer, data, cfg.rollout.max_tokens, max_model_len)
+    if cfg.environment.enabled and cfg.environment.max_tokens > max_model_len:
+        raise UserError(
+            f"config environment.max_tokens={cfg.environment.max_tokens}: an episode's context "
+            f"must fit the model's {max_model_len} tokens; set it to {max_model_len} or less"
+        )
+    episode_rollout(cfg, tokenizer)  # the environment and the chat template
+    return max_model_len, longest
+
+
+@contextlib.contextmanager
+def remove_on_error(run_dir: Path | None) -> Iterator[None]:
+    """Delete ``run_dir`` (a run directory this call created) if the block raises: a start
+    that fails its checks leaves no half-made run behind to block the same command again."""
+    try:
+        yield
+    except BaseException:
+        if run_dir is not None:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+
+
+def _run_parts(
+    parts: RLParts, data: Dataset, done: int, stop: StopOnSignal, console: Console
+) -> dict:
+    """Evaluate, RL from step ``done``, evaluate, the control run; the parts closed after."""
+    cfg, run_dir = parts.cfg, parts.run_dir
+    try:
+        summary = evaluate_before_rl(parts, console, done)
+        rl_start = time.perf_counter()
+        console.print(f"RL ({describe(cfg.algorithm)}): {cfg.run.steps} steps")
+        with Progress(cfg.run.steps, console=console, start_step=done) as bar:
+            run_rl(parts, done, bar, stop)
+        rl_seconds = time.perf_counter() - rl_start
+        summary |= evaluate_after_rl(parts, console, rl_seconds)
+        if cfg.eval.control_sft and cfg.sft.steps > 0:
+            console.print(f"control: {rl_seconds:.0f} s of extra SFT from sft_model instead of RL")
+            summary |= control_run(parts, data, run_dir, rl_seconds)
+    finally:
+        close(parts)
+    return summary
+
+
+def evaluate_before_rl(parts: RLParts, console: Console, done: int) -> dict:
     """Held-out accuracy of the starting policy, logged at step 0 and kept in
-    ``before_rl.json`` (a resumed run reads it instead of evaluating again)."""
+    ``before_rl.json``: a run resumed from a checkpoint (``done`` RL steps) reads it; one
+    with no checkpoint yet evaluates again, so its random state is the uninterrupted run's."""
     path = parts.run_dir / "before_rl.json"
-    summary = _load_json(path)
+    summary = _load_json(path) if done > 0 else {}
     if summary:
         return summary
     # Sampling draws from the global RNG: re-seed so the starting evaluation does not depend on
@@ -185,4 +229,18 @@ def _tool_use(result: EvalResult, when: str) -> dict:
 
 
 def _load_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.exists() else {}
+    """A run's JSON record (``summary.json``, ``before_rl.json``), or {} if absent.
+
+    Raises:
+        UserError: the file is not a JSON object (edited or damaged by hand: treadle writes
+            them atomically).
+    """
+    if not path.exists():
+        return {}
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        record = e
+    if not isinstance(record, dict):
+        raise UserError(f"{path} is corrupt ({record}); delete it and resume to write it again")
+    return record

@@ -52,6 +52,15 @@ from treadle.store.atomic import (
     replace_dir,
     write_text_atomic,
 )
+from treadle.store.manifest import (
+    CorruptCheckpointError,
+    disk_full_error,
+    is_disk_full,
+    require_free_space,
+    tree_bytes,
+    verify_manifest,
+    write_manifest,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -325,6 +334,8 @@ def _write_parts(
     """Write every file of a checkpoint into ``tmp_dir`` and fsync them all."""
     policy.save_pretrained(tmp_dir / MODEL_DIRNAME)  # transformers 5 always writes safetensors
     tokenizer.save_pretrained(tmp_dir / MODEL_DIRNAME)
+    # Adam's two moments are each the size of the weights: check before writing them.
+    require_free_space(tmp_dir, 2 * tree_bytes(tmp_dir / MODEL_DIRNAME))
     optimizer = policy.optimizer_state()
     trainer_state = {
         "optimizer": optimizer.optimizer,
@@ -343,6 +354,7 @@ def _write_parts(
     text = json.dumps(state.to_json(), indent=2, sort_keys=True) + "\n"
     (tmp_dir / STATE_FILENAME).write_text(text, encoding="utf-8")
     fsync_tree(tmp_dir)
+    write_manifest(tmp_dir)  # last: a checkpoint with a manifest was complete when saved
 
 
 def save_checkpoint(
@@ -373,7 +385,10 @@ def save_checkpoint(
     Raises:
         TypeError: ``state`` is not a :class:`RunState` (nothing is written).
         ValueError: ``state.step`` is negative or ``keep_last`` below 1 (nothing is written).
-        OSError: the disk is full or not writable; the previous checkpoints and ``latest`` are
+        DiskFullError: less free space than the last checkpoint's size (checked before
+            writing) or than the optimizer state needs, or a write failed with ENOSPC; the
+            temporary directory is removed, the previous checkpoints and ``latest`` untouched.
+        OSError: the disk is not writable; the previous checkpoints and ``latest`` are
             left untouched.
     """
     if not isinstance(state, RunState):
@@ -387,6 +402,9 @@ def save_checkpoint(
     ckpt_root.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(ckpt_root)
 
+    previous = list_checkpoints(run_dir)
+    needed = tree_bytes(previous[-1][1]) if previous else 0  # the last one's size, if any
+    require_free_space(ckpt_root, needed)
     name = checkpoint_dirname(state.step)
     tmp_dir = ckpt_root / f"{TMP_PREFIX}{name}.{os.getpid()}"  # mkdir, not mkdtemp: not 0700
     tmp_dir.mkdir()
@@ -396,8 +414,10 @@ def save_checkpoint(
         if final_dir.exists():  # the same step saved again: latest must not name it meanwhile
             _point_latest_away_from(ckpt_root, name)
         replace_dir(tmp_dir, final_dir)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp_dir, ignore_errors=True)
+        if is_disk_full(e):
+            raise disk_full_error(ckpt_root, needed, e) from e
         raise
 
     write_text_atomic(ckpt_root / LATEST_FILENAME, name + "\n")
@@ -405,6 +425,46 @@ def save_checkpoint(
         _prune(run_dir, keep_last, keep=final_dir)
     logger.info("saved checkpoint %s", final_dir)
     return final_dir
+
+
+def resume_checkpoint(run_dir: str | os.PathLike[str]) -> Path | None:
+    """The checkpoint a resumed run starts from: the one ``latest`` names if it verifies, else
+    the newest older one that does (each fallback is logged with the reason); None if the run
+    has no checkpoint.
+
+    A checkpoint verifies when it holds every part and every file its manifest lists has its
+    saved size and SHA-256 (:func:`~treadle.store.manifest.verify_manifest`); one saved before
+    manifests existed is used unverified, with a warning.
+
+    Raises:
+        UserError: ``latest`` names a missing directory, or no checkpoint verifies (every
+            checkpoint is named with its reason).
+    """
+    newest = latest_checkpoint(run_dir)
+    if newest is None:
+        return None
+    candidates = [d for _s, d in reversed(list_checkpoints(run_dir)) if d.name <= newest.name]
+    problems = []
+    for ckpt in candidates:
+        try:
+            _check_complete(ckpt)
+            verified = verify_manifest(ckpt)
+            read_checkpoint_state(ckpt)
+        except UserError as e:
+            problems.append(f"{ckpt.name}: {e}")
+            logger.warning("checkpoint %s is not valid (%s); trying the previous one", ckpt, e)
+            continue
+        if not verified:
+            logger.warning("checkpoint %s has no manifest (saved by an older treadle): "
+                           "loading it unverified", ckpt)
+        if ckpt != newest:
+            logger.warning("resuming from %s instead of %s, which is not valid", ckpt.name,
+                           newest.name)
+        return ckpt
+    raise CorruptCheckpointError(
+        f"no valid checkpoint in {Path(run_dir) / CHECKPOINTS_DIRNAME} ({'; '.join(problems)}); "
+        "restore one from a copy, or start the run again under a new run.name"
+    )
 
 
 def _check_complete(ckpt_dir: Path) -> None:

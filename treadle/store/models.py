@@ -104,11 +104,7 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype))
     except (OSError, ValueError) as e:
         raise UserError(f"model.path {folder}: cannot load model or tokenizer: {e}") from None
-    if tokenizer.chat_template is None:
-        raise UserError(
-            f"model.path {folder}: the tokenizer has no chat template; add one "
-            "(chat_template.jinja or tokenizer_config.json) so prompts can be rendered"
-        )
+    require_chat_template(tokenizer, folder)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
@@ -137,7 +133,8 @@ def require_model_folder(path: str | Path) -> Path:
     """``path`` as a folder that holds a Hugging Face model.
 
     Raises:
-        UserError: no ``config.json`` there.
+        UserError: no ``config.json`` there, or no weights (``*.safetensors`` or
+            ``pytorch_model*.bin``) beside it.
     """
     folder = Path(path)
     if not (folder / "config.json").is_file():
@@ -145,7 +142,27 @@ def require_model_folder(path: str | Path) -> Path:
             f"model.path {folder}: no Hugging Face model folder there (config.json missing); "
             "pass a local folder, or leave model.path unset to build the tiny model"
         )
+    if not any(folder.glob("*.safetensors")) and not any(folder.glob("pytorch_model*.bin")):
+        raise UserError(
+            f"model.path {folder}: config.json but no weights (no *.safetensors or "
+            "pytorch_model*.bin); copy the model's weight files there, or leave model.path unset "
+            "to build the tiny model"
+        )
     return folder
+
+
+def require_chat_template(tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
+    """Prompts are rendered with the tokenizer's chat template: it must have one.
+
+    Raises:
+        UserError: ``tokenizer.chat_template`` is unset (naming ``folder``).
+    """
+    if not tokenizer.chat_template:
+        raise UserError(
+            f"{folder}: the tokenizer has no chat template (no chat_template in "
+            "tokenizer_config.json or chat_template.jinja); use a chat/instruct model's "
+            "tokenizer, or add a template to that folder"
+        )
 
 
 def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Path) -> Path:

@@ -127,8 +127,13 @@ class MetricsLogger:
                 self._writer.add_scalar(name, value, global_step=step)
             self._writer.flush()
 
-    def truncate_after(self, step: int) -> int:
-        """Drop every logged line with a step above ``step`` (on resume from an older checkpoint).
+    def truncate_after(self, step: int, rows_at_step: int | None = None) -> int:
+        """Drop every logged line with a step above ``step`` (on resume from an older checkpoint),
+        and past the first ``rows_at_step`` lines logged at ``step`` itself (None keeps them all).
+
+        A checkpoint of RL step ``s`` is saved after that step's one row, so a resume from it
+        keeps one row at ``s`` (a final evaluation logged at ``s`` after the checkpoint is logged
+        again, not twice); a run with no checkpoint keeps none (``step=0, rows_at_step=0``).
 
         ``metrics.jsonl`` is rewritten atomically; the TensorBoard writer is reopened with
         ``purge_step=step + 1`` so TensorBoard hides the dropped steps too.
@@ -143,16 +148,22 @@ class MetricsLogger:
             raise RuntimeError(f"MetricsLogger for {self.run_dir} is closed")
         self._file.close()
         lines = self.metrics_path.read_text(encoding="utf-8").splitlines(keepends=True)
-        kept = []
+        kept, at_step = [], 0
         for line in lines:
             row = _parse_line(line, self.metrics_path)
-            if row is not None and row["step"] is not None and row["step"] <= step:
-                kept.append(line)
+            if row is None or row["step"] is None or row["step"] > step:
+                continue
+            if row["step"] == step:
+                at_step += 1
+                if rows_at_step is not None and at_step > rows_at_step:
+                    continue
+            kept.append(line)
         write_text_atomic(self.metrics_path, "".join(kept))
         self._file = _open_append(self.metrics_path)
         if self._writer is not None:
             self._writer.close()
-            self._writer = _open_summary_writer(self.tensorboard_dir, step + 1)
+            purge = step if rows_at_step == 0 else step + 1
+            self._writer = _open_summary_writer(self.tensorboard_dir, purge)
         dropped = len(lines) - len(kept)
         logger.info("dropped %d metrics lines after step %d", dropped, step)
         return dropped

@@ -1,0 +1,226 @@
+"""Killing a real ``treadle train`` process at chosen moments and resuming it.
+
+A kill point is a condition on what the running process has written to its run directory (a
+metrics row, a checkpoint being saved, ...), observed from outside by polling: nothing in
+treadle knows it is being tested. Each condition counts only what *this* process wrote: files
+it rewrote (a new inode) or its own temporary checkpoint directory (named with its pid), so a
+row left by the previous, killed process never triggers it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parents[2]
+
+# A tiny run of the HF engine: 4 SFT steps, 6 RL steps, a checkpoint every 2 steps.
+TINY = [
+    "run.seed=0",
+    "run.save_every=2",
+    "run.steps=6",
+    "model.tiny.hidden_size=64",
+    "model.tiny.intermediate_size=128",
+    "model.tiny.num_hidden_layers=1",
+    "model.tiny.num_attention_heads=2",
+    "model.tiny.num_key_value_heads=1",
+    "model.tiny.tokenizer_vocab_size=300",
+    "data.task=chain_sum",
+    "data.task_params={min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}",
+    "data.size=100",
+    "data.eval_size=4",
+    "rollout.engine=hf",
+    "rollout.prompts_per_step=4",
+    "rollout.n=4",
+    "rollout.max_tokens=8",
+    "eval.samples_per_prompt=2",
+    "trainer.lr=1e-3",
+    "sft.steps=4",
+    "sft.batch_size=8",
+    "reward.functions=[{name: reasoning_gym}, {name: format, weight: 0.1, "
+    "params: {pattern: '.*[0-9].*'}}]",
+]
+STEPS = 6
+
+# Keys that differ between two identical runs: wall times, throughput, memory.
+_VOLATILE_PREFIXES = ("time/", "perf/", "mem/", "async/")
+_VOLATILE = {"sync/seconds", "sync/gb_per_s"}
+
+
+def environment() -> dict[str, str]:
+    """The child's environment: offline, one OpenMP thread pool of the run's own size."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+def start(cwd: Path, args: list[str]) -> subprocess.Popen:
+    """``python -m treadle.cli ARGS`` in its own process group (its reward workers too)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "treadle.cli", *args],
+        cwd=cwd,
+        env=environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def finish(proc: subprocess.Popen, timeout_s: float = 600) -> tuple[int, str, str]:
+    """Wait for ``proc``; its exit code, stdout and stderr."""
+    out, err = proc.communicate(timeout=timeout_s)
+    return proc.returncode, out, err
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process and everything in its group, and reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.communicate()
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return path.stat().st_ino
+    except FileNotFoundError:
+        return None
+
+
+def _rows(path: Path) -> list[dict]:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    rows = []
+    for line in text.splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass  # a line being written
+    return rows
+
+
+@dataclass
+class Watch:
+    """What a condition may compare against: the run directory as the process found it."""
+
+    run_dir: Path
+    pid: int
+    inodes: dict[str, int | None] = field(default_factory=dict)
+
+    @classmethod
+    def at_start(cls, run_dir: Path, pid: int) -> Watch:
+        names = ("metrics.jsonl", "sft/metrics.jsonl", "before_rl.json")
+        return cls(run_dir, pid, {n: _inode(run_dir / n) for n in names})
+
+    def rewritten(self, name: str) -> bool:
+        """The process has written ``name`` anew (or appended to a file it found absent)."""
+        now = _inode(self.run_dir / name)
+        return now is not None and now != self.inodes[name]
+
+    def fresh_rows(self, name: str) -> list[dict]:
+        """Rows of ``name`` this process wrote: all of them once it rewrote the file; none of a
+        file it found and has not rewritten yet (a resume truncates it first)."""
+        if self.inodes[name] is not None and not self.rewritten(name):
+            return []
+        return _rows(self.run_dir / name)
+
+
+@dataclass(frozen=True)
+class KillPoint:
+    """Kill the process ``delay_s`` seconds after ``condition`` first holds."""
+
+    name: str
+    condition: Callable[[Watch], bool]
+    delay_s: float = 0.0
+
+
+def sft_rows(n: int) -> KillPoint:
+    return KillPoint(
+        f"during SFT (step {n})", lambda w: len(w.fresh_rows("sft/metrics.jsonl")) >= n
+    )
+
+
+def before_first_step(delay_s: float) -> KillPoint:
+    return KillPoint(
+        f"after the pre-RL evaluation (+{delay_s:.2f} s)",
+        lambda w: w.rewritten("before_rl.json"),
+        delay_s,
+    )
+
+
+def rl_row(step: int, delay_s: float) -> KillPoint:
+    def logged(w: Watch) -> bool:
+        return any(r.get("step") == step and "loss" in r for r in w.fresh_rows("metrics.jsonl"))
+
+    return KillPoint(f"after RL step {step} is logged (+{delay_s:.2f} s)", logged, delay_s)
+
+
+def inside_save(delay_s: float) -> KillPoint:
+    def saving(w: Watch) -> bool:
+        root = w.run_dir / "checkpoints"
+        return root.is_dir() and any(p.name.endswith(f".{w.pid}") for p in root.iterdir())
+
+    return KillPoint(f"inside a checkpoint save (+{delay_s:.3f} s)", saving, delay_s)
+
+
+def after_final_eval() -> KillPoint:
+    def logged(w: Watch) -> bool:
+        return sum(r.get("step") == STEPS for r in w.fresh_rows("metrics.jsonl")) >= 2
+
+    return KillPoint("after the final evaluation's row, before summary.json", logged)
+
+
+@dataclass
+class Outcome:
+    """One process of the chain: where it was killed, or how it ended."""
+
+    point: str
+    killed: bool
+    seconds: float
+    """From the process's start to its kill (or its exit)."""
+
+
+def run_until(cwd: Path, args: list[str], run_dir: Path, point: KillPoint) -> Outcome:
+    """Start the run, kill -9 it at ``point``; if it ends first, it must have succeeded."""
+    started = time.monotonic()
+    proc = start(cwd, args)
+    watch = Watch.at_start(run_dir, proc.pid)
+    while proc.poll() is None:
+        if point.condition(watch):
+            time.sleep(point.delay_s)
+            kill_group(proc)
+            return Outcome(point.name, True, time.monotonic() - started)
+        time.sleep(0.001)
+    code, _out, err = proc.returncode, *proc.communicate()
+    assert code == 0, f"the run ended with {code} before {point.name}:\n{err[-4000:]}"
+    return Outcome(point.name, False, time.monotonic() - started)
+
+
+def comparable_rows(run_dir: Path) -> list[dict]:
+    """``metrics.jsonl`` without the keys two identical runs differ in (times, memory)."""
+    return [
+        {k: v for k, v in row.items() if k not in _VOLATILE and not k.startswith(_VOLATILE_PREFIXES)}
+        for row in _rows(run_dir / "metrics.jsonl")
+    ]
+
+
+def weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a saved model folder's safetensors files."""
+    out = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        out |= load_file(file)
+    return out
