@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from treadle.algorithms.losses import LOG_RATIO_CLAMP, masked_mean, segment_sum
+from treadle.algorithms.losses import LOG_RATIO_CLAMP, masked_max, masked_mean, segment_sum
 
 ISWeights = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
@@ -106,6 +106,7 @@ def mismatch_metrics(
     """How far the engine's sampled-token logprobs are from the trainer's at the same weights.
 
     ``mismatch/abs_logprob_diff`` = mean ``|logp_trainer - logp_engine|`` (nats);
+    ``mismatch/max_abs_logprob_diff`` = its maximum over the trained tokens (nats);
     ``mismatch/kl_k1`` = mean ``logp_engine - logp_trainer``, an unbiased estimate of
     KL(engine || trainer) since the tokens were sampled by the engine;
     ``mismatch/kl_k3`` = mean ``r - 1 - log r`` with ``r = p_trainer / p_engine`` (same KL,
@@ -116,6 +117,7 @@ def mismatch_metrics(
     log_r = (-diff).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return {
         "mismatch/abs_logprob_diff": masked_mean(diff.abs(), mask),
+        "mismatch/max_abs_logprob_diff": masked_max(diff.abs(), mask),
         "mismatch/kl_k1": masked_mean(diff, mask),
         "mismatch/kl_k3": masked_mean(torch.exp(log_r) - 1 - log_r, mask),
     }
