@@ -10,8 +10,9 @@ from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForTokenClassificat
 
 
 def tiny_qwen2_config(**overrides) -> Qwen2Config:
-    """The tiny Qwen2 geometry of these tests (vocab 64, hidden 32, 2 layers)."""
-    return Qwen2Config(
+    """The tiny Qwen2 geometry of these tests (vocab 64, hidden 32, 2 layers); ``overrides``
+    replace any of it (e.g. ``vocab_size`` for a tokenizer's)."""
+    geometry = dict(
         vocab_size=64,
         hidden_size=32,
         intermediate_size=64,
@@ -19,8 +20,8 @@ def tiny_qwen2_config(**overrides) -> Qwen2Config:
         num_attention_heads=2,
         num_key_value_heads=1,
         max_position_embeddings=128,
-        **overrides,
     )
+    return Qwen2Config(**(geometry | overrides))
 
 
 @pytest.fixture

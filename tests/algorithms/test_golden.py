@@ -39,6 +39,7 @@ from treadle.algorithms.losses import (
 )
 from treadle.algorithms.shaping import soft_overlong_penalty, varied_groups
 from treadle.core.batch import StepTotals
+from treadle.core.metrics import Reduction
 
 approx = pytest.approx
 T = torch.tensor
@@ -466,6 +467,21 @@ def test_mismatch_metrics_golden():
     assert m["mismatch/abs_logprob_diff"] == approx(0.25)
     assert m["mismatch/kl_k1"] == approx(-0.25)
     assert m["mismatch/kl_k3"] == approx((math.exp(0.5) - 1.5) / 2)
+
+
+def test_mismatch_max_abs_logprob_diff_golden():
+    # trainer [-1.0, -2.0, -0.5, 9.0], engine [-1.5, -0.8, -0.5, 0.0], the last token masked
+    # out: |diff| = [0.5, 1.2, 0.0, (9.0, not trained)] -> max 1.2 (mean 1.7 / 3 = 0.566667)
+    m = mismatch_metrics(
+        T([-1.0, -2.0, -0.5, 9.0]), T([-1.5, -0.8, -0.5, 0.0]), T([True, True, True, False])
+    )
+    assert m["mismatch/max_abs_logprob_diff"] == approx(1.2)
+    assert m["mismatch/abs_logprob_diff"] == approx(1.7 / 3)
+    # reduced as a maximum across micro-batches, mini-batches and ranks
+    assert m["mismatch/max_abs_logprob_diff"].reduction is Reduction.MAX
+    # nothing trained: 0.0, not an error
+    none = mismatch_metrics(T([-1.0]), T([-3.0]), T([False]))
+    assert none["mismatch/max_abs_logprob_diff"] == 0.0
 
 
 def test_decoupled_ppo_across_two_policy_versions_golden():

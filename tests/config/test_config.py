@@ -114,6 +114,24 @@ def test_literal_violation_lists_the_choices():
     assert "rollout.engine" in msg and "'vllm'" in msg and "'hf'" in msg and "'sglang'" in msg
 
 
+def test_the_mismatch_alarm_section_loads_and_refuses_an_unknown_action():
+    m = load_config(DEFAULT, []).algorithm.mismatch
+    assert (m.max_kl_k3, m.max_abs_logprob_diff, m.action) == (0.01, 10.0, "warn")
+    keys = ["action=stop", "max_kl_k3=0.05", "max_abs_logprob_diff=0"]
+    m = load_config(DEFAULT, [f"algorithm.mismatch.{k}" for k in keys]).algorithm.mismatch
+    assert (m.max_kl_k3, m.max_abs_logprob_diff, m.action) == (0.05, 0.0, "stop")
+    with pytest.raises(UserError) as e:
+        load_config(DEFAULT, ["algorithm.mismatch.action=raise"])
+    msg = str(e.value)
+    assert "algorithm.mismatch.action" in msg and "'warn'" in msg and "'stop'" in msg
+    unknown = (
+        "config: unknown key algorithm.mismatch.max_kl_k; "
+        "did you mean algorithm.mismatch.max_kl_k3?"
+    )
+    with pytest.raises(UserError, match=f"^{re.escape(unknown)}"):
+        load_config(DEFAULT, ["algorithm.mismatch.max_kl_k=0.1"])
+
+
 def test_yaml_list_where_a_section_is_expected(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("trainer:\n  - lr\n  - 1.0e-4\n")

@@ -1,8 +1,10 @@
-"""The loop's dynamic-sampling collection with a fake engine and reward pool (no model)."""
+"""The loop with a fake engine and reward pool: dynamic-sampling collection (no model), and the
+mismatch alarm of run_rl (a tiny random trainer)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from contracts.fakes import FakeEngine
 
 from treadle.config import Config
@@ -10,6 +12,7 @@ from treadle.core.protocols import SamplingParams
 from treadle.core.types import Completion, FinishReason, Message, Task
 from treadle.jobs.loop import RLParts
 from treadle.jobs.sources import collect_rollouts
+from treadle.jobs.stopping import StopOnSignal
 from treadle.rewards.base import Score
 from treadle.rewards.pool import BatchScores
 from treadle.store.data import TaskSampler
@@ -135,3 +138,105 @@ def test_a_sync_resume_of_an_asynchronous_checkpoint_draws_its_pending_prompts_f
     assert source.snapshot() == (DataPosition(0, 7), [])
     with pytest.raises(UserError, match=r"past the 10 tasks"):
         OnPolicy(parts, params=None, pending=[DataPosition(0, 11)])
+
+
+# ------------------------------------------------------------- the mismatch alarm in run_rl
+
+
+class DigitZeroIsRight:
+    """Reward 1 for the completion "0", else 0: the fake engine's group of two varies."""
+
+    def score(self, items):
+        return Batch([Score(float(text == "0"), text == "0") for _, text in items])
+
+
+class NoProgress:
+    def update(self, step, **values):
+        pass
+
+
+def rl_parts(tmp_path, steps: int, **mismatch) -> RLParts:
+    """A two-prompt, two-sample run of a tiny random Qwen2 trainer (vocab ~300) fed by the fake
+    engine, whose every token has logprob log(1/2): the trainer gives them about -log(300), so
+    the engine/trainer gap is several nats, as with an engine serving other weights."""
+    from treadle.config import MismatchConfig
+    from treadle.store.buffer import RolloutBuffer
+    from treadle.store.observe import MetricsLogger
+    from treadle.train.torch_backend import TorchBackend
+    from treadle.train.weight_sync import InProcessSync
+
+    cfg = Config()
+    cfg.run.steps, cfg.run.save_every = steps, 100
+    cfg.rollout.prompts_per_step, cfg.rollout.n = 2, 2
+    cfg.algorithm.mismatch = MismatchConfig(**mismatch)
+    tokenizer = build_tokenizer([f"q {i}" for i in range(20)], 300)
+    policy = TorchBackend(policy_model(len(tokenizer)), cfg.trainer, total_steps=steps)
+    engine = FakeEngine(tokenizer)
+    return RLParts(
+        cfg, tmp_path, engine, tokenizer, DigitZeroIsRight(), policy, None, None,
+        TaskSampler(TASKS, 0), (), MetricsLogger(tmp_path, tensorboard=False),
+        RolloutBuffer(tmp_path), InProcessSync(policy, engine),
+    )  # fmt: skip
+
+
+def policy_model(vocab: int):
+    from conftest import tiny_qwen2_config
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(tiny_qwen2_config(vocab_size=vocab)).float()
+
+
+def logged_rows(run_dir) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_mismatch_alarm_stops_the_run_after_logging_the_step(tmp_path, one_torch_thread):
+    from treadle.core.errors import UserError
+    from treadle.jobs.loop import run_rl
+    from treadle.train.torch_backend import TorchBackend
+
+    p = rl_parts(tmp_path, steps=3, max_kl_k3=0.0, max_abs_logprob_diff=1.0, action="stop")
+    with pytest.raises(UserError) as e:
+        run_rl(p, 0, NoProgress(), StopOnSignal())
+    # The trainer's logprobs of step 1's tokens at the starting weights (a fresh copy of them),
+    # against the engine's log(1/2): the largest gap of a trained token is the logged one.
+    samples = p.buffer.read_step(1).samples
+    fresh = TorchBackend(policy_model(len(p.tokenizer)), p.cfg.trainer, 1, trainable=False)
+    gaps = [
+        abs(t - b)
+        for s, lp in zip(samples, fresh.compute_logprobs(samples), strict=True)
+        for t, b, m in zip(lp, s.behavior_logprobs, s.loss_mask, strict=True)
+        if m
+    ]
+    assert len(gaps) == 8 and 1.0 < max(gaps) < 20  # 4 samples x (digit, end of turn)
+    (row,) = logged_rows(tmp_path)  # step 1 only: the run stopped there
+    assert row["step"] == 1 and row["mismatch/alarms"] == 1.0
+    assert row["mismatch/max_abs_logprob_diff"] == pytest.approx(max(gaps), abs=1e-4)
+    assert str(e.value).startswith(
+        f"RL step 1: engine/trainer mismatch: mismatch/max_abs_logprob_diff = "
+        f"{row['mismatch/max_abs_logprob_diff']:.4g} nats exceeds "
+        "algorithm.mismatch.max_abs_logprob_diff = 1"
+    )
+    assert "stale weights" in str(e.value) and "mismatch/kl_k3" not in str(e.value)
+    assert p.buffer.steps() == [1] and not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.parametrize(("limit", "alarms"), [(1.0, 1.0), (0.0, 0.0)])
+def test_the_mismatch_alarm_warns_once_per_step_and_trains_on(
+    tmp_path, one_torch_thread, caplog, limit, alarms
+):
+    from treadle.jobs.loop import run_rl
+
+    p = rl_parts(tmp_path, steps=2, max_kl_k3=0.0, max_abs_logprob_diff=limit, action="warn")
+    with caplog.at_level("WARNING", logger="treadle.jobs.loop"):
+        run_rl(p, 0, NoProgress(), StopOnSignal())
+    rows = logged_rows(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["mismatch/alarms"] for r in rows] == [alarms, alarms]
+    warned = [r.getMessage() for r in caplog.records if r.name == "treadle.jobs.loop"]
+    assert len(warned) == 2 * int(alarms)  # one per step that fired, none when off
+    for step, message in enumerate(warned, start=1):
+        assert message.startswith(f"RL step {step}: engine/trainer mismatch: ")

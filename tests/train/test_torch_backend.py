@@ -205,6 +205,8 @@ def test_mismatch_metric_is_mean_abs_logprob_gap(tiny_qwen2):
     model = tiny_qwen2(0)
     metrics = backend(model).train_step(offset_samples(model, 0.5), PPO)
     assert metrics["mismatch/abs_logprob_diff"] == pytest.approx(0.5, abs=1e-5)
+    # every gap is 0.5, so the largest one is too
+    assert metrics["mismatch/max_abs_logprob_diff"] == pytest.approx(0.5, abs=1e-5)
 
 
 def test_mismatch_metric_with_two_mini_batches(tiny_qwen2):

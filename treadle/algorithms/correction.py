@@ -18,11 +18,12 @@ proximal policy ``pi_prox`` (the trainer's logprobs recomputed before the update
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
-from treadle.algorithms.losses import LOG_RATIO_CLAMP, masked_mean, segment_sum
+from treadle.algorithms.losses import LOG_RATIO_CLAMP, masked_max, masked_mean, segment_sum
+from treadle.config.algorithm import MismatchConfig
 
 ISWeights = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
@@ -106,6 +107,7 @@ def mismatch_metrics(
     """How far the engine's sampled-token logprobs are from the trainer's at the same weights.
 
     ``mismatch/abs_logprob_diff`` = mean ``|logp_trainer - logp_engine|`` (nats);
+    ``mismatch/max_abs_logprob_diff`` = its maximum over the trained tokens (nats);
     ``mismatch/kl_k1`` = mean ``logp_engine - logp_trainer``, an unbiased estimate of
     KL(engine || trainer) since the tokens were sampled by the engine;
     ``mismatch/kl_k3`` = mean ``r - 1 - log r`` with ``r = p_trainer / p_engine`` (same KL,
@@ -116,6 +118,56 @@ def mismatch_metrics(
     log_r = (-diff).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return {
         "mismatch/abs_logprob_diff": masked_mean(diff.abs(), mask),
+        "mismatch/max_abs_logprob_diff": masked_max(diff.abs(), mask),
         "mismatch/kl_k1": masked_mean(diff, mask),
         "mismatch/kl_k3": masked_mean(torch.exp(log_r) - 1 - log_r, mask),
     }
+
+
+MISMATCH_CAUSES = (
+    "stale weights (a weight sync skipped or failed, so the engine samples an older policy)",
+    "the engine's prefix cache serving KV computed before the last weight sync",
+    "different dtypes in engine and trainer (e.g. a bf16 engine against an fp32 trainer: "
+    "model.dtype, trainer.bf16_autocast)",
+    "a different temperature or top_p in the engine's logprobs than in the trainer's",
+)
+"""Why an engine's logprobs drift from the trainer's, most common first, as the alarm says."""
+
+
+def mismatch_alarm(
+    metrics: Mapping[str, float], cfg: MismatchConfig, staleness_bound: int = 0
+) -> str | None:
+    """The alarm of one RL step on its engine/trainer mismatch, or None when within bounds.
+
+    Compares ``mismatch/kl_k3`` (nats per token) with ``cfg.max_kl_k3`` and
+    ``mismatch/max_abs_logprob_diff`` (nats) with ``cfg.max_abs_logprob_diff``; a threshold of
+    0 is off, a metric the step lacks (no trained tokens) is not judged, and a nan exceeds any
+    threshold. ``staleness_bound``: the versions the behaviour policy may lag by design
+    (:attr:`~treadle.config.RolloutConfig.staleness_bound`), named among the causes when > 0.
+
+    Returns:
+        One line naming each metric over its threshold (value and config key), then the likely
+        causes; None when nothing exceeds its threshold.
+    """
+    limits = (
+        ("mismatch/kl_k3", cfg.max_kl_k3, "algorithm.mismatch.max_kl_k3"),
+        (
+            "mismatch/max_abs_logprob_diff",
+            cfg.max_abs_logprob_diff,
+            "algorithm.mismatch.max_abs_logprob_diff",
+        ),
+    )
+    over = [
+        f"{name} = {metrics[name]:.4g} nats exceeds {key} = {limit:g}"
+        for name, limit, key in limits
+        if limit > 0 and name in metrics and not metrics[name] <= limit  # nan: not <=
+    ]
+    if not over:
+        return None
+    causes = list(MISMATCH_CAUSES)
+    if staleness_bound > 0:
+        causes.append(
+            f"the asynchronous rollout mode's policy lag (up to {staleness_bound} versions by "
+            "design): raise the thresholds if that lag is expected"
+        )
+    return "engine/trainer mismatch: " + "; ".join(over) + ". Likely causes: " + "; ".join(causes)

@@ -13,7 +13,13 @@ was expected. All raise :class:`treadle.core.errors.UserError`.
 - :mod:`~treadle.config.loading`: recipes, ``base:``, overrides, and type coercion.
 """
 
-from treadle.config.algorithm import GROUP_BASELINES, AlgorithmConfig, CriticConfig, KLConfig
+from treadle.config.algorithm import (
+    GROUP_BASELINES,
+    AlgorithmConfig,
+    CriticConfig,
+    KLConfig,
+    MismatchConfig,
+)
 from treadle.config.data import DataConfig, DataSource, MixConfig, SourceConfig
 from treadle.config.environment import EnvironmentConfig
 from treadle.config.loading import load_config, to_dict
@@ -45,6 +51,7 @@ __all__ = [
     "EnvironmentConfig",
     "EvalConfig",
     "KLConfig",
+    "MismatchConfig",
     "MixConfig",
     "ModelConfig",
     "NoiseConfig",

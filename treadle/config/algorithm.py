@@ -45,6 +45,29 @@ class CriticConfig:
 
 
 @dataclass
+class MismatchConfig:
+    """An alarm on the engine/trainer mismatch the trainer measures each step before its update
+    (``mismatch/*``, ALGORITHMS.md "Rollout/train mismatch"). A threshold of 0 is off.
+
+    In ``rollout.mode`` ``one_step_off`` and ``async`` the engine's behaviour policy lags the
+    trainer by design (up to ``rollout.max_staleness`` versions), and that lag counts in the
+    mismatch too: the thresholds then bound the policy's change over the lag as well.
+    """
+
+    max_kl_k3: float = bounded(at_least(0.0), default=0.01)
+    """Alarm when the step's ``mismatch/kl_k3`` (k3 estimate of KL(engine || trainer), nats per
+    token) exceeds this. A healthy bf16 vLLM engine against an fp32 trainer sits near 1e-3."""
+    max_abs_logprob_diff: float = bounded(at_least(0.0), default=10.0)
+    """Alarm when the step's ``mismatch/max_abs_logprob_diff`` (the largest
+    ``|logp_trainer - logp_engine|`` of a trained token, nats) exceeds this; one token of a
+    large bf16 batch may reach a few nats, 10 nats is a factor of e^10 (~22,000) in probability."""
+    action: Literal["warn", "stop"] = "warn"
+    """``warn``: log a warning for each step that exceeds a threshold and count it in
+    ``mismatch/alarms``. ``stop``: end the run with the message, after that step's metrics row
+    is logged (``RUN/metrics.jsonl``)."""
+
+
+@dataclass
 class AlgorithmConfig:
     """The ``algorithm`` section: how rewards become advantages and advantages become a loss."""
 
@@ -92,4 +115,7 @@ class AlgorithmConfig:
     is_threshold: float = bounded(finite(), above(1), default=2.0)
     """C of the correction: TIS truncates weights at C; MIS drops weights outside [1/C, C];
     ``decoupled`` drops weights above C."""
+    mismatch: MismatchConfig = field(default_factory=MismatchConfig)
+    """The alarm on the engine/trainer mismatch (``mismatch/kl_k3``,
+    ``mismatch/max_abs_logprob_diff``): warn or stop the run."""
     critic: CriticConfig = field(default_factory=CriticConfig)

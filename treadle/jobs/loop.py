@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,9 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from treadle.algorithms.correction import mismatch_alarm
 from treadle.config import Config
+from treadle.core.errors import UserError
 from treadle.core.protocols import InferenceEngine, SamplingParams, TrainingBackend, WeightSync
 from treadle.core.types import DataPosition, RolloutGroup, Task, TrainSample
 from treadle.jobs.episode_source import StreamedEpisodes
@@ -34,6 +37,8 @@ from treadle.store.checkpoint import RunState, save_checkpoint
 from treadle.store.data import TaskSampler
 from treadle.store.observe import MetricsLogger, Progress, SampleRecord, timed, write_samples
 from treadle.train.objectives import PolicyObjective, ValueObjective
+
+logger = logging.getLogger(__name__)
 
 Source = RolloutSource | StreamedEpisodes
 """Where :func:`rl_step` takes its rollouts from, by ``rollout.mode`` (and episodes or not)."""
@@ -69,10 +74,13 @@ class RLParts:
 
 
 def run_rl(parts: RLParts, start_step: int, progress: Progress, stop: StopOnSignal) -> None:
-    """RL steps ``start_step .. cfg.run.steps - 1``, each: :func:`rl_step`, then evaluate, log,
-    store the rollouts in the buffer, save, and stop there if a signal came (``stop``).
+    """RL steps ``start_step .. cfg.run.steps - 1``, each: :func:`rl_step`, then judge its
+    engine/trainer mismatch (:func:`mismatch_check`), evaluate, log, store the rollouts in the
+    buffer, save, and stop there if a signal came (``stop``).
 
     Raises:
+        UserError: ``algorithm.mismatch.action=stop`` and a step's mismatch exceeded a threshold
+            (raised once that step's metrics, rollouts and samples are written).
         Stopped: after the step during which SIGTERM or SIGINT arrived, checkpointed.
     """
     cfg = parts.cfg
@@ -82,6 +90,7 @@ def run_rl(parts: RLParts, start_step: int, progress: Progress, stop: StopOnSign
         for step in range(start_step, cfg.run.steps):
             batch, samples, metrics = rl_step(parts, source, step, objective)
             done = step + 1
+            alarm = mismatch_check(cfg, done, metrics)  # warns, counts mismatch/alarms
             if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.run.steps:
                 with timed(metrics, "eval"), source.exclusive():
                     metrics.update(evaluate_policy(parts).metrics())
@@ -89,6 +98,8 @@ def run_rl(parts: RLParts, start_step: int, progress: Progress, stop: StopOnSign
             parts.buffer.add(done, batch.groups, samples)
             records = sample_records(batch.groups, samples, cfg.run.samples_to_log)
             write_samples(parts.run_dir, done, records)
+            if alarm is not None:  # after the step's row and rollouts are on disk: the evidence
+                raise UserError(alarm)
             saved = None
             due = done % cfg.run.save_every == 0 or done == cfg.run.steps
             if due or (stop.requested is not None and cfg.run.checkpoint_on_stop):
@@ -147,6 +158,25 @@ def rl_step(
     if "async/engine_busy" in metrics:  # the trainer waited only for "generate"
         metrics["async/trainer_busy"] = 1 - t["time/generate_s"] / max(t["time/step_s"], 1e-9)
     return batch, samples, metrics
+
+
+def mismatch_check(cfg: Config, step: int, metrics: dict[str, float]) -> str | None:
+    """Judge step ``step``'s engine/trainer mismatch against ``algorithm.mismatch``: sets
+    ``metrics["mismatch/alarms"]`` (1 when a threshold is exceeded, else 0); with ``action``
+    ``warn`` logs the alarm as a warning and returns None, with ``stop`` returns the message the
+    run stops with (see :func:`~treadle.algorithms.correction.mismatch_alarm`)."""
+    settings = cfg.algorithm.mismatch
+    alarm = mismatch_alarm(metrics, settings, cfg.rollout.staleness_bound)
+    metrics["mismatch/alarms"] = float(alarm is not None)
+    if alarm is None:
+        return None
+    if settings.action == "stop":
+        return (
+            f"RL step {step}: {alarm}. The run stopped (algorithm.mismatch.action=stop); the "
+            "step's metrics are in metrics.jsonl, its rollouts in the buffer"
+        )
+    logger.warning("RL step %d: %s", step, alarm)
+    return None
 
 
 @contextlib.contextmanager
