@@ -63,6 +63,18 @@ CASES = {
         {},
         ["placement:", "no GPU is visible"],
     ),
+    "model-folder-without-weights": Case(
+        ["train", str(DEFAULT), *SMALL, "model.path={dir}/m"],
+        {"m/config.json": '{"model_type": "qwen2"}'},
+        ["model.path {dir}/m", "config.json but no weights"],
+    ),
+    "prompts-longer-than-the-context": Case(
+        # The tiny model is built in the run directory before this is known: the failed start
+        # removes what it made.
+        ["train", str(DEFAULT), *SMALL, "sft.steps=0", "rollout.max_tokens=510"],
+        {},
+        ["exceed the model's context of 512 tokens"],
+    ),
     "empty-dataset": Case(
         [
             "train",
@@ -92,6 +104,7 @@ def results(tmp_path_factory) -> dict[str, Result]:
     for name, case in CASES.items():
         folder = tmp_path_factory.mktemp(name)
         for file, content in case.files.items():
+            (folder / file).parent.mkdir(parents=True, exist_ok=True)
             (folder / file).write_text(content)
         args = [a.replace("{dir}", str(folder)) for a in case.args]
         running[name] = (
@@ -129,7 +142,9 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(results, name):
     # Failing before any work: no run directory (runs/default/config.yaml), no built model,
     # nothing at all besides the input files.
     assert not (r.folder / "runs").exists()
-    assert sorted(p.name for p in r.folder.iterdir()) == sorted(case.files)
+    assert sorted(p.name for p in r.folder.iterdir()) == sorted(
+        {f.split("/")[0] for f in case.files}
+    )
 
 
 # The same guarantees for the library entry points, in this process (no torch import per case).
@@ -186,3 +201,21 @@ def test_the_command_caps_onednn_primitive_cache_unless_the_user_set_it(given, e
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == str(expected)
+
+
+def test_a_tokenizer_without_a_chat_template_fails_before_the_run_dir_exists(
+    tmp_path, monkeypatch
+):
+    from treadle.config import TinyModelConfig
+    from treadle.jobs.train import train
+    from treadle.store.models import build_tiny_model, build_tokenizer
+
+    tokenizer = build_tokenizer(["one plus two is three"], 280)
+    model = build_tiny_model(TinyModelConfig(hidden_size=16, intermediate_size=32), tokenizer, 0)
+    tokenizer.chat_template = None  # a base model's tokenizer: no template to render prompts
+    model.save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match=re.escape(f"{tmp_path / 'base'}: the tokenizer has no chat")):
+        train(load_config(DEFAULT, [*SMALL, f"model.path={tmp_path / 'base'}"]))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base"]

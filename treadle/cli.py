@@ -28,6 +28,7 @@ if not {"ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY"} & os
     os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = "16"
 
 import argparse
+import errno
 import logging
 import sys
 from pathlib import Path
@@ -100,6 +101,17 @@ def main(argv: list[str] | None = None) -> int:
     except Stopped as e:
         print(f"treadle: {_stopped(e, args)}", file=sys.stderr)
         return e.exit_code
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        # Any write of the run (metrics, buffer, samples): all are atomic or appended whole.
+        print(
+            f"treadle: error: disk full writing {e.filename or 'the run directory'} ({e.strerror});"
+            " free space and continue with treadle train --resume RUN_DIR: the last checkpoint "
+            "is intact",
+            file=sys.stderr,
+        )
+        return 2
     except KeyboardInterrupt:
         print(
             "treadle: interrupted; nothing on disk is half-written: treadle train --resume "

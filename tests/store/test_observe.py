@@ -96,6 +96,22 @@ def test_truncate_after_drops_later_steps_and_keeps_logging(tmp_path: Path) -> N
     assert scalars[3][1] == pytest.approx(0.9)
 
 
+def test_truncate_keeps_the_checkpointed_row_of_its_step_only(tmp_path: Path) -> None:
+    with MetricsLogger(tmp_path, tensorboard=False) as metrics:
+        metrics.log(0, {"eval/accuracy": 0.1})  # before RL
+        metrics.log(1, {"loss": 0.5})
+        metrics.log(2, {"loss": 0.4})  # step 2's row, then its checkpoint ...
+        metrics.log(2, {"eval/accuracy": 0.6})  # ... then the final evaluation, then a kill
+        # Resumed from step 2's checkpoint: the final evaluation is logged again, so its first
+        # copy goes (4 rows - 3 kept = 1 dropped).
+        assert metrics.truncate_after(2, rows_at_step=1) == 1
+        rows = [list(r) for r in read_metrics(tmp_path / "metrics.jsonl")]
+        assert rows == [["step", "eval/accuracy"], ["step", "loss"], ["step", "loss"]]
+        # Resumed with no checkpoint at all: the run starts again, step 0 included.
+        assert metrics.truncate_after(0, rows_at_step=0) == 3
+    assert read_metrics(tmp_path / "metrics.jsonl") == []
+
+
 def test_log_rejects_bad_input(tmp_path: Path) -> None:
     metrics = MetricsLogger(tmp_path, tensorboard=False)
     with pytest.raises(ValueError, match="reserved"):

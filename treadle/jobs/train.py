@@ -68,7 +68,7 @@ def train(cfg: Config, resume: Path | None = None, console: Console | None = Non
     check_inputs(cfg, data)  # bad input fails here, before a run directory exists
     if cfg.model.path is not None:  # the model's own checks too, before the run directory
         check_model(cfg, data, Path(cfg.model.path))
-    created = resume is None
+    created = None if resume else _first_missing(Path(cfg.run.output_dir) / cfg.run.name)
     run_dir = prepare_run_dir(cfg, resume)
     finished = _load_json(run_dir / "summary.json")
     if finished.get("rl_steps", -1) >= cfg.run.steps:  # nothing to do (a longer run goes on)
@@ -76,7 +76,7 @@ def train(cfg: Config, resume: Path | None = None, console: Console | None = Non
         print_summary(console, finished)
         return finished
     with stop_on_signal(run_dir) as stop:
-        with remove_on_error(run_dir if created else None):  # a failed start leaves nothing
+        with remove_on_error(created):  # a failed start leaves nothing behind
             start = base_model(cfg, data, run_dir)
             max_model_len, longest = check_model(cfg, data, start)
         if cfg.sft.steps > 0:
@@ -113,15 +113,25 @@ def check_model(cfg: Config, data: Dataset, start: Path) -> tuple[int, int]:
     return max_model_len, longest
 
 
+def _first_missing(path: Path) -> Path | None:
+    """The outermost of ``path`` and its parents that does not exist yet (None: it exists)."""
+    missing = None
+    for folder in (path, *path.parents):
+        if folder.exists():
+            break
+        missing = folder
+    return missing
+
+
 @contextlib.contextmanager
-def remove_on_error(run_dir: Path | None) -> Iterator[None]:
-    """Delete ``run_dir`` (a run directory this call created) if the block raises: a start
-    that fails its checks leaves no half-made run behind to block the same command again."""
+def remove_on_error(made: Path | None) -> Iterator[None]:
+    """Delete ``made`` (the outermost folder this run created, if any) when the block raises:
+    a start that fails its checks leaves no half-made run behind to block the same command."""
     try:
         yield
     except BaseException:
-        if run_dir is not None:
-            shutil.rmtree(run_dir, ignore_errors=True)
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
         raise
 
 
