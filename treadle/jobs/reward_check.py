@@ -57,7 +57,8 @@ def check_gold(cfg: Config) -> RewardCheck:
         for t, c, s in zip(tasks, completions, batch.scores, strict=True)
         if not s.correct
     ]
-    return RewardCheck(len(tasks), failures, batch.failures + batch.timeouts)
+    errors = batch.failures + batch.timeouts + batch.deadline_misses
+    return RewardCheck(len(tasks), failures, errors)
 
 
 def report(result: RewardCheck, console: Console, show: int = 20) -> None:

@@ -191,6 +191,8 @@ class RewardPool:
         if self._closed:
             raise RuntimeError("RewardPool.score called after close()")
         start = time.perf_counter()
+        if self._workers is not None:
+            self._workers.ready()  # the pool's start-up (spawn + imports) is not a step's time
         deadline = time.monotonic() + self.step_timeout_s
         # Identical (task, response) pairs, e.g. the same short answer sampled twice in a group,
         # are scored once: the functions are deterministic (their contract).

@@ -73,7 +73,12 @@ def build_app(pool: RewardPool) -> Starlette:
             for i, s in zip(ids, batch.scores, strict=True)
         ]
         return JSONResponse(
-            {"scores": scores, "failures": batch.failures, "timeouts": batch.timeouts}
+            {
+                "scores": scores,
+                "failures": batch.failures,
+                "timeouts": batch.timeouts,
+                "deadline_misses": batch.deadline_misses,
+            }
         )
 
     async def health(request: Request) -> JSONResponse:

@@ -87,8 +87,7 @@ class Workers:
         timeout_s: float,
     ) -> list[list[pebble.ProcessFuture | None]]:
         """Start each routed function on each sample; ``[N][F]`` futures (None: not routed)."""
-        self._restart_if_broken()
-        self._check_started()
+        self.ready()
         return [
             [
                 self._executor.schedule(call, args=(fn, task, response), timeout=timeout_s)
@@ -121,6 +120,15 @@ class Workers:
         ]
         self._restart_if_broken()
         return outcomes
+
+    def ready(self) -> None:
+        """Wait until the workers have started (rebuilding a broken pool first).
+
+        Raises:
+            RuntimeError: they did not start within 120 s (e.g. an import failed in them).
+        """
+        self._restart_if_broken()
+        self._check_started()
 
     def _restart_if_broken(self) -> None:
         if self._executor.active:
