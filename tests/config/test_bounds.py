@@ -203,6 +203,8 @@ def test_a_config_yaml_written_with_the_earlier_key_order_loads(tmp_path):
     [
         ("reward.timeout_s=-1", "reward.timeout_s: must be positive, got -1.0"),
         ("reward.timeout_s=.nan", "reward.timeout_s: must be positive, got nan"),
+        ("reward.step_timeout_s=0", "reward.step_timeout_s: must be positive, got 0.0"),
+        ("reward.step_timeout_s=.inf", "reward.step_timeout_s: must be a finite number, got inf"),
         ("reward.fallback=.nan", "reward.fallback: must be a finite number, got nan"),
         ("reward.functions=[{name: math_verify, weight: .nan}]",
          "reward.functions[0].weight: must be a finite number, got nan"),

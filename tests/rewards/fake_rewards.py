@@ -59,3 +59,27 @@ class LengthReward:
 
     def score(self, task: Task, response: str) -> Score:
         return Score(float(len(response)), len(response) % 2 == 0)
+
+
+class PatientBatchReward:
+    """A batched reward that needs ``wait_s`` seconds: it waits at most the ``timeout_s`` it is
+    given and raises ``TimeoutError`` when that is too short; the limits it got are kept in
+    ``limits`` (it runs in the calling process, so the test can read them)."""
+
+    name = "patient"
+
+    def __init__(self, wait_s: float) -> None:
+        self.wait_s = wait_s
+        self.limits: list[float] = []
+
+    def score(self, task: Task, response: str) -> Score:
+        return self.score_batch([(task, response)])[0]
+
+    def score_batch(
+        self, samples: list[tuple[Task, str]], timeout_s: float = float("inf")
+    ) -> list[Score]:
+        self.limits.append(timeout_s)
+        time.sleep(min(self.wait_s, timeout_s))
+        if self.wait_s > timeout_s:
+            raise TimeoutError(f"needed {self.wait_s} s, had {timeout_s:.2f} s")
+        return [Score(0.5, True) for _ in samples]

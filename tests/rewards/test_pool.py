@@ -96,8 +96,10 @@ def test_from_config(chain_sum_task: Task) -> None:
             RewardSpec(name="format", weight=0.1),
         ],
         workers=0,
+        step_timeout_s=7.5,
     )
     with RewardPool.from_config(cfg) as pool:
+        assert pool.step_timeout_s == 7.5 and RewardConfig(functions=[]).step_timeout_s == 120.0
         result = pool.score(
             [(chain_sum_task, "<answer>-14282</answer>"), (chain_sum_task, "-14282")]
         )

@@ -77,6 +77,14 @@ def test_trained_model_prefers_the_tagged_answer_on_unseen_sums(rm_dir: Path) ->
     assert wins == len(unseen)
 
 
+def test_colocated_starts_no_forward_after_the_time_it_is_given(rm_dir: Path) -> None:
+    # The pool passes the time left to its step deadline; with none left, nothing is computed.
+    rm = RewardModelReward(str(rm_dir), placement="colocated", batch_size="1")
+    assert len(rm.score_batch(SAMPLES, timeout_s=600.0)) == len(SAMPLES)
+    with pytest.raises(TimeoutError, match="after 0 of"):
+        rm.score_batch(SAMPLES, timeout_s=0.0)
+
+
 def test_separate_process_gives_the_same_scores(rm_dir: Path) -> None:
     colocated = RewardModelReward(str(rm_dir), placement="colocated")
     separate = RewardModelReward(str(rm_dir), placement="separate", threads="1")

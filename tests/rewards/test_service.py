@@ -4,9 +4,14 @@ error, not a hang, when it is down."""
 from __future__ import annotations
 
 import asyncio
+import http.client
+import json
+import logging
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -14,7 +19,7 @@ import uvicorn
 
 from treadle.core.types import Message, Task
 from treadle.rewards.pool import RewardPool
-from treadle.rewards.service import RewardClient, RewardServiceError, build_app
+from treadle.rewards.service import RewardClient, RewardServiceError, _depth, build_app
 
 from .fake_rewards import LengthReward
 
@@ -25,13 +30,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def service():
+def serve(app) -> Iterator[str]:
+    """Run ``app`` on a loopback port in a thread; yields its base URL."""
     port = free_port()
-    pool = RewardPool([(LengthReward(), 1.0)], workers=2, timeout_s=10.0)
-    server = uvicorn.Server(
-        uvicorn.Config(build_app(pool), host="127.0.0.1", port=port, log_level="warning")
-    )
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
@@ -41,6 +43,18 @@ def service():
     yield f"http://127.0.0.1:{port}"
     server.should_exit = True
     thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def service():
+    pool = RewardPool([(LengthReward(), 1.0)], workers=2, timeout_s=10.0)
+    yield from serve(build_app(pool))
+
+
+@pytest.fixture(scope="module")
+def small_service():
+    """A service that reads bodies of at most 4096 bytes (in-process scoring)."""
+    yield from serve(build_app(RewardPool([(LengthReward(), 1.0)], workers=0), max_body_bytes=4096))
 
 
 def task(i: int) -> Task:
@@ -112,3 +126,75 @@ def test_remote_reward_meets_the_reward_function_contract(service, chain_sum_tas
         score = reward.score(chain_sum_task, response)
         assert isinstance(score, Score) and math.isfinite(score.reward)
         assert clone.score(chain_sum_task, response) == score
+
+
+GOOD = json.dumps(
+    {"items": [{"id": "a", "task": {"task_id": "t", "messages": []}, "response": "xy"}]}
+)
+
+
+@pytest.fixture
+def server_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    """What uvicorn logs (it does not propagate to the root logger caplog listens on)."""
+    uvicorn_error = logging.getLogger("uvicorn.error")
+    uvicorn_error.addHandler(caplog.handler)
+    yield caplog
+    uvicorn_error.removeHandler(caplog.handler)
+
+
+def post(
+    conn: http.client.HTTPConnection, body, headers: dict[str, str] | None = None
+) -> tuple[int, dict, str]:
+    """POST ``body`` (chunked when it is an iterator) to ``/score`` on ``conn``; the status,
+    the JSON reply and its Connection header."""
+    conn.request("POST", "/score", body=body, headers=headers or {}, encode_chunked=True)
+    reply = conn.getresponse()
+    return reply.status, json.loads(reply.read()), reply.getheader("connection", "")
+
+
+def connect(url: str) -> http.client.HTTPConnection:
+    parts = urlsplit(url)
+    return http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+
+
+def test_deep_json_is_a_400_and_the_connection_stays_usable(service, server_log):
+    conn = connect(service)
+    past_recursion = "[" * 100_000 + "]" * 100_000  # 200 kB, past Python's recursion limit
+    status, reply, _ = post(conn, past_recursion, {"Content-Type": "application/json"})
+    assert status == 400 and "too deeply nested" in reply["error"]
+    sock = conn.sock
+    status, reply, _ = post(conn, "[" * 65 + "]" * 65)  # parses, but deeper than 64
+    assert status == 400 and "deeper than 64" in reply["error"]
+    status, reply, _ = post(conn, "{not json")
+    assert status == 400 and "malformed" in reply["error"]
+    status, reply, _ = post(conn, GOOD)  # the same keep-alive connection still serves
+    assert status == 200 and reply["scores"] == [{"id": "a", "reward": 2.0, "correct": True}]
+    assert conn.sock is sock  # not reconnected
+    conn.close()
+    assert not [r for r in server_log.records if r.exc_info or r.levelno >= logging.ERROR]
+
+
+def test_an_oversized_body_is_a_413_and_the_next_request_succeeds(small_service, server_log):
+    conn = connect(small_service)
+    # Refused from Content-Length alone, before the body is read.
+    status, reply, connection = post(conn, b"[]", {"Content-Length": "1000000000"})
+    assert status == 413 and "over 4096 bytes" in reply["error"] and connection == "close"
+    assert post(conn, GOOD)[0] == 200  # http.client opens a new connection after a close
+    # Without Content-Length (chunked), refused once more than the limit has arrived. Sent in
+    # one write: a client still sending when the server closes would see a broken pipe.
+    body = b"[" + b"0," * 2100 + b"0]"  # 4203 bytes
+    request = (
+        b"POST /score HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    )
+    with socket.create_connection((conn.host, conn.port), timeout=30) as raw:
+        raw.sendall(request)
+        head = raw.makefile("rb").read()  # until the server closes the connection
+    assert head.startswith(b"HTTP/1.1 413") and b"connection: close" in head.lower()
+    assert post(conn, GOOD)[0] == 200
+    conn.close()
+    assert not [r for r in server_log.records if r.exc_info or r.levelno >= logging.ERROR]
+
+
+def test_depth_counts_nested_arrays_and_objects():
+    assert [_depth(1), _depth([]), _depth({"a": [[1], 2]}), _depth([{}, [[[]]]])] == [0, 1, 3, 4]

@@ -45,6 +45,13 @@ class RewardConfig:
     timeout_s: float = bounded(positive(), finite(), default=5.0)
     """Wall-clock limit of one function on one sample, in seconds (ignored when workers=0, and
     by batched functions such as ``reward_model``, which take their own ``timeout_s``)."""
+    step_timeout_s: float = bounded(positive(), finite(), default=120.0)
+    """Wall-clock limit of scoring one batch as a whole, in seconds: one step's completions (in
+    the asynchronous modes, one group's). Calls still running at the deadline are killed, calls
+    still queued are never started; both score ``fallback`` and count as
+    ``reward/deadline_misses``. Batched functions get the time left as their limit. With
+    workers=0 a running call cannot be stopped; calls not started by the deadline still get
+    the fallback."""
     fallback: float = bounded(finite(), default=0.0)
     """Reward a function gives a sample when it raised or timed out on it."""
     workers: int = bounded(at_least(0), default=2)

@@ -38,7 +38,8 @@ class RewardCheck:
     failures: list[GoldFailure]
     """Gold answers the primary verifier did not judge correct."""
     errors: int
-    """Reward-function calls that raised or timed out on a gold answer (scored as fallback)."""
+    """Reward-function calls that raised, timed out or missed ``reward.step_timeout_s`` on a gold
+    answer (scored as fallback)."""
 
 
 def check_gold(cfg: Config) -> RewardCheck:
@@ -50,14 +51,22 @@ def check_gold(cfg: Config) -> RewardCheck:
     data = load_dataset(cfg.data)
     tasks = [*data.train, *data.held_out]
     completions = [render_demonstration(t, cfg.data.answer_template) for t in tasks]
+    # Scored a training step's worth of samples at a time, so that reward.step_timeout_s,
+    # sized for one step, applies as it does in training (not to the whole data set at once).
+    step = cfg.rollout.prompts_per_step * cfg.rollout.n
+    samples = list(zip(tasks, completions, strict=True))
+    scores, errors = [], 0
     with RewardPool.from_config(cfg.reward) as pool:
-        batch = pool.score(list(zip(tasks, completions, strict=True)))
+        for start in range(0, len(samples), step):
+            batch = pool.score(samples[start : start + step])
+            scores += batch.scores
+            errors += batch.failures + batch.timeouts + batch.deadline_misses
     failures = [
         GoldFailure(t.task_id, t.answer, c, s.reward)
-        for t, c, s in zip(tasks, completions, batch.scores, strict=True)
+        for t, c, s in zip(tasks, completions, scores, strict=True)
         if not s.correct
     ]
-    return RewardCheck(len(tasks), failures, batch.failures + batch.timeouts)
+    return RewardCheck(len(tasks), failures, errors)
 
 
 def report(result: RewardCheck, console: Console, show: int = 20) -> None:

@@ -71,14 +71,14 @@ def collect_rollouts(
     draw = draw or p.sampler.next_batch
     want = cfg.rollout.prompts_per_step
     kept: list[RolloutGroup] = []
-    failures = timeouts = cached = dropped = rounds = 0
+    failures = timeouts = cached = dropped = rounds = late = 0
     env_stats: list[dict[str, float]] = []  # per sampling round, with an environment
     while len(kept) < want and rounds < cfg.algorithm.max_sampling_rounds:
         rounds += 1
         tasks = draw(want)
         scored = _generate_and_score(p, tasks, params, t, version, env_stats)
         failures, timeouts = failures + scored.failures, timeouts + scored.timeouts
-        cached += scored.cached
+        cached, late = cached + scored.cached, late + scored.deadline_misses
         groups = scored.groups
         if not cfg.algorithm.dynamic_sampling:
             kept = groups
@@ -91,6 +91,7 @@ def collect_rollouts(
         "reward/failures": float(failures),
         "reward/timeouts": float(timeouts),
         "reward/cached": float(cached),
+        "reward/deadline_misses": float(late),
     }
     for key in sorted({k for s in env_stats for k in s}):  # the rounds' mean
         metrics[key] = sum(s.get(key, 0.0) for s in env_stats) / len(env_stats)

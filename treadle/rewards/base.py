@@ -38,10 +38,12 @@ class RewardFunction(Protocol):
       exception (bad task data, a bug, a third-party scorer that chokes on odd input) is
       counted by the pool and replaced with its fallback reward.
 
-    A function may also define ``score_batch(samples) -> list[Score]`` (``[N]`` scores of
-    ``[N]`` ``(task, response)`` pairs): the pool then calls that once per batch in its own
-    process instead of ``score`` per sample in workers, and the function bounds its own time
-    (raising ``TimeoutError`` when it gives up). Batched functions need not be picklable.
+    A function may also define ``score_batch(samples, timeout_s=math.inf) -> list[Score]``
+    (``[N]`` scores of ``[N]`` ``(task, response)`` pairs): the pool then calls that once per
+    batch in its own process instead of ``score`` per sample in workers, passing as
+    ``timeout_s`` the seconds left to the batch's deadline (``reward.step_timeout_s``), and the
+    function bounds its own time to the smaller of that and its own limit (raising
+    ``TimeoutError`` when it gives up). Batched functions need not be picklable.
     """
 
     name: str

@@ -1,4 +1,5 @@
-"""Scoring batches of completions in worker processes, with a per-call timeout and a fallback.
+"""Scoring batches of completions in worker processes, with a per-call timeout, a deadline for
+the whole batch and a fallback.
 
 Verifiers run untrusted model output through parsers (sympy, regexes, reasoning-gym puzzles)
 that can hang or crash. Each call of one reward function on one sample therefore runs in a
@@ -7,40 +8,45 @@ times out or kills its worker gets the fallback reward for that function on that
 the rest of the batch keeps its true scores. Pebble replaces killed workers by itself; a pool
 that pebble gives up on as a whole is rebuilt before the next batch.
 
+The per-call timeout alone does not bound a batch: with an endpoint that accepts connections and
+never replies, every call runs to its timeout, ``calls / workers`` of them in a row. So a batch
+also has a deadline, ``step_timeout_s`` after :meth:`RewardPool.score` starts: calls still
+running then are killed (their workers replaced, as on a timeout), calls still queued are never
+started, and both get the fallback and are counted as deadline misses.
+
 Batched functions (those with a ``score_batch`` method, e.g. the reward model) are not sent to
 the workers: the pool calls each once per batch, in the calling process, with every sample routed
 to it, while the workers score the rest; the function places its own compute and bounds its own
-time (see :mod:`treadle.rewards.reward_model`).
+time within the time left to the deadline (see :mod:`treadle.rewards.reward_model`).
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 import math
-import multiprocessing
-import pickle
 import time
 import traceback
 from collections.abc import Sequence
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from types import TracebackType
-
-import pebble
 
 from treadle.config import RewardConfig, routes_to
 from treadle.core.errors import UserError
 from treadle.core.types import Task
 from treadle.rewards.base import RewardFunction, Score, build_reward_function
+from treadle.rewards.workers import (
+    FAILED,
+    SKIPPED,
+    CallError,
+    Late,
+    Outcome,
+    TimedOut,
+    Workers,
+    call,
+    check_picklable,
+)
 
 logger = logging.getLogger(__name__)
-
-# Not "fork": the parent holds a multi-threaded torch/vLLM runtime, and forking a process with
-# live threads can deadlock the child on a lock some other thread held at fork time.
-_START_METHOD = "spawn"
-# How long a fresh pool may take to start one worker (spawn + imports), in seconds.
-_STARTUP_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -58,28 +64,10 @@ class BatchScores:
     cached: int
     """Samples that reused the score of an identical (task, response) pair in the batch."""
     failed: list[bool]
-    """``[N]`` whether a function raised or timed out on each sample."""
-
-
-@dataclass(frozen=True)
-class _CallError:
-    """A reward function raised (or returned a bad value) on one sample."""
-
-    message: str
-    """``"ExceptionType: text"``."""
-    traceback: str
-
-
-class _Timeout:
-    """A call ran past its timeout and its worker was killed."""
-
-
-class _Skipped:
-    """The function is not routed to the sample's domain; it was not called."""
-
-
-SKIPPED = _Skipped()
-_Outcome = Score | _CallError | _Timeout | _Skipped
+    """``[N]`` whether a function raised, timed out or missed the deadline on each sample."""
+    deadline_misses: int = 0
+    """Calls cut by the batch's ``step_timeout_s`` deadline: killed while running, or never
+    started; each got the fallback."""
 
 
 @dataclass
@@ -90,8 +78,10 @@ class _Tally:
     """Calls that raised (or returned a bad value, or whose worker died)."""
     timeouts: int = 0
     """Calls that ran past the timeout."""
+    deadline_misses: int = 0
+    """Calls cut by the batch's deadline."""
     failed: list[bool] = field(default_factory=list)
-    """``[N]`` whether any call on each unique sample raised or timed out."""
+    """``[N]`` whether any call on each unique sample raised, timed out or was cut."""
 
 
 class RewardPool:
@@ -115,11 +105,14 @@ class RewardPool:
         functions: ``(function, weight)`` pairs; instances are pickled to the workers.
         timeout_s: Wall-clock limit of one function on one sample, in seconds, counted from
             when a worker starts the call (time queued behind other calls does not count).
-        fallback: Reward of a call that raised or timed out.
+        step_timeout_s: Wall-clock limit of one :meth:`score` call as a whole, in seconds;
+            whatever has not finished by then gets the fallback (see the module docstring).
+        fallback: Reward of a call that raised, timed out or missed the deadline.
         workers: Number of worker processes, or 0 for in-process scoring.
 
     Raises:
-        UserError: no functions, ``timeout_s <= 0`` or ``workers < 0``.
+        UserError: no functions, ``timeout_s`` or ``step_timeout_s`` not a positive finite
+            number, or ``workers < 0``.
         TypeError: ``workers > 0`` and a function cannot be pickled.
     """
 
@@ -128,14 +121,17 @@ class RewardPool:
         functions: Sequence[tuple[RewardFunction, float]],
         *,
         timeout_s: float = 5.0,
+        step_timeout_s: float = 120.0,
         fallback: float = 0.0,
         workers: int = 2,
         domains: Sequence[Sequence[str]] | None = None,
     ) -> None:
         if not functions:
             raise UserError("reward.functions: at least one reward function is needed")
-        if timeout_s <= 0:
+        if not 0 < timeout_s < math.inf:
             raise UserError(f"reward.timeout_s: expected seconds > 0, got {timeout_s}")
+        if not 0 < step_timeout_s < math.inf:
+            raise UserError(f"reward.step_timeout_s: expected seconds > 0, got {step_timeout_s}")
         if workers < 0:
             raise UserError(f"reward.workers: expected an int >= 0, got {workers}")
         self.functions = list(functions)
@@ -143,15 +139,16 @@ class RewardPool:
             raise ValueError("RewardPool: give one domains list per function")
         self._domains = [frozenset(d) for d in (domains or [()] * len(self.functions))]
         self.timeout_s = timeout_s
+        self.step_timeout_s = step_timeout_s
         self.fallback = fallback
         self._closed = False
-        self._workers: _Workers | None = None
+        self._workers: Workers | None = None
         per_sample = [fn for fn, _ in self.functions if not is_batched(fn)]
         if workers > 0 and per_sample:
             for fn in per_sample:
-                _check_picklable(fn)
+                check_picklable(fn)
             modules = sorted({type(fn).__module__ for fn in per_sample})
-            self._workers = _Workers(workers, modules)
+            self._workers = Workers(workers, modules)
 
     @classmethod
     def from_config(cls, cfg: RewardConfig) -> RewardPool:
@@ -170,6 +167,7 @@ class RewardPool:
         return cls(
             functions,
             timeout_s=cfg.timeout_s,
+            step_timeout_s=cfg.step_timeout_s,
             fallback=cfg.fallback,
             workers=cfg.workers,
             domains=[spec.domains for spec in cfg.functions],
@@ -179,8 +177,11 @@ class RewardPool:
         """Score every ``(task, response)`` pair with every function; identical pairs once.
 
         All calls are scheduled at once and then collected, so the batch takes about
-        ``calls * call time / workers`` seconds, plus at most ``timeout_s`` (and up to 3 s more
-        when a killed worker ignores SIGTERM, e.g. stuck in C code) per hung call.
+        ``calls * call time / workers`` seconds, plus at most ``timeout_s`` per hung call, and
+        never much more than ``step_timeout_s`` in all (with ``workers=0``, a call that hangs
+        cannot be stopped). Killed workers are replaced in the background: a worker that
+        ignores SIGTERM (e.g. stuck in C code) is killed up to 3 s later without delaying this
+        call.
 
         Raises:
             RuntimeError: the pool was closed, or its workers cannot start (e.g. they cannot
@@ -190,12 +191,15 @@ class RewardPool:
         if self._closed:
             raise RuntimeError("RewardPool.score called after close()")
         start = time.perf_counter()
+        if self._workers is not None:
+            self._workers.ready()  # the pool's start-up (spawn + imports) is not a step's time
+        deadline = time.monotonic() + self.step_timeout_s
         # Identical (task, response) pairs, e.g. the same short answer sampled twice in a group,
         # are scored once: the functions are deterministic (their contract).
         index, unique = _deduplicate(samples)
         routed = self._route(unique)
         batched = [is_batched(fn) for fn, _ in self.functions]
-        outcomes = self._run(unique, routed, batched)
+        outcomes = self._run(unique, routed, batched, deadline)
         tally = self._tally(unique, outcomes, batched)
         scores = [self._combine(row) for row in outcomes]
         seconds = time.perf_counter() - start
@@ -206,6 +210,7 @@ class RewardPool:
             seconds=seconds,
             cached=len(samples) - len(unique),
             failed=[tally.failed[i] for i in index],
+            deadline_misses=tally.deadline_misses,
         )
 
     def _route(self, unique: list[tuple[Task, str]]) -> list[list[bool]]:
@@ -226,9 +231,14 @@ class RewardPool:
         return routed
 
     def _run(
-        self, unique: list[tuple[Task, str]], routed: list[list[bool]], batched: list[bool]
-    ) -> list[list[_Outcome]]:
-        """Make every routed call; ``[N][F]`` outcomes (:data:`SKIPPED` where not routed).
+        self,
+        unique: list[tuple[Task, str]],
+        routed: list[list[bool]],
+        batched: list[bool],
+        deadline: float,
+    ) -> list[list[Outcome]]:
+        """Make every routed call by ``deadline`` (a :func:`time.monotonic` time); ``[N][F]``
+        outcomes (:data:`SKIPPED` where not routed, a ``Late`` where the deadline cut a call).
 
         The batched functions run here while the workers make the per-sample calls; without
         workers, the per-sample calls run here too, after the batched ones.
@@ -239,14 +249,16 @@ class RewardPool:
         if self._workers is not None:  # start the per-sample calls, then run the batched ones
             futures = self._workers.schedule(fns, unique, sample_routed, self.timeout_s)
         by_batch = {
-            f: _call_batched(fns[f], [s for s, r in zip(unique, routed, strict=True) if r[f]])
+            f: _call_batched(
+                fns[f], [s for s, r in zip(unique, routed, strict=True) if r[f]], deadline
+            )
             for f in range(len(fns))
             if batched[f]
         }
         if futures is not None:
-            outcomes = self._workers.collect(futures)
+            outcomes = self._workers.collect(futures, deadline)
         else:
-            outcomes = _call_here(fns, unique, sample_routed)
+            outcomes = _call_here(fns, unique, sample_routed, deadline)
         for f, results in by_batch.items():  # in sample order, as _call_batched returned them
             it = iter(results)
             for row, r in zip(outcomes, routed, strict=True):
@@ -255,20 +267,23 @@ class RewardPool:
         return outcomes
 
     def _tally(
-        self, unique: list[tuple[Task, str]], outcomes: list[list[_Outcome]], batched: list[bool]
+        self, unique: list[tuple[Task, str]], outcomes: list[list[Outcome]], batched: list[bool]
     ) -> _Tally:
-        """Count the calls that raised or timed out, and log them.
+        """Count the calls that raised, timed out or missed the deadline, and log them.
 
         A per-sample function's failure is logged per sample (its traceback at DEBUG level); a
-        batched function fails for its whole batch, so that is logged once per function.
+        batched function fails for its whole batch, so that is logged once per function, and
+        the deadline's misses once per batch.
         """
         fns = [fn for fn, _ in self.functions]
         _log_batch_failures(fns, outcomes, batched)
         tally = _Tally()
         for (task, _), row in zip(unique, outcomes, strict=True):
-            tally.failed.append(any(isinstance(o, _CallError | _Timeout) for o in row))
+            tally.failed.append(any(isinstance(o, FAILED) for o in row))
             for fn, outcome, quiet in zip(fns, row, batched, strict=True):
-                if isinstance(outcome, _CallError):
+                if isinstance(outcome, Late):
+                    tally.deadline_misses += 1
+                elif isinstance(outcome, CallError):
                     tally.failures += 1
                     if quiet:
                         continue
@@ -276,7 +291,7 @@ class RewardPool:
                         "reward %s failed on task %s: %s", fn.name, task.task_id, outcome.message
                     )
                     logger.debug("reward %s traceback:\n%s", fn.name, outcome.traceback)
-                elif isinstance(outcome, _Timeout):
+                elif isinstance(outcome, TimedOut):
                     tally.timeouts += 1
                     if quiet:
                         continue
@@ -286,6 +301,13 @@ class RewardPool:
                         self.timeout_s,
                         task.task_id,
                     )
+        if tally.deadline_misses:
+            logger.warning(
+                "reward scoring reached reward.step_timeout_s=%g s: %d calls were cut (killed "
+                "or never started) and scored the fallback",
+                self.step_timeout_s,
+                tally.deadline_misses,
+            )
         return tally
 
     def close(self) -> None:
@@ -313,7 +335,7 @@ class RewardPool:
         """Whether function ``function`` (an index of ``functions``) scores ``domain``."""
         return routes_to(self._domains[function], domain)
 
-    def _combine(self, row: list[_Outcome]) -> Score:
+    def _combine(self, row: list[Outcome]) -> Score:
         """Weighted sum of the routed functions; ``correct`` from the first routed one."""
         total = 0.0
         for (_, weight), outcome in zip(self.functions, row, strict=True):
@@ -325,116 +347,35 @@ class RewardPool:
         return Score(reward=total, correct=isinstance(primary, Score) and primary.correct)
 
 
-class _Workers:
-    """A pebble process pool that is started eagerly and rebuilt if pebble declares it broken."""
-
-    def __init__(self, workers: int, modules: list[str]) -> None:
-        self._size = workers
-        self._modules = modules
-        self._executor, self._startup = self._start()
-
-    def _start(self) -> tuple[pebble.ProcessPool, pebble.ProcessFuture]:
-        executor = pebble.ProcessPool(
-            max_workers=self._size,
-            initializer=_import_modules,
-            initargs=(self._modules,),
-            context=multiprocessing.get_context(_START_METHOD),
-        )
-        # Pebble starts its workers on the first schedule; a no-op starts them now, so they
-        # import while the caller does other work, and its result shows that they can start.
-        return executor, executor.schedule(_noop)
-
-    def schedule(
-        self,
-        fns: list[RewardFunction],
-        samples: Sequence[tuple[Task, str]],
-        routed: list[list[bool]],
-        timeout_s: float,
-    ) -> list[list[pebble.ProcessFuture | None]]:
-        """Start each routed function on each sample; ``[N][F]`` futures (None: not routed)."""
-        self._restart_if_broken()
-        self._check_started()
-        return [
-            [
-                self._executor.schedule(_call, args=(fn, task, response), timeout=timeout_s)
-                if on
-                else None
-                for fn, on in zip(fns, row, strict=True)
-            ]
-            for (task, response), row in zip(samples, routed, strict=True)
-        ]
-
-    def collect(self, futures: list[list[pebble.ProcessFuture | None]]) -> list[list[_Outcome]]:
-        """Wait for :meth:`schedule`'s calls; ``[N][F]`` outcomes (:data:`SKIPPED` where a
-        function was not routed to the sample's domain)."""
-        outcomes = [
-            [SKIPPED if future is None else _collect(future) for future in row] for row in futures
-        ]
-        self._restart_if_broken()
-        return outcomes
-
-    def _restart_if_broken(self) -> None:
-        if self._executor.active:
-            return
-        # Pebble gives up on the whole pool when a worker dies while it sees no task running
-        # on it: killed while idle, or dead before the parent processed its task's ack.
-        logger.error("reward worker pool broke; starting a new one")
-        self._executor.stop()
-        self._executor.join()
-        self._executor, self._startup = self._start()
-
-    def _check_started(self) -> None:
-        try:
-            self._startup.result(timeout=_STARTUP_TIMEOUT_S)
-        except Exception as error:
-            raise RuntimeError(
-                f"reward workers did not start ({type(error).__name__}: {error}); "
-                f"can a fresh Python process import {self._modules}? See the workers' log."
-            ) from error
-
-    def close(self) -> None:
-        """Stop the worker processes (running calls are cancelled) and wait for them to exit."""
-        self._executor.stop()
-        self._executor.join()
-
-
-def _call(fn: RewardFunction, task: Task, response: str) -> Score | _CallError:
-    """Run one reward function on one sample (in a worker), turning errors into a value.
-
-    Errors are returned rather than raised so that the parent can tell a function's own
-    exception (even a ``TimeoutError``) from pebble's timeout, and never has to unpickle an
-    arbitrary exception object.
-    """
-    try:
-        score = fn.score(task, response)
-        if not isinstance(score, Score) or not math.isfinite(score.reward):
-            raise TypeError(f"expected a Score with a finite reward, got {score!r}")
-        return score
-    except Exception as error:
-        return _CallError(f"{type(error).__name__}: {error}", traceback.format_exc())
-
-
 def is_batched(fn: RewardFunction) -> bool:
     """Whether ``fn`` scores whole batches (has ``score_batch``) instead of one sample a call."""
     return callable(getattr(fn, "score_batch", None))
 
 
-def _call_batched(fn: RewardFunction, samples: list[tuple[Task, str]]) -> list[_Outcome]:
-    """Run a batched function on its routed samples; one outcome per sample. An exception
-    fails every sample of the batch; a ``TimeoutError`` counts them as timed out."""
+def _call_batched(
+    fn: RewardFunction, samples: list[tuple[Task, str]], deadline: float
+) -> list[Outcome]:
+    """Run a batched function on its routed samples, giving it the time left to ``deadline``
+    (a :func:`time.monotonic` time); one outcome per sample. An exception fails every sample of
+    the batch; a ``TimeoutError`` counts them as timed out, or as cut by the deadline when it
+    has passed (then also when no time was left to start)."""
     if not samples:
         return []
+    left = deadline - time.monotonic()
+    if left <= 0:
+        return [Late()] * len(samples)
     try:
-        scores = fn.score_batch(samples)
+        scores = fn.score_batch(samples, timeout_s=left)
         if len(scores) != len(samples) or not all(
             isinstance(s, Score) and math.isfinite(s.reward) for s in scores
         ):
             raise TypeError(f"expected {len(samples)} Scores with finite rewards, got {scores!r}")
         return list(scores)
     except TimeoutError:
-        return [_Timeout()] * len(samples)
+        late = time.monotonic() >= deadline
+        return [Late() if late else TimedOut()] * len(samples)
     except Exception as error:
-        failure = _CallError(f"{type(error).__name__}: {error}", traceback.format_exc())
+        failure = CallError(f"{type(error).__name__}: {error}", traceback.format_exc())
         return [failure] * len(samples)
 
 
@@ -449,55 +390,36 @@ def _deduplicate(
 
 
 def _call_here(
-    fns: list[RewardFunction], samples: list[tuple[Task, str]], routed: list[list[bool]]
-) -> list[list[_Outcome]]:
-    """Run each routed function on each sample in this process; ``[N][F]`` outcomes."""
+    fns: list[RewardFunction],
+    samples: list[tuple[Task, str]],
+    routed: list[list[bool]],
+    deadline: float,
+) -> list[list[Outcome]]:
+    """Run each routed function on each sample in this process; ``[N][F]`` outcomes. A call
+    not started by ``deadline`` (a :func:`time.monotonic` time) is not made (a ``Late``); a
+    running one cannot be stopped."""
     return [
-        [_call(fn, task, response) if on else SKIPPED for fn, on in zip(fns, r, strict=True)]
+        [
+            SKIPPED
+            if not on
+            else call(fn, task, response)
+            if time.monotonic() < deadline
+            else Late()
+            for fn, on in zip(fns, r, strict=True)
+        ]
         for (task, response), r in zip(samples, routed, strict=True)
     ]
 
 
 def _log_batch_failures(
-    fns: list[RewardFunction], outcomes: list[list[_Outcome]], batched: list[bool]
+    fns: list[RewardFunction], outcomes: list[list[Outcome]], batched: list[bool]
 ) -> None:
     """One warning per batched function that raised or timed out, with how many samples."""
     for f, fn in enumerate(fns):
         if not batched[f]:
             continue
-        bad = [row[f] for row in outcomes if isinstance(row[f], _CallError | _Timeout)]
+        bad = [row[f] for row in outcomes if isinstance(row[f], CallError | TimedOut)]
+        # deadline misses are logged once per batch, with those of the per-sample calls
         if bad:
-            what = "timed out" if isinstance(bad[0], _Timeout) else f"failed ({bad[0].message})"
+            what = "timed out" if isinstance(bad[0], TimedOut) else f"failed ({bad[0].message})"
             logger.warning("reward %s %s on %d samples", fn.name, what, len(bad))
-
-
-def _collect(future: pebble.ProcessFuture) -> _Outcome:
-    """Wait for one call; pebble enforces the timeout, so this always returns."""
-    try:
-        return future.result()
-    except TimeoutError:
-        return _Timeout()
-    except pebble.ProcessExpired as error:
-        # The worker died (segfault, out of memory, os._exit); pebble starts a new one.
-        return _CallError(f"worker died: {error} (exit code {error.exitcode})", "")
-    except BrokenProcessPool as error:
-        return _CallError(f"worker pool broke: {error}", "")
-
-
-def _check_picklable(fn: RewardFunction) -> None:
-    try:
-        pickle.dumps(fn)
-    except Exception as error:
-        raise TypeError(
-            f"reward function {fn.name!r} cannot be pickled to the workers: {error}"
-        ) from error
-
-
-def _import_modules(modules: list[str]) -> None:
-    """Worker initializer: import the reward functions' modules (and their heavy deps) once."""
-    for module in modules:
-        importlib.import_module(module)
-
-
-def _noop() -> None:
-    """Nothing; scheduled once to start the workers."""

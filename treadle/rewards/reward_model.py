@@ -30,6 +30,7 @@ import contextlib
 import inspect
 import math
 import multiprocessing
+import time
 from collections.abc import Sequence
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -161,22 +162,31 @@ class RewardModelReward:
         """One sample (the pool calls :meth:`score_batch`; this is for single checks)."""
         return self.score_batch([(task, response)])[0]
 
-    def score_batch(self, samples: Sequence[tuple[Task, str]]) -> list[Score]:
-        """``[N]`` scores of ``samples``, in order.
+    def score_batch(
+        self, samples: Sequence[tuple[Task, str]], timeout_s: float = math.inf
+    ) -> list[Score]:
+        """``[N]`` scores of ``samples``, in order, within ``timeout_s`` seconds (the pool
+        passes the time left to its batch's deadline).
+
+        ``separate``: the batch is killed after the smaller of ``timeout_s`` and
+        ``params.timeout_s`` per forward (a fresh worker's model load is not charged to it, so
+        the first batch may overrun). ``colocated``: a forward cannot be stopped, but none is
+        started after ``timeout_s`` has passed.
 
         Raises:
-            TimeoutError: ``separate`` placement, the batch ran past ``timeout_s``.
+            TimeoutError: the batch ran past its limit.
             RuntimeError: ``separate`` placement, the worker died or could not load the model.
         """
         if not samples:
             return []
+        deadline = time.monotonic() + timeout_s
         conversations = [_conversation(task, response) for task, response in samples]
         if self.placement == "colocated":
             if self._scorer is None:
                 self._scorer = _Scorer(self._settings())
-            rewards = self._scorer.rewards(conversations)
+            rewards = self._scorer.rewards(conversations, deadline)
         else:
-            rewards = self._run_separate(conversations)
+            rewards = self._run_separate(conversations, timeout_s)
         if len(rewards) != len(samples) or not all(math.isfinite(r) for r in rewards):
             raise RuntimeError(f"reward_model: want {len(samples)} finite scores, got {rewards}")
         return [Score(reward=r, correct=r >= self.threshold) for r in rewards]
@@ -207,7 +217,9 @@ class RewardModelReward:
             "threads": self.threads,
         }
 
-    def _run_separate(self, conversations: list[list[dict[str, str]]]) -> list[float]:
+    def _run_separate(
+        self, conversations: list[list[dict[str, str]]], timeout_s: float
+    ) -> list[float]:
         import pebble
 
         if self._worker is None or not self._worker.active:
@@ -230,7 +242,8 @@ class RewardModelReward:
                 ) from None
         future = self._worker.schedule(_worker_rewards, args=(conversations,))
         chunks = -(-len(conversations) // self.batch_size)
-        limit = self.timeout_s * chunks  # timeout_s bounds each forward of batch_size sequences
+        # self.timeout_s bounds each forward of batch_size sequences; timeout_s, the call
+        limit = min(self.timeout_s * chunks, timeout_s)
         try:
             return future.result(timeout=limit)
         except TimeoutError:
@@ -238,7 +251,8 @@ class RewardModelReward:
             self.close()
             raise TimeoutError(
                 f"reward_model: {len(conversations)} samples ({chunks} forwards of up to "
-                f"{self.batch_size}) took over {limit:.1f} s ({self.timeout_s} s a forward)"
+                f"{self.batch_size}) took over {limit:.1f} s ({self.timeout_s} s a forward, "
+                f"{timeout_s:.1f} s for the call)"
             ) from None
         except (pebble.ProcessExpired, BrokenProcessPool) as error:
             self.close()
@@ -313,8 +327,14 @@ class _Scorer:
                 row.update({k: [0] for k in keys} | {"input_ids": [self.pad_id]})
         return rows
 
-    def rewards(self, conversations: list[list[dict[str, str]]]) -> list[float]:
-        """``[N]`` rewards, scored ``batch_size`` sequences at a time, longest first."""
+    def rewards(
+        self, conversations: list[list[dict[str, str]]], deadline: float = math.inf
+    ) -> list[float]:
+        """``[N]`` rewards, scored ``batch_size`` sequences at a time, longest first.
+
+        Raises:
+            TimeoutError: a forward was due after ``deadline`` (a :func:`time.monotonic` time).
+        """
         import torch
 
         rows = self.encode(conversations)
@@ -323,6 +343,10 @@ class _Scorer:
         rewards = [0.0] * len(rows)
         with torch.inference_mode():
             for start in range(0, len(order), size):
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"reward_model: the deadline passed after {start} of {len(rows)} samples"
+                    )
                 chunk = order[start : start + size]
                 width = max(len(rows[i]["input_ids"]) for i in chunk)
                 batch = {

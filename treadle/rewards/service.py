@@ -6,6 +6,11 @@ ids; the reply gives one score per id, in order. Graders keep their pool's guara
 call under a timeout, crashes scored as the fallback). :class:`RewardClient` sends batches with
 a concurrency limit, a per-request timeout and retries with exponential backoff, and raises
 :class:`RewardServiceError` (never hangs) when the service cannot be reached.
+
+A request body over 16 MiB is refused with a 413 (from its ``Content-Length`` before it is
+read, or once that much has arrived), JSON nested deeper than 64 levels or malformed with a
+400; each with a short ``{"error": ...}`` body, so such a request never reaches a parser's
+recursion limit and costs no traceback.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,9 +32,61 @@ from treadle.core.types import Message, Task
 from treadle.rewards.base import Score
 from treadle.rewards.pool import RewardPool
 
+MAX_BODY_BYTES = 16 * 1024 * 1024
+"""The largest request body the service reads, in bytes."""
+MAX_DEPTH = 64
+"""The deepest nesting of JSON arrays and objects the service accepts."""
+
 
 class RewardServiceError(RuntimeError):
     """The reward service could not be reached or answered with an error."""
+
+
+class _Refused(Exception):
+    """A request the service will not parse: its HTTP status and a short reason."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+
+
+async def read_json(request: Request, max_bytes: int, max_depth: int) -> Any:
+    """The request's JSON body, read at most ``max_bytes`` bytes of it.
+
+    Raises:
+        _Refused: 413 when the body is (or says it is) over ``max_bytes``; 400 when it is not
+            JSON, or nests arrays and objects deeper than ``max_depth``.
+    """
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > max_bytes):
+        status = 413 if declared.isdigit() else 400
+        raise _Refused(status, f"body over {max_bytes} bytes" if status == 413 else "bad length")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise _Refused(413, f"body over {max_bytes} bytes")
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError) as e:  # RecursionError: nested past Python's limit
+        reason = "too deeply nested" if isinstance(e, RecursionError) else str(e)[:200]
+        raise _Refused(400, f"malformed request: {reason}") from None
+    if _depth(value) > max_depth:
+        raise _Refused(400, f"malformed request: JSON nested deeper than {max_depth} levels")
+    return value
+
+
+def _depth(value: Any) -> int:
+    """How deeply arrays and objects nest in ``value`` (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, level = stack.pop()
+        if isinstance(node, dict):
+            node = list(node.values())
+        if isinstance(node, list):
+            deepest = max(deepest, level)
+            stack.extend((child, level + 1) for child in node)
+    return deepest
 
 
 def task_to_json(task: Task) -> dict[str, Any]:
@@ -50,15 +108,28 @@ def task_from_json(obj: dict[str, Any]) -> Task:
     )
 
 
-def build_app(pool: RewardPool) -> Starlette:
-    """The ASGI app. Batches are scored one at a time (each uses every worker of the pool)."""
+def build_app(
+    pool: RewardPool, *, max_body_bytes: int = MAX_BODY_BYTES, max_depth: int = MAX_DEPTH
+) -> Starlette:
+    """The ASGI app. Batches are scored one at a time (each uses every worker of the pool).
+
+    Args:
+        pool: the reward pool; the app closes it when the server shuts down.
+        max_body_bytes: the largest request body read, in bytes (larger: 413).
+        max_depth: the deepest JSON nesting accepted (deeper: 400).
+    """
     lock = asyncio.Lock()
 
     async def score(request: Request) -> JSONResponse:
-        """``POST /score``: scores in request order; 400 on a malformed body, 422 when the pool
-        refuses the batch (ValueError)."""
+        """``POST /score``: scores in request order; 400 on a malformed or over-deep body, 413
+        on an oversized one (and the connection is closed: its body was not read), 422 when
+        the pool refuses the batch (ValueError)."""
         try:
-            body = await request.json()
+            body = await read_json(request, max_body_bytes, max_depth)
+        except _Refused as e:
+            close = {"connection": "close"} if e.status == 413 else None
+            return JSONResponse({"error": str(e)}, status_code=e.status, headers=close)
+        try:
             ids = [str(item["id"]) for item in body["items"]]
             items = [(task_from_json(i["task"]), str(i["response"])) for i in body["items"]]
         except (ValueError, KeyError, TypeError) as e:
@@ -73,7 +144,12 @@ def build_app(pool: RewardPool) -> Starlette:
             for i, s in zip(ids, batch.scores, strict=True)
         ]
         return JSONResponse(
-            {"scores": scores, "failures": batch.failures, "timeouts": batch.timeouts}
+            {
+                "scores": scores,
+                "failures": batch.failures,
+                "timeouts": batch.timeouts,
+                "deadline_misses": batch.deadline_misses,
+            }
         )
 
     async def health(request: Request) -> JSONResponse:

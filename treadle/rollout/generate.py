@@ -47,10 +47,13 @@ class Scored:
     """Reward-function calls that ran past their timeout (scored with the fallback)."""
     cached: int = 0
     """Completions scored by reusing an identical (task, completion) pair's score."""
+    deadline_misses: int = 0
+    """Reward-function calls cut by ``reward.step_timeout_s`` (scored with the fallback)."""
 
 
 def score(pool: RewardPool, generated: Sequence[Generated]) -> Scored:
-    """Score every completion with the reward pool (in parallel, each call under a timeout)."""
+    """Score every completion with the reward pool (in parallel, each call under a timeout,
+    the whole call under ``reward.step_timeout_s``)."""
     items = [(g.task, c.text) for g in generated for c in g.completions]
     batch = pool.score(items)
     scores = iter(batch.scores)
@@ -62,7 +65,7 @@ def score(pool: RewardPool, generated: Sequence[Generated]) -> Scored:
             s = next(scores)
             rollouts.append(Rollout(c, s.reward, s.correct, next(failed)))
         groups.append(RolloutGroup(g.task, g.prompt_token_ids, tuple(rollouts)))
-    return Scored(groups, batch.failures, batch.timeouts, batch.cached)
+    return Scored(groups, batch.failures, batch.timeouts, batch.cached, batch.deadline_misses)
 
 
 def check_policy_version(generated: Sequence[Generated], version: int) -> None:

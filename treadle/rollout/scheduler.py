@@ -109,6 +109,7 @@ class _StepCounts:
     reward_failures: int = 0
     reward_timeouts: int = 0
     reward_cached: int = 0
+    reward_deadline_misses: int = 0
 
 
 class RolloutScheduler:
@@ -267,6 +268,9 @@ class RolloutScheduler:
     # -- scoring ----------------------------------------------------------------------------
 
     def _score_group(self, group: _Group) -> tuple[_Group, Scored]:
+        # One pool call per group, as it completes: reward.step_timeout_s bounds each group's
+        # scoring here (a step's scoring, in the synchronous loop), so one hung grader delays
+        # one group by at most that, and the scoring thread moves on to the next.
         d = group.draw
         return group, self._score([Generated(d.task, d.prompt_token_ids, tuple(group.samples))])
 
@@ -282,6 +286,7 @@ class RolloutScheduler:
             self._step.reward_failures += scored.failures
             self._step.reward_timeouts += scored.timeouts
             self._step.reward_cached += scored.cached
+            self._step.reward_deadline_misses += scored.deadline_misses
             (rollout_group,) = scored.groups
             if self.cfg.dynamic_sampling and len({r.reward for r in rollout_group.rollouts}) == 1:
                 self._drop(group, "filtered")
@@ -387,6 +392,7 @@ class RolloutScheduler:
             "reward/failures": float(self._step.reward_failures),
             "reward/timeouts": float(self._step.reward_timeouts),
             "reward/cached": float(self._step.reward_cached),
+            "reward/deadline_misses": float(self._step.reward_deadline_misses),
         }
         out |= {f"async/dropped_{r}": float(n) for r, n in self._step.dropped.items()}
         ledger = self.accounting()  # since the scheduler started: every prompt accounted for
