@@ -203,9 +203,7 @@ def test_the_command_caps_onednn_primitive_cache_unless_the_user_set_it(given, e
     assert out.stdout.strip() == str(expected)
 
 
-def test_a_tokenizer_without_a_chat_template_fails_before_the_run_dir_exists(
-    tmp_path, monkeypatch
-):
+def test_a_tokenizer_without_a_chat_template_fails_before_the_run_dir_exists(tmp_path, monkeypatch):
     from treadle.config import TinyModelConfig
     from treadle.jobs.train import train
     from treadle.store.models import build_tiny_model, build_tokenizer
@@ -216,6 +214,8 @@ def test_a_tokenizer_without_a_chat_template_fails_before_the_run_dir_exists(
     model.save_pretrained(tmp_path / "base")
     tokenizer.save_pretrained(tmp_path / "base")
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(UserError, match=re.escape(f"{tmp_path / 'base'}: the tokenizer has no chat")):
+    with pytest.raises(
+        UserError, match=re.escape(f"{tmp_path / 'base'}: the tokenizer has no chat")
+    ):
         train(load_config(DEFAULT, [*SMALL, f"model.path={tmp_path / 'base'}"]))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["base"]

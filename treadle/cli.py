@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``treadle`` command; returns the process exit status.
 
     0 on success, 2 on a :class:`~treadle.core.errors.UserError` (printed to stderr), 143 on
-    SIGTERM and 130 on SIGINT (Ctrl-C): a run stops after its step, checkpointed. ``argv`` defaults to ``sys.argv[1:]``.
+    SIGTERM and 130 on SIGINT (Ctrl-C): a run stops after its step, checkpointed. ``argv``
+    defaults to ``sys.argv[1:]``.
     """
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

@@ -9,6 +9,7 @@ row left by the previous, killed process never triggers it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -83,12 +84,25 @@ def finish(proc: subprocess.Popen, timeout_s: float = 600) -> tuple[int, str, st
     return proc.returncode, out, err
 
 
+def report(fault: str, outcome: str, recover_s: float) -> None:
+    """Append one row of the fault table (README's reliability section) to the JSON-lines file
+    ``$TREADLE_FAULT_REPORT``, when that variable is set (the figures come from a real run)."""
+    path = os.environ.get("TREADLE_FAULT_REPORT")
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"fault": fault, "outcome": outcome, "recover_s": recover_s}) + "\n")
+
+
+def timed_finish(proc: subprocess.Popen, started: float) -> tuple[int, str, str, float]:
+    """:func:`finish`, and the seconds since ``started`` (``time.monotonic``)."""
+    code, out, err = finish(proc)
+    return code, out, err, time.monotonic() - started
+
+
 def kill_group(proc: subprocess.Popen) -> None:
     """SIGKILL the process and everything in its group, and reap it."""
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     proc.communicate()
 
 
@@ -106,10 +120,8 @@ def _rows(path: Path) -> list[dict]:
         return []
     rows = []
     for line in text.splitlines():
-        try:
+        with contextlib.suppress(json.JSONDecodeError):  # a line being written
             rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # a line being written
     return rows
 
 
@@ -210,10 +222,14 @@ def run_until(cwd: Path, args: list[str], run_dir: Path, point: KillPoint) -> Ou
     return Outcome(point.name, False, time.monotonic() - started)
 
 
+def _volatile(key: str) -> bool:
+    return key in _VOLATILE or key.startswith(_VOLATILE_PREFIXES)
+
+
 def comparable_rows(run_dir: Path) -> list[dict]:
     """``metrics.jsonl`` without the keys two identical runs differ in (times, memory)."""
     return [
-        {k: v for k, v in row.items() if k not in _VOLATILE and not k.startswith(_VOLATILE_PREFIXES)}
+        {k: v for k, v in row.items() if not _volatile(k)}
         for row in _rows(run_dir / "metrics.jsonl")
     ]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 
 import pytest
 import torch
@@ -45,16 +46,26 @@ def chain(request, tmp_path_factory) -> tuple:
     recipe = cwd / "tiny.yaml"
     recipe.write_text("run:\n  name: straight\n")
     tiny = [*TINY, f"rollout.engine={request.param}"]
-    code, _, err = harness.finish(harness.start(cwd, ["train", str(recipe), *tiny]))
+    started = time.monotonic()
+    code, _, err, straight_s = harness.timed_finish(
+        harness.start(cwd, ["train", str(recipe), *tiny]), started
+    )
     assert code == 0, err[-4000:]
     killed = cwd / "runs" / "killed"
     args = ["train", str(recipe), *tiny, "run.name=killed"]
     outcomes: list[Outcome] = []
+    started = time.monotonic()
     for point in kill_points(SEED):
         outcomes.append(run_until(cwd, args, killed, point))
         args = ["train", "--resume", str(killed)]
-    code, _, err = harness.finish(harness.start(cwd, args))
+    code, _, err, chain_s = harness.timed_finish(harness.start(cwd, args), started)
     assert code == 0, err[-4000:]
+    harness.report(
+        f"kill -9 at 10 points ({request.param} engine)",
+        f"{sum(o.killed for o in outcomes)} kills; {len(outcomes) + 1} processes end with the "
+        f"straight run's rows, buffer and weights ({chain_s:.0f} s vs {straight_s:.0f} s)",
+        (chain_s - straight_s) / len(outcomes),
+    )
     return cwd / "runs" / "straight", killed, outcomes
 
 

@@ -40,10 +40,13 @@ def _wait(proc: subprocess.Popen, point: harness.KillPoint, run_dir: Path) -> No
         time.sleep(0.001)
 
 
-def _resume_and_compare(cwd: Path, run_dir: Path, straight: Path) -> str:
-    code, _, err = harness.finish(harness.start(cwd, ["train", "--resume", str(run_dir)]))
+def _resume_and_compare(cwd: Path, run_dir: Path, straight: Path, fault: str, what: str) -> str:
+    started = time.monotonic()
+    proc = harness.start(cwd, ["train", "--resume", str(run_dir)])
+    code, _, err, seconds = harness.timed_finish(proc, started)
     assert code == 0, err[-4000:]
     assert harness.comparable_rows(run_dir) == harness.comparable_rows(straight)
+    harness.report(fault, what + "; --resume ends with the straight run's rows", seconds)
     return err
 
 
@@ -65,7 +68,8 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint(tmp_path, straight) -> N
     assert f"checkpoint step_{step:06d} saved" in line  # run.checkpoint_on_stop
     assert "treadle train --resume runs/r " in line  # relative to where it was started
     assert (run_dir / "checkpoints" / f"step_{step:06d}" / "manifest.json").is_file()
-    _resume_and_compare(tmp_path, run_dir, straight)
+    what = f"stops after step {step}, checkpointed, one line, exit 143"
+    _resume_and_compare(tmp_path, run_dir, straight, "SIGTERM during a step", what)
 
 
 def test_a_second_sigterm_stops_at_once_and_the_run_resumes(tmp_path, straight) -> None:
@@ -77,7 +81,8 @@ def test_a_second_sigterm_stops_at_once_and_the_run_resumes(tmp_path, straight) 
     code, _, err = harness.finish(proc)
     assert code == 143, err
     assert "stopped by SIGTERM" in _last_line(err)
-    _resume_and_compare(tmp_path, run_dir, straight)
+    what = "stops at once, one line, exit 143"
+    _resume_and_compare(tmp_path, run_dir, straight, "SIGTERM twice", what)
 
 
 def _truncate(path: Path) -> None:
@@ -102,7 +107,9 @@ def test_a_damaged_checkpoint_falls_back_to_the_previous_one(tmp_path, straight,
         (run_dir / name).unlink(missing_ok=True)
     # ... whose weights were then damaged: resume says so and starts from step 4.
     damage(run_dir / "checkpoints" / "step_000006" / "model" / "model.safetensors")
-    err = _resume_and_compare(tmp_path, run_dir, straight)
+    fault = f"newest checkpoint's weights {damage.__name__.strip('_')}"
+    what = "found by its manifest; falls back to step 4 (logged)"
+    err = _resume_and_compare(tmp_path, run_dir, straight, fault, what)
     assert "checkpoint" in err and "step_000006 is not valid" in err
     assert "resuming from step_000004 instead of step_000006" in err
 
@@ -126,9 +133,8 @@ def _fill(folder: Path) -> Path:
             f.write(b"\0" * (1 << 20))
             f.flush()
             os.fsync(f.fileno())
-    with contextlib.suppress(OSError):  # the last, partial MiB
-        with filler.open("ab") as f:
-            f.write(b"\0" * (1 << 19))
+    with contextlib.suppress(OSError), filler.open("ab") as f:  # the last, partial MiB
+        f.write(b"\0" * (1 << 19))
     return filler
 
 
@@ -145,4 +151,5 @@ def test_a_full_disk_is_one_line_and_the_run_resumes(tmp_path, straight) -> None
         assert line.startswith("treadle: error: disk full"), line
         assert "--resume" in line
         filler.unlink()
-        _resume_and_compare(disk, run_dir, straight)
+        what = "a 64 MiB tmpfs filled during step 2: one line, exit 2"
+        _resume_and_compare(disk, run_dir, straight, "disk full", what)

@@ -9,15 +9,18 @@ from pathlib import Path
 
 import pytest
 
-from treadle.jobs.stopping import Stopped, StopOnSignal, stop_on_signal
+from treadle.jobs.stopping import StopOnSignal, Stopped, stop_on_signal
 
 
 def test_a_signal_inside_the_loop_waits_for_the_safe_point() -> None:
-    with pytest.raises(Stopped) as caught, stop_on_signal(Path("runs/r")) as stop:
-        with stop.deferred():
-            os.kill(os.getpid(), signal.SIGTERM)  # delivered before kill() returns (main thread)
-            assert stop.requested == signal.SIGTERM  # the step goes on
-            stop.check(4, Path("runs/r/checkpoints/step_000004"))
+    with (
+        pytest.raises(Stopped) as caught,
+        stop_on_signal(Path("runs/r")) as stop,
+        stop.deferred(),
+    ):
+        os.kill(os.getpid(), signal.SIGTERM)  # delivered before kill() returns (main thread)
+        assert stop.requested == signal.SIGTERM  # the step goes on
+        stop.check(4, Path("runs/r/checkpoints/step_000004"))
     e = caught.value
     assert (e.signum, e.step, e.name, e.exit_code) == (15, 4, "SIGTERM", 143)  # 128 + 15
     assert e.checkpoint.name == "step_000004"

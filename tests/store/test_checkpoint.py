@@ -62,15 +62,6 @@ def _train_step(model, optimizer, scheduler) -> None:
     optimizer.zero_grad()
 
 
-@pytest.fixture
-def trained(tiny_qwen2):
-    """A tiny model, tokenizer, optimizer and scheduler after one optimizer step."""
-    model = tiny_qwen2(0)
-    optimizer, scheduler = _optimizer_and_scheduler(model)
-    _train_step(model, optimizer, scheduler)
-    return model, _tokenizer(), optimizer, scheduler
-
-
 def _draw() -> tuple[list[float], float, list[float]]:
     return torch.rand(4).tolist(), random.random(), np.random.rand(3).tolist()
 

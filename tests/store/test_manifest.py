@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.store.test_checkpoint import save, trained  # noqa: F401 (trained is a fixture)
+from tests.store.test_checkpoint import save
 from treadle.store import checkpoint, manifest
 from treadle.store.checkpoint import list_checkpoints, resume_checkpoint
 from treadle.store.manifest import (
@@ -128,7 +128,7 @@ def test_a_write_that_runs_out_of_space_is_named_and_leaves_the_last_checkpoint(
         raise RuntimeError("[enforce fail at inline_container.cc:778] . unexpected pos 64 vs 0")
 
     monkeypatch.setattr(checkpoint.torch, "save", full)
-    with pytest.raises(DiskFullError, match="disk full: a checkpoint write at .* failed"):
+    with pytest.raises(DiskFullError, match=r"disk full: a checkpoint write at .* failed"):
         save(tmp_path, 4, *trained)
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == ["latest", "step_000002"]

@@ -66,7 +66,8 @@ class StopOnSignal:
             self.requested = signum
             logger.warning(
                 "%s: stopping after this step (its checkpoint is saved); send it again to stop "
-                "at once", signal.Signals(signum).name
+                "at once",
+                signal.Signals(signum).name,
             )
             return
         raise Stopped(signum)

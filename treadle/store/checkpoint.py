@@ -455,11 +455,14 @@ def resume_checkpoint(run_dir: str | os.PathLike[str]) -> Path | None:
             logger.warning("checkpoint %s is not valid (%s); trying the previous one", ckpt, e)
             continue
         if not verified:
-            logger.warning("checkpoint %s has no manifest (saved by an older treadle): "
-                           "loading it unverified", ckpt)
+            logger.warning(
+                "checkpoint %s has no manifest (saved by an older treadle): loading it unverified",
+                ckpt,
+            )
         if ckpt != newest:
-            logger.warning("resuming from %s instead of %s, which is not valid", ckpt.name,
-                           newest.name)
+            logger.warning(
+                "resuming from %s instead of %s, which is not valid", ckpt.name, newest.name
+            )
         return ckpt
     raise CorruptCheckpointError(
         f"no valid checkpoint in {Path(run_dir) / CHECKPOINTS_DIRNAME} ({'; '.join(problems)}); "
