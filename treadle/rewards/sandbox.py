@@ -128,6 +128,9 @@ def run_tests(
             _kill_user(uid)
             _remove_user_files(uid)
         _remove_tree(root)
+    ended = _program_ended(lines, nonce)
+    if reason == "ok" and ended:  # the judge finished; the program's process did not
+        reason = ended
     passed, errors, reported = _parse(lines, nonce, len(tests), reason)
     if reason == "ok" and reported < len(tests):
         reason = "exited with code 0 before reporting every test"
@@ -192,6 +195,17 @@ def _parse(
                 error = "unreadable error"
             errors[i] = "" if passed[i] else str(error)[:300]
     return tuple(passed), tuple(errors), len(reported)
+
+
+def _program_ended(lines: str, nonce: str) -> str:
+    """How the program's process ended, from the judge's line ``NONCE end - 'how'``; "" when
+    it served every test."""
+    for line in lines.splitlines():
+        parts = line.split(" ", 3)
+        if len(parts) == 4 and parts[0] == nonce and parts[1] == "end":
+            with contextlib.suppress(ValueError, SyntaxError):
+                return str(ast.literal_eval(parts[3]))[:200]
+    return ""
 
 
 def _feed_and_wait(proc: subprocess.Popen, job: bytes, wall_s: float) -> str:
