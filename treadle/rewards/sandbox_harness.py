@@ -176,6 +176,7 @@ _OPERATIONS = {
     "iter": iter,
     "next": next,
     "len": len,
+    "bool": bool,
     "getitem": lambda target, key: target[key],
     "contains": lambda target, item: item in target,
 }

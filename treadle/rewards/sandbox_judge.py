@@ -114,8 +114,9 @@ def _free_names(test: str) -> frozenset[str]:
 
 
 class Remote:
-    """An object of the program's, seen from the judge: calls, attributes, iteration, ``len``,
-    indexing and ``in`` are run in the program's process; ``==`` and ``hash`` are identity."""
+    """An object of the program's, seen from the judge: calls, attributes, iteration, truth,
+    ``len``, indexing and ``in`` are run in the program's process; ``==`` and ``hash`` are
+    identity."""
 
     __slots__ = ("_treadle_channel", "_treadle_handle")
 
@@ -138,6 +139,9 @@ class Remote:
 
     def __next__(self):
         return self._ask("next")
+
+    def __bool__(self) -> bool:
+        return self._ask("bool") is True
 
     def __len__(self) -> int:
         return self._ask("len")

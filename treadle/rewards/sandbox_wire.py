@@ -56,7 +56,7 @@ def encode(value: object, handle_of, depth: int = 0) -> object:
     if kind is bytes or kind is bytearray:
         return ["b" if kind is bytes else "y", value.hex()]
     if kind is complex:
-        return ["c", value.real, value.imag]
+        return ["c", [value.real, value.imag]]
     for base in _BASES:
         if isinstance(value, base):
             return encode(base(value), handle_of, depth + 1)
