@@ -197,25 +197,186 @@ def _cmdline_has(proc: Path, marker: str) -> bool:
         return False
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known limitation: assert-style tests run in the program's interpreter, and Python "
-    "3.11 raises no audit event for frame.f_back, so code that walks up to the harness's frame "
-    "can report passes; a fix needs tests judged outside that interpreter",
-)
-def test_known_hole_forging_through_f_back():
+def test_forging_through_f_back_finds_nothing_to_forge_with():
+    # Was a known hole (xfail): the harness's frame held the tests and the report function.
+    # The program's process now holds neither, nor the result pipe.
     program = (
         "import sys, os\nloc = sys._getframe(0).f_back.f_locals\n"
         "for i in range(len(loc['tests'])):\n    loc['report'](i, True, '')\nos._exit(0)\n"
     )
-    assert run_tests(program + WRONG, TEST, LIMITS).passed == (False,)
+    result = run_tests(program + WRONG, TEST, LIMITS)
+    assert result.passed == (False,)
+    assert result.errors[0] == "program raised KeyError: 'tests'"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known limitation: an object whose __eq__ always returns True passes `==` asserts",
-)
-def test_known_hole_always_equal_object():
+def test_an_always_equal_object_equals_nothing_in_the_judge():
+    # Was a known hole (xfail): the object stays in the program's process; the judge holds a
+    # handle to it, equal only to itself.
     program = "class A:\n    def __eq__(self, other):\n        return True\n"
     program += "def f(x):\n    return A()\n"
     assert run_tests(program, TEST, LIMITS).passed == (False,)
+
+
+# Issue 15: the tests' own judgement. Each program below computes f(x) = x (wrong: the tests
+# want x + 1) and attacks the helpers the tests call or the tests' frames; every test must fail,
+# while HONEST, with the same imports, passes every one (so the tests are passable). Against the
+# harness before the judge process, each helper attack passed 1 to 3 of these 8 tests, and the
+# getframe, currentframe, inspect.stack and dis thefts 3 of 3 (the hook refused the others).
+HELPER_TESTS = [
+    "assert f(1) == 2",
+    "assert math.isclose(f(2), 3.0)",
+    "assert abs(f(3) - 4) < 1e-9",
+    "assert set([f(0), f(1)]) == set([1, 2])",
+    "assert sorted([f(5), f(4)]) == [5, 6] and len([f(0)]) == 1 and list((f(0),)) == [1]",
+    "assert round(f(1.25), 2) == 2.25",
+    "assert operator.eq(f(6), 7)",
+    "assert isclose(f(7), 8.0)",
+]
+IMPORTS = "import math, operator\nfrom math import isclose\n"
+HONEST = IMPORTS + "def f(x):\n    return x + 1\n"
+ALWAYS_EQUAL = "class E:\n    def __eq__(self, other):\n        return True\n    __hash__ = None\n"
+HELPER_ESCAPES = {
+    "math.isclose patched": "math.isclose = lambda *a, **k: True",
+    "isclose rebound after its import": "isclose = lambda *a, **k: True",
+    "abs defined at top level": "def abs(x):\n    return 0",
+    "set returns always-equal objects": ALWAYS_EQUAL + "set = lambda *a: E()",
+    "sorted, len, list, round rebound": "sorted = lambda *a, **k: [5, 6]\nlen = lambda x: 1\n"
+    "list = lambda *a: [1]\nround = lambda *a: 2.25",
+    "builtins.abs patched": "import builtins\nbuiltins.abs = lambda x: 0\n"
+    "builtins.round = lambda *a: 2.25",
+    "builtins.__dict__ patched": ALWAYS_EQUAL + "import builtins\n"
+    "builtins.__dict__['set'] = lambda *a: E()\nbuiltins.__dict__['sorted'] = lambda *a: [5, 6]",
+    "operator.eq patched": "operator.eq = lambda a, b: True",
+    "math replaced in sys.modules and rebound": "import sys, types\n"
+    "m = types.ModuleType('math')\nm.isclose = lambda *a, **k: True\n"
+    "sys.modules['math'] = m\nmath = m",
+    "math rebound to a function with an isclose attribute": "def math():\n    pass\n"
+    "math.isclose = lambda *a, **k: True",
+    "int subclass that equals anything": "class I(int):\n    def __eq__(self, other):\n"
+    "        return True\n    __hash__ = int.__hash__\n_f = lambda x: I(x)",
+    "always-equal object returned": ALWAYS_EQUAL + "_f = lambda x: E()",
+}
+
+# Reads the expected value from whatever frame it can reach: the first number of the caller's
+# constants other than the argument, or from test source seen in any frame's locals. Against
+# tests run in the program's interpreter this passed 3 of 3.
+STEAL = r"""
+import re, sys
+def _pick(frames, x):
+    for fr in frames:
+        while fr is not None:
+            own = getattr(fr.f_code, "co_filename", "") == "<program>"
+            for c in () if own else fr.f_code.co_consts:
+                if type(c) in (int, float) and c != x:
+                    return c
+            for v in list(fr.f_locals.values()):
+                for s in (v if isinstance(v, (list, tuple)) else [v]):
+                    m = re.search(r"f\(%r\) == (\S+)|f\(%r\), (\S+)\)" % (x, x), str(s))
+                    if m:
+                        return float(m.group(1) or m.group(2))
+            fr = fr.f_back
+    return x
+def f(x):
+    try:
+        return _pick(FRAMES(), x)
+    except Exception:
+        return x
+"""
+FRAME_TESTS = ["assert f(1) == 2", "assert f(2) == 3", "assert math.isclose(f(3), 4.0)"]
+FRAME_ESCAPES = {
+    "sys._getframe(1).f_code.co_consts": "FRAMES = lambda: [sys._getframe(2)]",
+    "sys._getframe(0).f_back walk": "FRAMES = lambda: [sys._getframe(0).f_back]",
+    "inspect.currentframe().f_back": "import inspect\n"
+    "FRAMES = lambda: [inspect.currentframe().f_back.f_back]",
+    "traceback tb_frame.f_back": "def FRAMES():\n    try:\n        raise ValueError\n"
+    "    except ValueError as e:\n        return [e.__traceback__.tb_frame.f_back]",
+    "generator gi_frame.f_back": "def FRAMES():\n    def g():\n"
+    "        yield box[0].gi_frame.f_back\n"
+    "    box = [g()]\n    return [next(box[0])]",
+    "coroutine cr_frame": "def FRAMES():\n    async def c():\n"
+    "        return box[0].cr_frame.f_back\n"
+    "    box = [c()]\n    try:\n        box[0].send(None)\n    except StopIteration as s:\n"
+    "        return [s.value]",
+    "inspect.stack": "import inspect\nFRAMES = lambda: [i.frame for i in inspect.stack()]",
+    "dis.get_instructions on the caller": "import dis\n"
+    "class _C:\n    def __init__(self, fr):\n"
+    "        self.f_code, self.f_locals, self.f_back = fr, {}, None\n"
+    "def FRAMES():\n    code = sys._getframe(2).f_code\n"
+    "    consts = [i.argval for i in dis.get_instructions(code) if i.opname == 'LOAD_CONST']\n"
+    "    return [_C(type('K', (), {'co_consts': consts})())]",
+    "gc.get_referrers of f": "import gc\n"
+    "FRAMES = lambda: [r for r in gc.get_referrers(f) if hasattr(r, 'f_code')]",
+    "gc.get_objects for test source": "import gc\nclass _C:\n"
+    "    def __init__(self, v):\n        self.f_code = type('K', (), {'co_consts': ()})()\n"
+    "        self.f_locals, self.f_back = {'v': v}, None\n"
+    "FRAMES = lambda: [_C([o for o in gc.get_objects() if isinstance(o, str)])]",
+}
+
+
+@pytest.mark.parametrize("name", list(HELPER_ESCAPES))
+def test_redefined_helpers_do_not_reach_the_tests(name):
+    attack = HELPER_ESCAPES[name]
+    wrong = "def f(x):\n    return _f(x)\n" if "_f =" in attack else "def f(x):\n    return x\n"
+    result = run_tests(IMPORTS + attack + "\n" + wrong, HELPER_TESTS, LIMITS)
+    assert result.passed == (False,) * len(HELPER_TESTS), f"{name}: {result}"
+    assert result.reason == "ok"
+
+
+@pytest.mark.parametrize("name", list(FRAME_ESCAPES))
+def test_the_tests_frames_are_out_of_reach(name):
+    program = IMPORTS + STEAL + FRAME_ESCAPES[name] + "\n"
+    result = run_tests(program, FRAME_TESTS, LIMITS)
+    assert result.passed == (False, False, False), f"{name}: {result}"
+
+
+def test_the_honest_program_passes_the_attacked_tests():
+    assert run_tests(HONEST, HELPER_TESTS, LIMITS).passed == (True,) * len(HELPER_TESTS)
+    assert run_tests(HONEST, FRAME_TESTS, LIMITS).passed == (True, True, True)
+    # The thief's own machinery, given a right answer to fall back on, passes: its failures above
+    # are the attacks finding nothing, not a broken program.
+    honest_thief = IMPORTS + STEAL.replace("return x\n", "return x + 1\n") + "FRAMES = list\n"
+    assert run_tests(honest_thief, FRAME_TESTS, LIMITS).passed == (True, True, True)
+
+
+def test_a_function_named_like_a_builtin_is_tested_when_the_test_names_nothing_else():
+    # MBPP 126 asks for sum(a, b); a test naming only builtins is about the program's.
+    program = "def sum(a, b):\n    return a + b\ndef abs(x):\n    return 0\n" + WRONG
+    result = run_tests(program, ["assert sum(10, 15) == 25", "assert abs(f(1) - 2) < 1e-9"], LIMITS)
+    # sum is the program's in a test naming only builtins; abs is the judge's in one naming f.
+    assert result.passed == (True, False)
+    assert result.errors[1] == "AssertionError"
+
+
+def test_the_program_objects_work_through_handles():
+    program = (
+        "class Pair:\n    def __init__(self, a, b):\n        self.a, self.b = a, b\n"
+        "    def total(self):\n        return self.a + self.b\n"
+        "def longest(pairs):\n    return max(p.total() for p in pairs)\n"
+        "def gen(n):\n    yield from range(n)\n"
+        "import collections\nP = collections.namedtuple('P', 'x y')\n"
+        "def point():\n    return P(1, 2)\n"
+    )
+    tests = [
+        "assert longest([Pair(1, 2), Pair(3, 4)]) == 7",
+        "assert Pair(5, 6).total() == 11 and Pair(5, 6).a == 5",
+        "assert list(gen(3)) == [0, 1, 2] and 2 in gen(3) and sum(gen(4)) == 6",
+        "assert point() == (1, 2) and type(point()) is tuple",
+        "x = {'a': [1, (2, 3)], 'b': {4}}\nassert longest([Pair(0, 0)]) == 0 and x",
+        "try:\n    longest([])\nexcept ValueError:\n    pass\nelse:\n    raise AssertionError",
+    ]
+    result = run_tests(program, tests, LIMITS)
+    assert result.passed == (True,) * len(tests), result
+
+
+def test_values_cross_exactly():
+    program = (
+        "def f():\n    return [None, True, 2**100, -0.0, float('inf'), 1 + 2j, 'é', b'\\x00', "
+        "bytearray(b'a'), (1,), {1: {2}}, frozenset({3})]\n"
+    )
+    expected = (
+        "[None, True, 2**100, -0.0, float('inf'), 1 + 2j, 'é', b'\\x00', bytearray(b'a'), (1,), "
+        "{1: {2}}, frozenset({3})]"
+    )
+    types = f"[type(v) for v in r] == [type(v) for v in {expected}]"
+    test = f"r = f()\nassert r == {expected}\nassert {types}"
+    assert run_tests(program, [test, "assert str(f()[3]) == '-0.0'"], LIMITS).passed == (True, True)

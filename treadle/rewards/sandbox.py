@@ -16,15 +16,22 @@ Layers, each sufficient for some attacks and together for the hostile suite in
 4. **Audit hook** (PEP 578, in :mod:`treadle.rewards.sandbox_harness`): refuses sockets,
    subprocesses, fork, signals, ctypes, frame and garbage-collector introspection, and file
    access outside the private temporary directory (reading the Python installation excepted).
+5. **A judge process** (:mod:`treadle.rewards.sandbox_judge`): the harness forks before the
+   program runs; the tests run in the judge, which never runs the program's code, with its own
+   builtins and modules; the program's functions are called in its own process over a pipe and
+   return plain data (:mod:`treadle.rewards.sandbox_wire`). So redefined or patched helpers
+   (``abs``, ``math.isclose``, ``operator.eq``), frame walks to the tests' expected values and
+   always-equal objects do not reach the tests' judgement, and the program's process holds no
+   result pipe to forge on.
 
 The parent counts a test as passed only from a result line carrying the per-run nonce; a program
 that exits early, crashes or hangs passes nothing more.
 
-Known limits (tests in ``tests/rewards/test_sandbox.py`` mark them ``xfail``): the tests run in the
-program's own interpreter, and Python 3.11 raises no audit event for ``frame.f_back``, so code
-that walks up to the harness's frame can forge passes; an object whose ``__eq__`` is always true
-passes ``==`` asserts. Judging tests outside that interpreter (expected values compared by the
-parent) would close both. Not root: layers 1, 2 and 4 only.
+Known limits: a helper the *program* defines (e.g. HumanEval's ``poly``, from the prompt) is the
+program's, so a program can redefine it; a test whose names are all builtins or modules calls
+the program's definitions of them (MBPP's ``sum``); a test cannot pass a function of its own to
+the program, nor see the program mutate an argument in place (values cross as copies).
+Not root: layers 1, 2, 4 and 5 only.
 """
 
 from __future__ import annotations
@@ -109,8 +116,9 @@ def _limit_child(limits: SandboxLimits, root: str) -> None:
 def run_tests(
     program: str, tests: Sequence[str], limits: SandboxLimits = SandboxLimits()
 ) -> SandboxResult:
-    """Run ``program``, then each of ``tests`` (Python source, e.g. ``assert f(1) == 2``) in its
-    namespace, in a sandboxed child process; a test passes when it raises nothing.
+    """Run ``program``, then each of ``tests`` (Python source, e.g. ``assert f(1) == 2``) against
+    the names it defines, in sandboxed child processes (the tests in a judge process the program
+    never runs in); a test passes when it raises nothing.
 
     Never raises for anything the program does; returns which tests passed and why others did
     not. Raises ``OSError`` only if the child cannot be started at all.
@@ -128,6 +136,9 @@ def run_tests(
             _kill_user(uid)
             _remove_user_files(uid)
         _remove_tree(root)
+    ended = _program_ended(lines, nonce)
+    if reason == "ok" and ended:  # the judge finished; the program's process did not
+        reason = ended
     passed, errors, reported = _parse(lines, nonce, len(tests), reason)
     if reason == "ok" and reported < len(tests):
         reason = "exited with code 0 before reporting every test"
@@ -192,6 +203,17 @@ def _parse(
                 error = "unreadable error"
             errors[i] = "" if passed[i] else str(error)[:300]
     return tuple(passed), tuple(errors), len(reported)
+
+
+def _program_ended(lines: str, nonce: str) -> str:
+    """How the program's process ended, from the judge's line ``NONCE end - 'how'``; "" when
+    it served every test."""
+    for line in lines.splitlines():
+        parts = line.split(" ", 3)
+        if len(parts) == 4 and parts[0] == nonce and parts[1] == "end":
+            with contextlib.suppress(ValueError, SyntaxError):
+                return str(ast.literal_eval(parts[3]))[:200]
+    return ""
 
 
 def _feed_and_wait(proc: subprocess.Popen, job: bytes, wall_s: float) -> str:

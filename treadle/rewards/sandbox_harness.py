@@ -1,24 +1,32 @@
 """Runs inside the sandbox's child process (``python -I -B sandbox_harness.py RESULT_FD``).
 
 Protocol: the parent writes one JSON job to stdin: ``{"nonce", "program", "tests", "root",
-"uid"}``. As root, the harness imports :data:`PRELOADED` and then becomes ``uid`` (a user of the
-run's own), so the program can import only those and what that user can read.
-The harness keeps the nonce in a local variable, installs an audit hook (which cannot be removed)
-that refuses network, subprocesses, signals, frame and garbage-collector introspection, and file
-access outside the sandbox directory (reads of the Python installation excepted); then it runs
-the model's program once, and each test after it in the same namespace. After each test it
-writes one line ``{"nonce", "test", "passed", "error"}`` to the result pipe, so a program that
-kills its own process still leaves the results of the tests that ran.
+"uid"}``. As root, the harness imports :data:`PRELOADED`, then forks in two, each becoming ``uid``
+(a user of the run's own) and installing an audit hook that cannot be removed (it refuses
+network, subprocesses, signals, frame and garbage-collector introspection, and file access outside
+the sandbox directory, reads of the Python installation excepted):
 
-Everything the harness needs after the model's code has run is bound to a local name first: the
-program may replace builtins, module attributes or ``sys.modules['__main__']`` without reaching
-it. Without the nonce (out of reach behind the hook) a forged result line is ignored.
+* the **program's process** runs the model's program and then serves requests about its objects
+  (call this function, get that attribute, next of that iterator), answering with plain values
+  (:mod:`treadle.rewards.sandbox_wire`). It holds neither the tests, nor the nonce, nor the result
+  pipe: they were dropped before the program ran, so nothing it reaches tells it what is expected
+  or lets it report a result.
+* the **judge** (:mod:`treadle.rewards.sandbox_judge`) never runs a line of the program: it runs
+  each test with its own builtins and modules, the program's names standing for its objects over
+  there, and writes one line ``NONCE INDEX 0|1 'error'`` per test to the result pipe; if the
+  program's process ended early, a last line ``NONCE end - 'how'``.
+
+So a test's helpers are the judge's whatever the program patched, its frames are in a process the
+program cannot see, and a forged result line has no pipe to go to.
 """
 
 import builtins
+import contextlib
 import json
 import os
+import signal
 import sys
+import time
 from collections.abc import Callable
 
 PRELOADED = (
@@ -31,59 +39,175 @@ PRELOADED = (
 """Imported before the privileges are dropped: the unprivileged user may not be able to read
 the Python installation (e.g. under /root), so what solutions commonly import comes first."""
 
+_HERE = os.path.dirname(os.path.realpath(__file__))
+sys.path.insert(0, _HERE)  # the harness runs as a script under -I: its siblings are not on the path
+from sandbox_judge import judge, plan  # noqa: E402
+from sandbox_wire import Channel, ProgramEnded, ProtocolError, decode, encode  # noqa: E402
+
+sys.path.remove(_HERE)  # and the program may not import them (nor anything else from here)
+
 
 def main() -> None:
-    """Read the job from stdin, drop privileges, install the guard, then run the program and
-    each test, reporting every test on the result pipe (file descriptor ``sys.argv[1]``)."""
+    """Read the job from stdin, fork into the program's process and the judge, each dropping
+    privileges and installing the guard; the judge reports every test on the result pipe (file
+    descriptor ``sys.argv[1]``)."""
     result_fd = int(sys.argv[1])
     job = json.loads(sys.stdin.read())
-    nonce, program, tests, root = job["nonce"], job["program"], job["tests"], job["root"]
     sys.stdin.close()
     for name in PRELOADED:
         __import__(name)
-    # Bound now: the program may replace any builtin or module attribute the harness uses later.
-    write, base_exception, is_type = os.write, BaseException, type
-    text_types, run, compile_source = (str, int, float), exec, compile
-    enumerate_, range_, len_, repr_ = enumerate, range, len, repr
+    program, tests, root, uid, nonce = (
+        job["program"], list(job["tests"]), job["root"], job.get("uid"), job["nonce"],
+    )  # fmt: skip
+    del job
+    the_plan = plan(program, tests)
+    to_program, to_judge = os.pipe(), os.pipe()
     harness_file = os.path.realpath(__file__)
-    if job.get("uid") is not None and os.geteuid() == 0:
-        # An unprivileged user of its own (the parent kills its processes afterwards): no
-        # signals to other users' processes, no writes where that user may not write.
-        os.setgroups([])
-        os.setgid(job["uid"])
-        os.setuid(job["uid"])
+    pid = os.fork()
+    if pid == 0:
+        # Dropped before the program runs: it could walk up to this frame and read them.
+        del tests, nonce
+        os.close(result_fd)
+        os.close(to_program[1])
+        os.close(to_judge[0])
+        channel = Channel(to_program[0], to_judge[1])
+        _become(uid)
+        install_guard(root, harness_file)
+        _serve(program, the_plan.wanted, channel, os._exit)
+    os.close(to_program[0])
+    os.close(to_judge[1])
+    _become(uid)
     install_guard(root, harness_file)
-
-    def describe(e) -> str:
-        """Why a test failed, without running any of the program's code (a str() or a
-        property of its exception class could)."""
-        cls = is_type(e)
-        name = BUILTIN_EXCEPTIONS.get(cls, "exception")
-        args = e.args if cls in BUILTIN_EXCEPTIONS else ()
-        shown = [repr_(a)[:200] for a in args if is_type(a) in text_types]
-        return name + (": " + ", ".join(shown) if shown else "")
+    channel = Channel(to_judge[0], to_program[1])
+    ended = _ending(pid)
 
     def report(index: int, passed: bool, error: str) -> None:
         """Write test ``index``'s result line, with the nonce, to the result pipe."""
-        # No json here: the program may have patched the json module's internals.
-        line = nonce + " " + repr_(index) + " " + ("1" if passed else "0") + " " + repr_(error)
-        write(result_fd, (line + "\n").encode())
+        line = f"{nonce} {index} {'1' if passed else '0'} {error!r}\n"
+        os.write(result_fd, line.encode())
 
-    namespace = {"__name__": "__main__", "__builtins__": builtins}
+    judge(channel, the_plan, tests, report, ended)
+    if ended.known:
+        os.write(result_fd, f"{nonce} end - {ended()!r}\n".encode())
+
+
+def _become(uid: int | None) -> None:
+    """As root, become ``uid``: an unprivileged user of the run's own (the parent kills its
+    processes afterwards): no signals to other users' processes, no writes where that user may
+    not write."""
+    if uid is not None and os.geteuid() == 0:
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+
+
+class _ending:
+    """``ended()``: how the program's process ``pid`` ended, once the judge saw its pipe close
+    (``known`` after the first call)."""
+
+    def __init__(self, pid: int):
+        self.pid, self.known, self.reason = pid, False, ""
+
+    def __call__(self) -> str:
+        if not self.known:
+            self.known, self.reason = True, "closed its pipe but still runs"
+            for _ in range(40):  # it closed the pipe: it is exiting, or about to be killed
+                done, status = os.waitpid(self.pid, os.WNOHANG)
+                if done:
+                    self.reason = _exit_reason(os.waitstatus_to_exitcode(status))
+                    break
+                time.sleep(0.025)
+        return self.reason
+
+
+def _exit_reason(code: int) -> str:
+    """The words the parent uses for an exit code (negative: killed by that signal)."""
+    if code == -signal.SIGXCPU:
+        return "cpu time limit"
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    if code == 0:
+        return "exited with code 0 before reporting every test"
+    return f"exited with code {code}"
+
+
+def _serve(program: str, wanted: list[str], channel: Channel, exit_: Callable) -> None:
+    """The program's process: run ``program``, describe the ``wanted`` names it bound, then
+    answer the judge's requests until it closes the pipe; never returns."""
+    # Bound now: the program may replace builtins or this module's globals. What it does to
+    # this process can only make its own answers wrong: the judge trusts none of them.
+    run, compile_, base_exception, answer_ = exec, compile, BaseException, _answer
     try:
-        run(compile_source(program, "<program>", "exec"), namespace)
-    except base_exception as e:  # SystemExit included: the tests below then fail
-        error = "program raised " + describe(e)
-        for i in range_(len_(tests)):
-            report(i, False, error)
-        return
-    for i, test in enumerate_(tests):
+        namespace = {"__name__": "__main__", "__builtins__": builtins}
         try:
-            run(compile_source(test, f"<test {i}>", "exec"), namespace)
-        except base_exception as e:
-            report(i, False, describe(e))
-        else:
-            report(i, True, "")
+            run(compile_(program, "<program>", "exec"), namespace)
+        except base_exception as e:  # SystemExit included: the tests then fail
+            channel.send(["failed", _exception_parts(e)])
+            exit_(0)
+        handles: list = []
+        described = {}
+        for name in wanted:
+            if name in namespace:
+                # Nested too deeply: the name stays unbound for the tests.
+                with contextlib.suppress(ValueError):
+                    described[name] = encode(namespace[name], _register(handles))
+        channel.send(["ready", described])
+        while True:
+            try:
+                message = channel.receive()
+            except (ProgramEnded, ProtocolError):
+                exit_(0)
+            channel.send(answer_(message, handles))
+    finally:
+        exit_(1)
+
+
+def _register(handles: list) -> Callable[[object], int]:
+    def handle_of(value: object) -> int:
+        handles.append(value)
+        return len(handles) - 1
+
+    return handle_of
+
+
+_OPERATIONS = {
+    "call": lambda target, args, kwargs: target(*args, **kwargs),
+    "getattr": getattr,
+    "iter": iter,
+    "next": next,
+    "len": len,
+    "bool": bool,
+    "getitem": lambda target, key: target[key],
+    "contains": lambda target, item: item in target,
+}
+
+
+def _answer(message: list, handles: list) -> list:
+    """The reply to one request ``[op, handle, *encoded arguments]``: ``["ok", encoded result]``
+    or ``["raise", class name, text arguments]``."""
+
+    def resolve(handle: int) -> object:
+        if not 0 <= handle < len(handles):
+            raise LookupError("no such object")
+        return handles[handle]
+
+    try:
+        op, handle = message[0], message[1]
+        if op not in _OPERATIONS or type(handle) is not int:
+            raise LookupError("unknown request")
+        arguments = [decode(x, resolve) for x in message[2:]]
+        result = _OPERATIONS[op](resolve(handle), *arguments)
+        return ["ok", encode(result, _register(handles))]
+    except BaseException as e:  # anything the program's code raises goes back
+        return ["raise", *_exception_parts(e)]
+
+
+def _exception_parts(e: BaseException) -> list:
+    """``[class name, text arguments]`` of an exception, for the judge to rebuild."""
+    cls = type(e)
+    name = cls.__name__ if cls in BUILTIN_EXCEPTIONS else "ProgramError"
+    shown = [a[:300] if type(a) is str else a for a in e.args if type(a) in (str, int, float)]
+    return [name, shown]
 
 
 BUILTIN_EXCEPTIONS = {
