@@ -266,11 +266,9 @@ def compose(
     checkpoint; returns them and the RL steps already done (0 for a new run).
 
     Raises:
-        UserError: no checkpoint verifies, or one is incompatible (see
-            :mod:`treadle.store.checkpoint`).
+        UserError: no checkpoint verifies, or one is incompatible (:mod:`~treadle.store`).
     """
-    # Whatever ran before (an SFT warm-up, or none on resume) the parts start from one RNG state.
-    seed_everything(cfg.run.seed)
+    seed_everything(cfg.run.seed)  # one RNG state whatever ran before (SFT, or none on resume)
     ckpt = resume_checkpoint(run_dir)  # the newest that verifies (a fallback is logged)
     weights = ckpt / "model" if ckpt else start
     spec = EngineSpec(

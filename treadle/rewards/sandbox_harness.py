@@ -164,6 +164,7 @@ def _serve(program: str, wanted: list[str], channel: Channel, exit_: Callable) -
 
 def _register(handles: list) -> Callable[[object], int]:
     def handle_of(value: object) -> int:
+        """Keep ``value`` in the program's process; its number is what the judge holds."""
         handles.append(value)
         return len(handles) - 1
 
@@ -187,6 +188,7 @@ def _answer(message: list, handles: list) -> list:
     or ``["raise", class name, text arguments]``."""
 
     def resolve(handle: int) -> object:
+        """The object the judge's ``handle`` names."""
         if not 0 <= handle < len(handles):
             raise LookupError("no such object")
         return handles[handle]
@@ -252,6 +254,7 @@ def _audit_hook(
     write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
     def hook(event: str, args: tuple) -> None:
+        """The audit hook: refuse the denied events, imports and frame attributes."""
         if event in denied:
             raise deny(f"sandbox: {event} is not allowed")
         if event == "import" and args[0].rpartition(".")[2] in modules:

@@ -194,6 +194,11 @@ def _cut(future: pebble.ProcessFuture) -> Late:
 
 
 def check_picklable(fn: RewardFunction) -> None:
+    """Worker processes receive the function pickled.
+
+    Raises:
+        TypeError: ``fn`` cannot be pickled (naming it).
+    """
     try:
         pickle.dumps(fn)
     except Exception as error:

@@ -12,13 +12,23 @@ Layout under a run directory ``RUN``::
                                  version, data position
             critic/              a PPO critic (Hugging Face format), when the run has one
             critic_state.pt      its optimizer and lr-scheduler state dicts
+            manifest.json        every file's size and SHA-256, written last
+
+What a resume needs, and where it is: the policy's weights (``model/``), its optimizer and LR
+schedule, every random generator (Python, numpy, torch CPU and CUDA: the in-process engines
+sample from torch's) in ``trainer_state.pt``; the step, the policy version, the data sampler's
+position and an asynchronous run's drawn-but-untrained prompts in ``state.json``. The rows
+logged so far (``metrics.jsonl``), the stored rollouts (``buffer/``) and the evaluation before RL
+(``before_rl.json``) live beside the checkpoints and are cut back to its step on resume.
 
 A checkpoint is written into a hidden sibling ``.tmp_step_*`` directory, every file is fsynced,
-and the directory is renamed into place with :func:`os.replace` (atomic on one filesystem).
+the manifest is written last, and the directory is renamed into place with :func:`os.replace`
+(atomic on one filesystem). Free space is checked first (the last checkpoint's size).
 ``latest`` is rewritten the same way, only after the new directory is in place. So a crash at any
 moment leaves either the old state or the new one: never a half-written ``step_*`` directory, and
 never a ``latest`` that names a missing directory. Leftover ``.tmp_*`` entries from a crash are
-removed by the next save.
+removed by the next save. On resume, :func:`resume_checkpoint` verifies the newest checkpoint
+against its manifest and falls back to the newest older one that verifies (logged).
 
 The trainers are :class:`~treadle.core.protocols.Checkpointable` (every training backend is):
 the checkpoint asks them for their weights and optimizer state and gives the state back on
@@ -31,14 +41,12 @@ import itertools
 import json
 import logging
 import os
-import random
 import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from treadle.core.errors import UserError
@@ -61,6 +69,7 @@ from treadle.store.manifest import (
     verify_manifest,
     write_manifest,
 )
+from treadle.store.rng import capture_rng_state, restore_rng_state
 
 logger = logging.getLogger(__name__)
 
@@ -166,63 +175,6 @@ def _drawn_in_order(pending: list[dict], position: dict) -> bool:
 def _count(value: Any) -> bool:
     """An int >= 0 (not a bool)."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-# ---------------------------------------------------------------------------------------------
-# RNG state
-# ---------------------------------------------------------------------------------------------
-
-
-def capture_rng_state() -> dict[str, Any]:
-    """Return the RNG states of python ``random``, numpy's global RNG, torch CPU and CUDA.
-
-    The result holds only tensors, ints, floats, strings, tuples and dicts, so it loads with
-    ``torch.load(weights_only=True)``. The CUDA entry is an empty list without CUDA.
-    """
-    np_state = np.random.get_state(legacy=False)
-    return {
-        "python": random.getstate(),
-        "numpy": {
-            "bit_generator": np_state["bit_generator"],
-            "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
-            "pos": int(np_state["state"]["pos"]),
-            "has_gauss": int(np_state["has_gauss"]),
-            "gauss": float(np_state["gauss"]),
-        },
-        "torch_cpu": torch.get_rng_state(),
-        "torch_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
-
-
-def restore_rng_state(rng: dict[str, Any]) -> None:
-    """Restore RNG states captured by :func:`capture_rng_state`.
-
-    CUDA states are restored only when the number of visible devices matches the saved one;
-    otherwise a warning is logged and the CUDA generators keep their current state.
-    """
-    random.setstate(rng["python"])
-    np_rng = rng["numpy"]
-    np.random.set_state(
-        {
-            "bit_generator": np_rng["bit_generator"],
-            "state": {"key": np_rng["key"].numpy().astype(np.uint32), "pos": np_rng["pos"]},
-            "has_gauss": np_rng["has_gauss"],
-            "gauss": np_rng["gauss"],
-        }
-    )
-    torch.set_rng_state(rng["torch_cpu"])
-    cuda_states = rng["torch_cuda"]
-    if not cuda_states:
-        return
-    if torch.cuda.is_available() and torch.cuda.device_count() == len(cuda_states):
-        torch.cuda.set_rng_state_all(cuda_states)
-    else:
-        logger.warning(
-            "checkpoint holds RNG states for %d CUDA devices but %d are visible; "
-            "CUDA sampling will not continue identically",
-            len(cuda_states),
-            torch.cuda.device_count() if torch.cuda.is_available() else 0,
-        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -357,6 +309,24 @@ def _write_parts(
     write_manifest(tmp_dir)  # last: a checkpoint with a manifest was complete when saved
 
 
+def _check_save_args(state: RunState, keep_last: int | None) -> None:
+    """Raise TypeError / ValueError for a save that must write nothing."""
+    if not isinstance(state, RunState):
+        raise TypeError(f"state must be a RunState, got {type(state).__name__}")
+    if state.step < 0:
+        raise ValueError(f"step must be >= 0, got {state.step}")
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+
+
+def _install(tmp_dir: Path, final_dir: Path) -> None:
+    """Rename the written ``tmp_dir`` to ``final_dir``, never leaving ``latest`` naming a
+    missing directory meanwhile (the same step saved again replaces its directory)."""
+    if final_dir.exists():
+        _point_latest_away_from(final_dir.parent, final_dir.name)
+    replace_dir(tmp_dir, final_dir)
+
+
 def save_checkpoint(
     run_dir: str | os.PathLike[str],
     state: RunState,
@@ -391,12 +361,7 @@ def save_checkpoint(
         OSError: the disk is not writable; the previous checkpoints and ``latest`` are
             left untouched.
     """
-    if not isinstance(state, RunState):
-        raise TypeError(f"state must be a RunState, got {type(state).__name__}")
-    if state.step < 0:
-        raise ValueError(f"step must be >= 0, got {state.step}")
-    if keep_last is not None and keep_last < 1:
-        raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+    _check_save_args(state, keep_last)
     run_dir = Path(run_dir)
     ckpt_root = run_dir / CHECKPOINTS_DIRNAME
     ckpt_root.mkdir(parents=True, exist_ok=True)
@@ -411,15 +376,12 @@ def save_checkpoint(
     final_dir = ckpt_root / name
     try:
         _write_parts(tmp_dir, state, policy, tokenizer, critic)
-        if final_dir.exists():  # the same step saved again: latest must not name it meanwhile
-            _point_latest_away_from(ckpt_root, name)
-        replace_dir(tmp_dir, final_dir)
+        _install(tmp_dir, final_dir)
     except BaseException as e:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         if is_disk_full(e):
             raise disk_full_error(ckpt_root, needed, e) from e
         raise
-
     write_text_atomic(ckpt_root / LATEST_FILENAME, name + "\n")
     if keep_last is not None:
         _prune(run_dir, keep_last, keep=final_dir)
