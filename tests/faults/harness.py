@@ -23,34 +23,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from tests.integration.runs import TINY_RUN
+
 REPO = Path(__file__).resolve().parents[2]
 
-# A tiny run of the HF engine: 4 SFT steps, 6 RL steps, a checkpoint every 2 steps.
-TINY = [
-    "run.seed=0",
-    "run.save_every=2",
-    "run.steps=6",
-    "model.tiny.hidden_size=64",
-    "model.tiny.intermediate_size=128",
-    "model.tiny.num_hidden_layers=1",
-    "model.tiny.num_attention_heads=2",
-    "model.tiny.num_key_value_heads=1",
-    "model.tiny.tokenizer_vocab_size=300",
-    "data.task=chain_sum",
-    "data.task_params={min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}",
-    "data.size=100",
-    "data.eval_size=4",
-    "rollout.engine=hf",
-    "rollout.prompts_per_step=4",
-    "rollout.n=4",
-    "rollout.max_tokens=8",
-    "eval.samples_per_prompt=2",
-    "trainer.lr=1e-3",
-    "sft.steps=4",
-    "sft.batch_size=8",
-    "reward.functions=[{name: reasoning_gym}, {name: format, weight: 0.1, "
-    "params: {pattern: '.*[0-9].*'}}]",
-]
+# A tiny run of the HF engine: 4 SFT steps, 6 RL steps, a checkpoint every 2 steps (later
+# overrides win over the integration tests' tiny run).
+TINY = [*TINY_RUN, "run.save_every=2", "run.steps=6", "sft.steps=4", "sft.batch_size=8"]
 STEPS = 6
 
 # Keys that differ between two identical runs: wall times, throughput, memory.
