@@ -219,3 +219,57 @@ def test_a_tokenizer_without_a_chat_template_fails_before_the_run_dir_exists(tmp
     ):
         train(load_config(DEFAULT, [*SMALL, f"model.path={tmp_path / 'base'}"]))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["base"]
+
+
+def test_truncated_weights_in_model_path_fail_before_the_run_dir_exists(tmp_path, monkeypatch):
+    from treadle.config import TinyModelConfig
+    from treadle.jobs.train import train
+    from treadle.store.models import build_tiny_model, build_tokenizer
+
+    tokenizer = build_tokenizer(["one plus two is three"], 280)
+    model = build_tiny_model(TinyModelConfig(hidden_size=16, intermediate_size=32), tokenizer, 0)
+    model.save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    weights = tmp_path / "base" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:5000])  # a copy cut short
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match=re.escape(f"{weights} cannot be read")):
+        train(load_config(DEFAULT, [*SMALL, f"model.path={tmp_path / 'base'}"]))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a read-only tmpfs needs root")
+def test_a_read_only_run_directory_is_one_line_before_any_work(tmp_path):
+    import subprocess
+
+    from treadle.store.manifest import require_writable
+
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)], check=True)
+    try:
+        with pytest.raises(UserError, match=r"cannot write in .*ro \(Read-only file system\)"):
+            require_writable(folder)
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+    require_writable(tmp_path)  # a writable one passes and keeps nothing
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ro"]
+
+
+def test_a_signal_before_the_run_began_says_to_run_again(tmp_path):
+    import argparse
+    import signal
+
+    from treadle.cli import _stopped
+    from treadle.jobs.stopping import Stopped
+
+    args = argparse.Namespace(command="train", resume=None)
+    line = _stopped(Stopped(signal.SIGTERM), args)
+    assert line == "stopped by SIGTERM at once, before the run began; run the command again"
+    (tmp_path / "config.yaml").write_text("{}")
+    stop = Stopped(signal.SIGINT, 3, tmp_path / "checkpoints" / "step_000003")
+    stop.run_dir = tmp_path
+    assert _stopped(stop, args).startswith(
+        f"stopped by SIGINT after step 3, checkpoint step_000003 saved; continue with: "
+        f"treadle train --resume {tmp_path} "
+    )

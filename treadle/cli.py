@@ -189,7 +189,9 @@ def _stopped(stop, args: argparse.Namespace) -> str:
     saved = f", checkpoint {stop.checkpoint.name} saved" if stop.checkpoint else ""
     if args.command != "train":
         return f"stopped by {stop.name} {where}; nothing on disk is half-written"
-    run_dir = stop.run_dir or args.resume or "RUN_DIR"
+    run_dir = stop.run_dir or args.resume
+    if run_dir is None or not (Path(run_dir) / "config.yaml").exists():
+        return f"stopped by {stop.name} {where}, before the run began; run the command again"
     return (
         f"stopped by {stop.name} {where}{saved}; continue with: treadle train --resume {run_dir} "
         "(from the last checkpoint; nothing on disk is half-written)"

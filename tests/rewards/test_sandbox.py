@@ -217,6 +217,20 @@ def test_an_always_equal_object_equals_nothing_in_the_judge():
     assert run_tests(program, TEST, LIMITS).passed == (False,)
 
 
+def test_membership_is_decided_by_the_judge_not_the_programs_contains():
+    # A container that says it holds anything: the judge asks what it yields instead (nothing),
+    # so both tests fail; a real container of the right items passes.
+    liar = "class A:\n    def __contains__(self, x):\n        return True\n"
+    liar += "    def __iter__(self):\n        return iter(())\n"
+    liar += "def f(x):\n    return A()\n"
+    tests = ["assert 'zz' in f('abc')", "assert 3 in f([1, 2])"]
+    assert run_tests(liar, tests, LIMITS).passed == (False, False)
+    honest = "class B:\n    def __init__(self, items):\n        self.items = list(items)\n"
+    honest += "    def __iter__(self):\n        return iter(self.items)\n"
+    honest += "def f(x):\n    return B(list(x) + ['zz', 3])\n"
+    assert run_tests(honest, tests, LIMITS).passed == (True, True)
+
+
 # Issue 15: the tests' own judgement. Each program below computes f(x) = x (wrong: the tests
 # want x + 1) and attacks the helpers the tests call or the tests' frames; every test must fail,
 # while HONEST, with the same imports, passes every one (so the tests are passable). Against the

@@ -148,7 +148,7 @@ def test_round_trip_restores_model_optimizer_scheduler_and_rng(tmp_path: Path, t
 def test_state_json_is_plain_json(tmp_path: Path, trained) -> None:
     ckpt = save(tmp_path, 12, *trained)
     assert json.loads((ckpt / "state.json").read_text()) == {
-        "schema_version": 2,
+        "schema_version": 3,
         "step": 12,
         "policy_version": 1,
         "data_position": {"epoch": 0, "offset": 16},
@@ -359,7 +359,7 @@ def test_a_newer_schema_version_or_a_malformed_state_is_one_clear_error(tmp_path
     newer = {**STATE.to_json(), "schema_version": 7}
     (ckpt / "state.json").write_text(json.dumps(newer))
     with pytest.raises(
-        UserError, match=r"schema version 7, but this treadle reads versions up to 2"
+        UserError, match=r"schema version 7, but this treadle reads versions up to 3"
     ):
         read_checkpoint_state(ckpt)
     for bad in (0, -5, "2", True):  # not a schema version: one line naming the field

@@ -100,9 +100,19 @@ def test_no_valid_checkpoint_is_one_error_naming_each(tmp_path, trained) -> None
 def test_a_checkpoint_saved_before_manifests_loads_unverified(tmp_path, trained, caplog) -> None:
     ckpt = save(tmp_path, 2, *trained)
     (ckpt / "manifest.json").unlink()
+    state = json.loads((ckpt / "state.json").read_text())
+    (ckpt / "state.json").write_text(json.dumps({**state, "schema_version": 2}))
     with caplog.at_level(logging.WARNING, logger="treadle.store.checkpoint"):
         assert resume_checkpoint(tmp_path) == ckpt
     assert "no manifest" in caplog.text
+
+
+def test_a_deleted_manifest_is_damage_not_an_old_checkpoint(tmp_path, trained) -> None:
+    for step in (2, 4):
+        save(tmp_path, step, *trained)
+    # state.json's schema version 3 promises a manifest: without it step 4 is not trusted.
+    (tmp_path / "checkpoints" / "step_000004" / "manifest.json").unlink()
+    assert resume_checkpoint(tmp_path).name == "step_000002"
 
 
 Usage = namedtuple("Usage", "total used free")

@@ -112,6 +112,20 @@ def test_truncate_keeps_the_checkpointed_row_of_its_step_only(tmp_path: Path) ->
     assert read_metrics(tmp_path / "metrics.jsonl") == []
 
 
+def test_truncate_refuses_a_line_changed_by_hand(tmp_path: Path) -> None:
+    with MetricsLogger(tmp_path, tensorboard=False) as metrics:
+        for step in range(3):
+            metrics.log(step, {"loss": 0.5})
+    path = tmp_path / "metrics.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text(lines[0] + "{garbage\n" + lines[2])  # line 2 damaged, not a cut last line
+    with pytest.raises(UserError, match=r"metrics\.jsonl:2: not a metrics row"):
+        MetricsLogger(tmp_path, tensorboard=False).truncate_after(1)
+    path.write_bytes(b'{"step": 0, "lo\xffss": 1}\n')
+    with pytest.raises(UserError, match="is not UTF-8"):
+        MetricsLogger(tmp_path, tensorboard=False).truncate_after(1)
+
+
 def test_log_rejects_bad_input(tmp_path: Path) -> None:
     metrics = MetricsLogger(tmp_path, tensorboard=False)
     with pytest.raises(ValueError, match="reserved"):

@@ -101,8 +101,7 @@ def run_rl(parts: RLParts, start_step: int, progress: Progress, stop: StopOnSign
             if alarm is not None:  # after the step's row and rollouts are on disk: the evidence
                 raise UserError(alarm)
             saved = None
-            due = done % cfg.run.save_every == 0 or done == cfg.run.steps
-            if due or (stop.requested is not None and cfg.run.checkpoint_on_stop):
+            if done % cfg.run.save_every == 0 or done == cfg.run.steps:
                 saved = save_state(parts, done, *source.snapshot())
             progress.update(
                 done,
@@ -110,7 +109,10 @@ def run_rl(parts: RLParts, start_step: int, progress: Progress, stop: StopOnSign
                 accuracy=metrics["reward/accuracy"],
                 step_time_s=metrics["time/step_s"],
             )
-            stop.check(done, saved)  # the safe point: all of this step is on disk
+            if stop.requested is not None:  # the safe point: all of this step is on disk
+                if saved is None and cfg.run.checkpoint_on_stop:
+                    saved = save_state(parts, done, *source.snapshot())
+                stop.check(done, saved)
 
 
 def rl_step(

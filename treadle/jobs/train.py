@@ -48,7 +48,13 @@ from treadle.rollout.environments.rollout import episode_rollout
 from treadle.rollout.evaluate import EvalResult
 from treadle.store.atomic import save_model_atomic, write_json_atomic
 from treadle.store.data import Dataset, load_dataset
-from treadle.store.models import load_model, require_chat_template, require_model_folder
+from treadle.store.manifest import DiskFullError, is_disk_full, require_writable
+from treadle.store.models import (
+    load_model,
+    require_chat_template,
+    require_model_folder,
+    require_readable_model,
+)
 from treadle.store.observe import Progress
 from treadle.store.report import plot_run, print_summary, write_summary
 
@@ -75,7 +81,10 @@ def train(cfg: Config, resume: Path | None = None, console: Console | None = Non
         console.print(f"{run_dir} has finished its {cfg.run.steps} steps; its summary:")
         print_summary(console, finished)
         return finished
-    with stop_on_signal(run_dir) as stop:
+    for folder in (run_dir, run_dir / "checkpoints"):
+        if folder.is_dir():
+            require_writable(folder)  # a read-only disk, before any work is done
+    with stop_on_signal(run_dir) as stop, disk_full_named(run_dir):
         with remove_on_error(created):  # a failed start leaves nothing behind
             start = base_model(cfg, data, run_dir)
             max_model_len, longest = check_model(cfg, data, start)
@@ -84,8 +93,8 @@ def train(cfg: Config, resume: Path | None = None, console: Console | None = Non
         parts, done = compose(cfg, data, run_dir, start, max_model_len, console, longest)
         summary = _run_parts(parts, data, done, stop, console)
     summary["wall_time_s"] = time.perf_counter() - started
-    write_summary(run_dir, summary)
     plot_run(run_dir / "metrics.jsonl", run_dir / "plot.png")
+    write_summary(run_dir, summary)  # last: a summary marks the run finished
     print_summary(console, summary)
     console.print(f"run directory: {run_dir} (metrics.jsonl, plot.png, final_model/, ...)")
     return summary
@@ -100,6 +109,7 @@ def check_model(cfg: Config, data: Dataset, start: Path) -> tuple[int, int]:
         UserError: naming the folder, or the config field to change.
     """
     require_model_folder(start)
+    require_readable_model(start)
     max_model_len = min(AutoConfig.from_pretrained(start).max_position_embeddings, 8192)
     tokenizer = AutoTokenizer.from_pretrained(start)
     require_chat_template(tokenizer, start)
@@ -111,6 +121,21 @@ def check_model(cfg: Config, data: Dataset, start: Path) -> tuple[int, int]:
         )
     episode_rollout(cfg, tokenizer)  # the environment and the chat template
     return max_model_len, longest
+
+
+@contextlib.contextmanager
+def disk_full_named(run_dir: Path) -> Iterator[None]:
+    """Turn a write that met a full disk (metrics, rollouts, samples: appended or written whole)
+    into one :class:`~treadle.store.manifest.DiskFullError` naming ``run_dir``."""
+    try:
+        yield
+    except OSError as e:
+        if not is_disk_full(e):
+            raise
+        raise DiskFullError(
+            f"disk full writing {e.filename or 'in ' + str(run_dir)} ({e.strerror}); free space "
+            f"and continue with treadle train --resume {run_dir}: the last checkpoint is intact"
+        ) from None
 
 
 def _first_missing(path: Path) -> Path | None:

@@ -179,7 +179,6 @@ _OPERATIONS = {
     "len": len,
     "bool": bool,
     "getitem": lambda target, key: target[key],
-    "contains": lambda target, item: item in target,
 }
 
 

@@ -82,10 +82,13 @@ CRITIC_DIRNAME = "critic"
 CRITIC_STATE_FILENAME = "critic_state.pt"
 _STEP_DIR_RE = re.compile(r"^step_(\d{6,})$")
 
-RUN_STATE_VERSION = 2
+RUN_STATE_VERSION = 3
 """Schema version of ``state.json`` written now. Version 1 (the first, also written before the
 field existed) holds ``step``, ``policy_version`` and ``data_position``; version 2 adds
-``pending`` (asynchronous rollouts' prompts drawn and not trained)."""
+``pending`` (asynchronous rollouts' prompts drawn and not trained); version 3 has the same
+fields and promises a ``manifest.json`` beside it (a version-3 checkpoint without one is
+damaged; an older one is loaded unverified)."""
+MANIFEST_SINCE = 3
 
 
 @dataclass(frozen=True)
@@ -411,7 +414,8 @@ def resume_checkpoint(run_dir: str | os.PathLike[str]) -> Path | None:
         try:
             _check_complete(ckpt)
             verified = verify_manifest(ckpt)
-            read_checkpoint_state(ckpt)
+            if read_checkpoint_state(ckpt).schema_version >= MANIFEST_SINCE and not verified:
+                raise CorruptCheckpointError(f"{ckpt}: manifest.json is missing")
         except UserError as e:
             problems.append(f"{ckpt.name}: {e}")
             logger.warning("checkpoint %s is not valid (%s); trying the previous one", ckpt, e)

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from treadle.core.errors import UserError
@@ -108,7 +109,26 @@ def tree_bytes(root: Path) -> int:
 
 
 def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    """A size for a person: MiB below a GiB (a tiny model's checkpoint), else GiB."""
+    return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
+
+
+def require_writable(folder: Path) -> None:
+    """Create and delete a file in ``folder``: a read-only mount or a folder without write
+    permission is found before work that would be lost when the first write fails.
+
+    Raises:
+        UserError: naming the folder and the reason.
+    """
+    try:
+        fd, name = tempfile.mkstemp(prefix=".tmp_probe.", dir=folder)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as e:
+        raise UserError(
+            f"cannot write in {folder} ({e.strerror}); make it writable (or move the run "
+            "directory to a writable disk) and run the command again"
+        ) from None
 
 
 def require_free_space(path: Path, needed: int) -> None:
@@ -122,7 +142,7 @@ def require_free_space(path: Path, needed: int) -> None:
         raise DiskFullError(
             f"disk full: need {_gib(needed)} at {path} for a checkpoint, {_gib(free)} free; "
             "free space (or set run.output_dir on a larger disk) and resume with --resume: "
-            "the previous checkpoints are intact"
+            "no checkpoint was changed"
         )
 
 
@@ -140,15 +160,6 @@ def disk_full_error(path: Path, needed: int, error: BaseException) -> DiskFullEr
     logger.debug("write under %s failed: %r", path, error)
     return DiskFullError(
         f"disk full: a checkpoint write at {path} failed ({type(error).__name__}), "
-        f"{_gib(free)} free, about {_gib(needed)} needed; free space (or set run.output_dir on "
-        "a larger disk) and resume with --resume: the previous checkpoints are intact"
+        f"{_gib(free)} free; free space (or set run.output_dir on a larger disk) and resume "
+        "with --resume: no checkpoint was changed"
     )
-
-
-def fsync_file(path: Path) -> None:
-    """Fsync one file."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

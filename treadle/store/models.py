@@ -151,6 +151,32 @@ def require_model_folder(path: str | Path) -> Path:
     return folder
 
 
+def require_readable_model(folder: Path) -> None:
+    """Open what a run loads from a model folder before anything is made: ``config.json``,
+    the tokenizer, and each safetensors file's header (``safe_open`` checks the header covers
+    the file, so a truncated copy is found without reading the weights).
+
+    Raises:
+        UserError: naming the file that cannot be read and why.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{folder}/config.json cannot be read ({e}); copy it again") from None
+    try:
+        AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, TypeError) as e:  # a corrupt tokenizer.json is a ValueError
+        raise UserError(f"{folder}: the tokenizer cannot be loaded ({e}); copy it again") from None
+    for file in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), "pt") as weights:
+                weights.keys()
+        except (SafetensorError, OSError) as e:
+            raise UserError(f"{file} cannot be read ({e}); copy the weights again") from None
+
+
 def require_chat_template(tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
     """Prompts are rendered with the tokenizer's chat template: it must have one.
 

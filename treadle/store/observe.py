@@ -139,19 +139,25 @@ class MetricsLogger:
         ``purge_step=step + 1`` so TensorBoard hides the dropped steps too.
 
         Returns:
-            The number of lines dropped (unparsable lines count as dropped).
+            The number of lines dropped.
 
         Raises:
+            UserError: a line is not a metrics row, or the file is not UTF-8 (changed by hand).
             RuntimeError: the logger is closed.
         """
         if self._file is None:
             raise RuntimeError(f"MetricsLogger for {self.run_dir} is closed")
         self._file.close()
-        lines = self.metrics_path.read_text(encoding="utf-8").splitlines(keepends=True)
+        lines = self._checked_lines()
         kept, at_step = [], 0
-        for line in lines:
+        for number, line in enumerate(lines, start=1):
             row = _parse_line(line, self.metrics_path)
-            if row is None or row["step"] is None or row["step"] > step:
+            if row is None and line.strip():  # a whole line (a cut last one is gone already)
+                raise UserError(
+                    f"{self.metrics_path}:{number}: not a metrics row ({line[:60]!r}); the file "
+                    "was changed by hand: restore that line or delete it, then resume"
+                )
+            if row is None or row["step"] > step:
                 continue
             if row["step"] == step:
                 at_step += 1
@@ -167,6 +173,20 @@ class MetricsLogger:
         dropped = len(lines) - len(kept)
         logger.info("dropped %d metrics lines after step %d", dropped, step)
         return dropped
+
+    def _checked_lines(self) -> list[str]:
+        """The lines of ``metrics.jsonl``.
+
+        Raises:
+            UserError: the file is not UTF-8 (damaged; naming it).
+        """
+        try:
+            return self.metrics_path.read_text(encoding="utf-8").splitlines(keepends=True)
+        except UnicodeDecodeError as e:
+            raise UserError(
+                f"{self.metrics_path} is not UTF-8 text ({e}); it was damaged: restore it from a "
+                "copy, or delete it (the logged rows are lost) and resume"
+            ) from None
 
     def close(self) -> None:
         """Flush and close the files; further :meth:`log` calls raise. Idempotent."""
