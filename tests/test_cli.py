@@ -273,3 +273,19 @@ def test_a_signal_before_the_run_began_says_to_run_again(tmp_path):
         f"stopped by SIGINT after step 3, checkpoint step_000003 saved; continue with: "
         f"treadle train --resume {tmp_path} "
     )
+
+
+def test_a_full_disk_in_a_background_writer_prints_no_traceback():
+    import errno
+    import threading
+
+    from treadle.cli import _quiet_disk_full
+
+    seen = []
+    hook = _quiet_disk_full(seen.append)
+    full = OSError(errno.ENOSPC, "No space left on device")
+    hook(threading.ExceptHookArgs((OSError, full, None, None)))
+    assert seen == []  # the main thread reports it, once
+    other = threading.ExceptHookArgs((ValueError, ValueError("bug"), None, None))
+    hook(other)
+    assert seen == [other]  # everything else keeps its traceback

@@ -31,6 +31,7 @@ import argparse
 import errno
 import logging
 import sys
+import threading
 from pathlib import Path
 
 
@@ -93,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     from treadle.core.errors import UserError
     from treadle.jobs.stopping import Stopped, stop_on_signal
 
+    threading.excepthook = _quiet_disk_full(threading.excepthook)
     try:
         with stop_on_signal():  # SIGTERM stops any command at once; train waits for its step
             return _run(args)
@@ -181,6 +183,23 @@ def _run(args: argparse.Namespace) -> int:
 
     train(cfg, resume=args.resume, console=console)
     return 0
+
+
+def _quiet_disk_full(default):
+    """A ``threading.excepthook`` that prints nothing for a full disk in a background writer
+    (TensorBoard's): the main thread meets the same error on its next write and reports it
+    in one line. Any other error keeps ``default``'s traceback."""
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        """Skip ENOSPC/EDQUOT, hand the rest to ``default``."""
+        if isinstance(args.exc_value, OSError) and args.exc_value.errno in (
+            errno.ENOSPC,
+            errno.EDQUOT,
+        ):
+            return
+        default(args)
+
+    return hook
 
 
 def _stopped(stop, args: argparse.Namespace) -> str:

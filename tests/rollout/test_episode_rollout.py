@@ -15,6 +15,8 @@ from treadle.config import load_config
 from treadle.core.errors import UserError
 from treadle.core.protocols import SamplingParams
 from treadle.core.types import FinishReason
+from treadle.rewards.base import Score
+from treadle.rewards.pool import BatchScores
 from treadle.rollout.environments.base import StepResult
 from treadle.rollout.environments.calculator import calculate, calculator
 from treadle.rollout.environments.episode import Budgets, run_episode
@@ -125,11 +127,8 @@ class FakePool:
     """Scores every answer 0.5 (correct False), as a reward pool's batch."""
 
     def score(self, items):
-        one = SimpleNamespace(reward=0.5, correct=False)
-        return SimpleNamespace(
-            scores=[one] * len(items), failed=[False] * len(items), failures=0, timeouts=0,
-            cached=0,
-        )  # fmt: skip
+        scores = [Score(0.5, False)] * len(items)
+        return BatchScores(scores, 0, 0, 0.0, cached=0, failed=[False] * len(items))
 
 
 def test_an_environment_reward_replaces_the_domain_reward(renderer):
