@@ -72,8 +72,8 @@ def train(cfg: Config, resume: Path | None = None, console: Console | None = Non
     seed_everything(cfg.run.seed)
     data = load_dataset(cfg.data)
     check_inputs(cfg, data)  # bad input fails here, before a run directory exists
-    if cfg.model.path is not None:  # the model's own checks too, before the run directory
-        check_model(cfg, data, Path(cfg.model.path))
+    # A given model is checked before the run directory exists; a built one once it is built.
+    checked = check_model(cfg, data, Path(cfg.model.path)) if cfg.model.path else None
     created = None if resume else _first_missing(Path(cfg.run.output_dir) / cfg.run.name)
     run_dir = prepare_run_dir(cfg, resume)
     finished = _load_json(run_dir / "summary.json")
@@ -87,7 +87,7 @@ def train(cfg: Config, resume: Path | None = None, console: Console | None = Non
     with stop_on_signal(run_dir) as stop, disk_full_named(run_dir):
         with remove_on_error(created):  # a failed start leaves nothing behind
             start = base_model(cfg, data, run_dir)
-            max_model_len, longest = check_model(cfg, data, start)
+            max_model_len, longest = checked or check_model(cfg, data, start)
         if cfg.sft.steps > 0:
             start = warm_up(cfg, data, start, run_dir, console)
         parts, done = compose(cfg, data, run_dir, start, max_model_len, console, longest)
