@@ -151,6 +151,11 @@ def _check_sources(cfg: Config) -> None:
             )
         if s.source != "reasoning_gym" and not s.path:
             raise UserError(f"config {key}.path: required for source={s.source}")
+        if s.answer_pattern and s.answer_extract != "none":
+            raise UserError(
+                f"config {key}.answer_extract={s.answer_extract}: {key}.answer_pattern is set "
+                "too; keep one way of taking the gold answer out"
+            )
     if cfg.data.reasoning != "none" and cfg.data.source != "reasoning_gym":
         raise UserError("config data.reasoning: chain_steps needs data.source=reasoning_gym")
 

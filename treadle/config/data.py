@@ -28,7 +28,18 @@ class SourceConfig:
     question_field: str = "question"
     answer_field: str = "answer"
     answer_pattern: str | None = None
-    """Regex applied to the answer column; group 1 is the gold answer (e.g. GSM8K ``#### (.+)``)."""
+    """Regex applied to the answer column; group 1 is the gold answer (e.g. GSM8K ``#### (.+)``).
+    A regex cannot take a nested ``\\boxed{...}``: use ``answer_extract: boxed`` for that."""
+    answer_extract: Literal["none", "boxed", "gsm8k", "answer_is"] = "none"
+    """Take the gold answer out of the answer column without a regex: ``boxed`` the content of
+    the last balanced ``\\boxed{...}`` or ``\\fbox{...}`` (MATH, Minerva-math solutions),
+    ``gsm8k`` the rest of the line after the last ``####``, ``answer_is`` what follows the last
+    "The answer is" (a trailing period dropped). A row where it finds nothing, or an empty
+    answer, is a bad row (see ``skip_bad_rows``). Not together with ``answer_pattern``."""
+    skip_bad_rows: bool = False
+    """Skip and count a bad row of this source's file (not JSON, a missing field, no answer
+    extracted) instead of stopping the load; the count is logged and reported by
+    ``treadle reward-check``."""
     task: str = "chain_sum"
     """reasoning-gym dataset name (for that source)."""
     task_params: dict[str, int | float | str] = field(default_factory=dict)
@@ -65,7 +76,10 @@ class DataConfig(SourceConfig):
     seed: int = 42
     system_prompt: str | None = None
     answer_template: str = "<answer>{answer}</answer>"
-    """An SFT demonstration: ``{answer}`` is the gold answer, ``{reasoning}`` its worked steps."""
+    """How a reply writes its answer: the SFT demonstrations, and the text ``treadle
+    reward-check`` scores for each gold answer. Python ``str.format``: ``{answer}`` is the gold
+    answer, ``{reasoning}`` its worked steps, and a literal brace is doubled (a boxed answer is
+    ``"\\boxed{{{answer}}}"``)."""
     reasoning: Literal["none", "chain_steps"] = "none"
     """Worked steps for demonstrations: ``chain_steps`` evaluates a reasoning-gym +/- chain
     left to right (``3 + 4 = 7, 7 - 9 = -2.``)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from enum import StrEnum
 
+from treadle.core.answers import last_boxed
 from treadle.core.errors import UserError
 
 
@@ -14,7 +15,8 @@ class Extraction(StrEnum):
     ANSWER_TAG = "answer_tag"
     """The content of the last ``<answer>...</answer>`` block."""
     BOXED = "boxed"
-    """The content of the last ``\\boxed{...}`` (braces balanced)."""
+    """The content of the last ``\\boxed{...}`` or ``\\fbox{...}`` (braces balanced; see
+    :func:`treadle.core.answers.last_boxed`)."""
     LAST_NUMBER = "last_number"
     """The last number in the text, e.g. ``-1,000.5`` (thousands commas kept as written)."""
     FULL = "full"
@@ -34,7 +36,6 @@ def parse_extraction(value: str) -> Extraction:
         raise UserError(f"unknown extract option {value!r}; valid options: {valid}") from None
 
 
-_BOXED = "\\boxed{"
 # A number with thousands commas (1,000,000) or plain digits, optional sign and decimals.
 _NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
 
@@ -47,7 +48,7 @@ def extract_answer(response: str, how: Extraction) -> str | None:
     if how is Extraction.ANSWER_TAG:
         return _last_answer_tag(response)
     if how is Extraction.BOXED:
-        return _last_boxed(response)
+        return last_boxed(response)
     if how is Extraction.LAST_NUMBER:
         numbers = _NUMBER.findall(response)
         return numbers[-1] if numbers else None
@@ -64,20 +65,3 @@ def _last_answer_tag(response: str) -> str | None:
     if start < 0:
         return None
     return response[start + len("<answer>") : end].strip()
-
-
-def _last_boxed(response: str) -> str | None:
-    start = response.rfind(_BOXED)
-    if start < 0:
-        return None
-    depth = 1
-    begin = start + len(_BOXED)
-    for i in range(begin, len(response)):
-        char = response[i]
-        if char == "{":
-            depth += 1
-        elif char == "}":
-            depth -= 1
-            if depth == 0:
-                return response[begin:i].strip()
-    return None  # unbalanced braces: the box was never closed

@@ -2,6 +2,8 @@
 
 A dataset is split once into training tasks and held-out tasks; held-out prompts are
 deduplicated against the training prompts so evaluation never sees a trained-on question.
+A file's gold answer is its answer field, or what ``answer_pattern`` or ``answer_extract``
+takes out of it; a bad row stops the load, or is skipped and counted (``skip_bad_rows``).
 """
 
 from __future__ import annotations
@@ -9,17 +11,24 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from treadle.config import DataConfig, SourceConfig
+from treadle.core.answers import after_last_hashes, answer_is, last_boxed
 from treadle.core.errors import UserError
 from treadle.core.types import CodeTests, DataPosition, Message, Task
+
+logger = logging.getLogger(__name__)
+
+# data.answer_extract's extractors: the gold answer in a solution text, or None.
+_EXTRACTORS = {"boxed": last_boxed, "gsm8k": after_last_hashes, "answer_is": answer_is}
 
 
 @dataclass(frozen=True)
@@ -28,6 +37,44 @@ class Dataset:
 
     train: tuple[Task, ...]
     held_out: tuple[Task, ...]
+    skipped: tuple[str, ...] = ()
+    """The bad rows skipped under ``skip_bad_rows`` (all sources), one line each: where
+    (``file:line``) and why."""
+
+
+@dataclass(frozen=True)
+class GoldRows:
+    """Every task of a config's sources, unsplit: no held-out split, no ``size`` cap, no
+    deduplication (what ``treadle reward-check`` checks), each with its raw answer."""
+
+    tasks: tuple[Task, ...]
+    raw_answers: tuple[str, ...]
+    """``[len(tasks)]``: the answer field as the file holds it, before any extraction."""
+    skipped: tuple[str, ...] = ()
+    """The bad rows skipped under ``skip_bad_rows``, as in :attr:`Dataset.skipped`."""
+
+
+@dataclass
+class BadRows:
+    """What becomes of a bad row of a file: a UserError naming ``file:line`` and the fix, or,
+    with ``skip``, a line in ``skipped`` and the load goes on."""
+
+    skip: bool
+    key: str
+    """The config key that turns skipping on (``data.skip_bad_rows``), named in the error."""
+    skipped: list[str] = field(default_factory=list)
+
+    def bad(self, where: str, why: str) -> None:
+        """Record the bad row at ``where``.
+
+        Raises:
+            UserError: without ``skip``: ``where: why; ...set KEY=true to skip such rows``.
+        """
+        if not self.skip:
+            raise UserError(
+                f"{where}: {why}; fix or remove it, or set {self.key}=true to skip such rows"
+            )
+        self.skipped.append(f"{where}: {why}")
 
 
 def load_dataset(cfg: DataConfig) -> Dataset:
@@ -42,23 +89,61 @@ def load_dataset(cfg: DataConfig) -> Dataset:
         UserError: unreadable or malformed file (naming file and line), a missing field, an
             unknown reasoning-gym task, or too few prompts.
     """
-    main = _load_source(cfg)
+    main = _load_source(cfg, "data")
     if not cfg.mix:
         return main
     parts = [(main, cfg.weight)]
-    for k, m in enumerate(cfg.mix):
-        # The main section with this source's fields: the same seed and system prompt, but no
-        # worked steps (data.reasoning is checked against the main source only).
-        shared = {f.name: getattr(m, f.name) for f in dataclasses.fields(SourceConfig)}
-        sub = dataclasses.replace(cfg, **shared, reasoning="none", mix=[])
-        parts.append((_distinct_ids(_load_source(sub), parts, f"mix{k}"), m.weight))
+    for k, (key, sub) in enumerate(_mixed_sources(cfg)):
+        parts.append((_distinct_ids(_load_source(sub, key), parts, f"mix{k}"), sub.weight))
     total, weights = sum(len(d.train) for d, _ in parts), sum(w for _, w in parts)
     train: list[Task] = []
     for d, w in parts:
         count = max(1, round(w / weights * total))
         train += [d.train[i % len(d.train)] for i in range(count)]
     held_out = [t for d, _ in parts for t in d.held_out]
-    return Dataset(tuple(train), tuple(held_out))
+    skipped = tuple(line for d, _ in parts for line in d.skipped)
+    return Dataset(tuple(train), tuple(held_out), skipped)
+
+
+def load_gold_rows(cfg: DataConfig) -> GoldRows:
+    """Every task of the config's sources (``data`` and ``data.mix``) in file order, each with
+    its raw answer field: a file's rows all, whatever ``eval_size`` and ``size`` say (so a file
+    smaller than the held-out split is checked whole); a reasoning-gym source's training and
+    held-out tasks.
+
+    Raises:
+        UserError: as :func:`load_dataset`, except that no split is needed.
+    """
+    parts = [_gold_rows(cfg, "data"), *(_gold_rows(sub, key) for key, sub in _mixed_sources(cfg))]
+    return GoldRows(
+        tuple(t for p in parts for t in p.tasks),
+        tuple(r for p in parts for r in p.raw_answers),
+        tuple(line for p in parts for line in p.skipped),
+    )
+
+
+def _gold_rows(cfg: DataConfig, key: str) -> GoldRows:
+    if cfg.source in ("humaneval", "mbpp"):
+        tasks = _code_tasks(cfg)
+    elif cfg.source == "reasoning_gym":
+        train, held_out = _reasoning_gym(cfg)
+        tasks = [*train, *held_out]
+    else:
+        return _file_rows(cfg, key)
+    return GoldRows(tuple(tasks), tuple(t.answer for t in tasks))
+
+
+def _mixed_sources(cfg: DataConfig) -> list[tuple[str, DataConfig]]:
+    """``data.mix``'s sources, each as the main section with its fields (the same seed and
+    system prompt, but no worked steps: data.reasoning is checked against the main source
+    only), with its config key (``data.mix[0]``)."""
+    subs = []
+    for k, m in enumerate(cfg.mix):
+        shared = {f.name: getattr(m, f.name) for f in dataclasses.fields(SourceConfig)}
+        subs.append(
+            (f"data.mix[{k}]", dataclasses.replace(cfg, **shared, reasoning="none", mix=[]))
+        )
+    return subs
 
 
 def _distinct_ids(data: Dataset, earlier: list[tuple[Dataset, float]], prefix: str) -> Dataset:
@@ -72,10 +157,10 @@ def _distinct_ids(data: Dataset, earlier: list[tuple[Dataset, float]], prefix: s
     def _renamed(tasks: tuple[Task, ...]) -> tuple[Task, ...]:
         return tuple(dataclasses.replace(t, task_id=f"{prefix}/{t.task_id}") for t in tasks)
 
-    return Dataset(_renamed(data.train), _renamed(data.held_out))
+    return Dataset(_renamed(data.train), _renamed(data.held_out), data.skipped)
 
 
-def _load_source(cfg: DataConfig) -> Dataset:
+def _load_source(cfg: DataConfig, key: str) -> Dataset:
     if cfg.source in ("humaneval", "mbpp"):
         tasks = _code_tasks(cfg)
         if len(tasks) <= cfg.eval_size:
@@ -85,23 +170,24 @@ def _load_source(cfg: DataConfig) -> Dataset:
             )
         cut = len(tasks) - cfg.eval_size
         return Dataset(tuple(tasks[:cut][: cfg.size]), tuple(tasks[cut:]))
+    skipped: tuple[str, ...] = ()
     if cfg.source == "reasoning_gym":
         train, held_out = _reasoning_gym(cfg)
     else:
-        rows = read_rows(Path(cfg.path or ""), cfg.source)
-        tasks = [_file_task(cfg, row, where, i) for i, (row, where) in enumerate(rows)]
+        rows = _file_rows(cfg, key)
+        tasks, skipped = list(rows.tasks), rows.skipped
         if len(tasks) <= cfg.eval_size:
             raise UserError(
-                f"data.path {cfg.path}: {len(tasks)} usable rows, need more than "
-                f"data.eval_size={cfg.eval_size} (the held-out split); add data or lower it"
+                f"{key}.path {cfg.path}: {len(tasks)} usable rows, need more than "
+                f"{key}.eval_size={cfg.eval_size} (the held-out split); add data or lower it"
             )
         held_out = tasks[-cfg.eval_size :] if cfg.eval_size else []
         train = tasks[: len(tasks) - cfg.eval_size][: cfg.size]
         seen = {t.messages for t in train}
         held_out = [t for t in held_out if t.messages not in seen]
     if not train:
-        raise UserError(f"data: the dataset ({cfg.source} {cfg.path or cfg.task}) is empty")
-    return Dataset(tuple(train), tuple(held_out))
+        raise UserError(f"{key}: the dataset ({cfg.source} {cfg.path or cfg.task}) is empty")
+    return Dataset(tuple(train), tuple(held_out), skipped)
 
 
 def _code_tasks(cfg: DataConfig) -> list[Task]:
@@ -230,9 +316,12 @@ def render_demonstration(task: Task, template: str, answer: str | None = None) -
     )
 
 
-def read_rows(path: Path, source: str, key: str = "data.path") -> list[tuple[dict[str, Any], str]]:
+def read_rows(
+    path: Path, source: str, key: str = "data.path", bad_rows: BadRows | None = None
+) -> list[tuple[dict[str, Any], str]]:
     """The JSON objects of a jsonl file (or the rows of a parquet file), each with where it came
-    from (``file:line``) for error messages.
+    from (``file:line``) for error messages. A malformed line goes to ``bad_rows`` when given
+    (skipped or raised there).
 
     Raises:
         UserError: naming ``key`` (the config key that gave the path) for a missing or unreadable
@@ -259,47 +348,90 @@ def read_rows(path: Path, source: str, key: str = "data.path") -> list[tuple[dic
             continue
         try:
             row = json.loads(line)
+            why = None if isinstance(row, dict) else "expected a JSON object per line"
         except json.JSONDecodeError as e:
-            raise UserError(
-                f"{path}:{lineno}: malformed JSON line ({e.msg}); fix or remove it"
-            ) from None
-        if not isinstance(row, dict):
-            raise UserError(f"{path}:{lineno}: expected a JSON object per line")
-        rows.append((row, f"{path}:{lineno}"))
+            why = f"malformed JSON line ({e.msg})"
+        if why is None:
+            rows.append((row, f"{path}:{lineno}"))
+        elif bad_rows is None:
+            raise UserError(f"{path}:{lineno}: {why}; fix or remove it")
+        else:
+            bad_rows.bad(f"{path}:{lineno}", why)
     return rows
 
 
 @functools.cache
-def _answer_regex(pattern: str) -> re.Pattern[str]:
+def _answer_regex(pattern: str, key: str) -> re.Pattern[str]:
     try:
         regex = re.compile(pattern, flags=re.MULTILINE)
     except re.error as e:
-        raise UserError(f"data.answer_pattern {pattern!r}: not a valid regex ({e})") from None
+        raise UserError(f"{key}.answer_pattern {pattern!r}: not a valid regex ({e})") from None
     if regex.groups < 1:
-        raise UserError(f"data.answer_pattern {pattern!r}: needs a group (...) around the answer")
+        raise UserError(f"{key}.answer_pattern {pattern!r}: needs a group (...) around the answer")
     return regex
 
 
-def _file_task(cfg: DataConfig, row: dict[str, Any], where: str, index: int) -> Task:
-    for name, col in (("question_field", cfg.question_field), ("answer_field", cfg.answer_field)):
-        if col not in row:
-            raise UserError(f"{where}: no field {col!r} (data.{name}); fields are {sorted(row)}")
-    answer = str(row[cfg.answer_field])
-    if cfg.answer_pattern:
-        m = _answer_regex(cfg.answer_pattern).search(answer)
-        if not m:
-            raise UserError(
-                f"{where}: answer does not match data.answer_pattern {cfg.answer_pattern!r}"
+def _file_rows(cfg: DataConfig, key: str) -> GoldRows:
+    """The tasks of a jsonl/parquet source, in file order, with their raw answer fields; bad
+    rows raised or skipped (``{key}.skip_bad_rows``), the skipped ones logged."""
+    bad = BadRows(cfg.skip_bad_rows, f"{key}.skip_bad_rows")
+    tasks, raw_answers = [], []
+    for row, where in read_rows(Path(cfg.path or ""), cfg.source, f"{key}.path", bad):
+        missing = [
+            f"no field {col!r} ({key}.{name}); fields are {sorted(row)}"
+            for name, col in (
+                ("question_field", cfg.question_field),
+                ("answer_field", cfg.answer_field),
             )
-        answer = m.group(1).strip()
-        if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", answer):  # "1,000" -> "1000"
-            answer = answer.replace(",", "")
-    return Task(
-        task_id=f"{Path(cfg.path or '').stem}/{index}",
-        messages=_messages(cfg, str(row[cfg.question_field])),
-        answer=answer,
-        domain=cfg.domain,
-    )
+            if col not in row
+        ]
+        if missing:
+            bad.bad(where, missing[0])
+            continue
+        raw = str(row[cfg.answer_field])
+        answer = _gold_answer(cfg, key, raw, where, bad)
+        if answer is None:
+            continue
+        task_id = f"{Path(cfg.path or '').stem}/{len(tasks)}"
+        question = str(row[cfg.question_field])
+        tasks.append(Task(task_id, _messages(cfg, question), answer=answer, domain=cfg.domain))
+        raw_answers.append(raw)
+    if bad.skipped:
+        logger.warning(
+            "%s: skipped %d bad rows (%s=true), the first: %s",
+            cfg.path,
+            len(bad.skipped),
+            bad.key,
+            bad.skipped[0],
+        )
+    return GoldRows(tuple(tasks), tuple(raw_answers), tuple(bad.skipped))
+
+
+def _gold_answer(cfg: DataConfig, key: str, raw: str, where: str, bad: BadRows) -> str | None:
+    """The gold answer in a row's answer field ``raw``: all of it, or what ``answer_pattern``
+    or ``answer_extract`` takes out (stripped, ``1,000`` -> ``1000``); None for a bad row (one
+    where nothing, or nothing but blanks, is taken out), recorded in ``bad``."""
+    if cfg.answer_pattern:
+        m = _answer_regex(cfg.answer_pattern, key).search(raw)
+        if not m:
+            bad.bad(where, f"answer does not match {key}.answer_pattern {cfg.answer_pattern!r}")
+            return None
+        answer, how = (m.group(1) or "").strip(), f"{key}.answer_pattern"
+    elif cfg.answer_extract != "none":
+        found = _EXTRACTORS[cfg.answer_extract](raw)
+        how = f"{key}.answer_extract={cfg.answer_extract}"
+        if found is None:
+            bad.bad(where, f"{how} finds no answer in field {cfg.answer_field!r}")
+            return None
+        answer = found
+    else:
+        return raw
+    if not answer:
+        bad.bad(where, f"{how} takes an empty answer out of field {cfg.answer_field!r}")
+        return None
+    if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", answer):  # "1,000" -> "1000"
+        answer = answer.replace(",", "")
+    return answer
 
 
 def render_prompt(tokenizer: PreTrainedTokenizerBase, task: Task) -> list[int]:
