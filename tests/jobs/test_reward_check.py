@@ -105,7 +105,9 @@ def test_a_brace_regex_is_flagged_not_0_fail(minerva, capsys, pattern, cut, reje
     assert all("unbalanced braces" in f.reasons for f in result.failures)
     assert (result.rejected, result.suspect) == (rejected, 2)
     assert main(["reward-check", str(RECIPE), *overrides]) == 1
-    assert f"2 of 4 gold answers fail: {rejected} rejected" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"2 of 4 gold answers fail: {rejected} rejected" in out
+    assert "data.answer_extract=boxed can" in out
 
 
 def test_skipped_rows_are_reported(minerva, capsys):

@@ -186,6 +186,12 @@ def report(result: RewardCheck, console: Console, show: int = 20) -> None:
         + (f"; {result.errors} grader errors or timeouts" if result.errors else ""),
         markup=False,
     )
+    if result.suspect:
+        console.print(
+            "golds that look cut come from data.answer_pattern or data.answer_extract; a regex "
+            "cannot take a nested \\boxed{...}, data.answer_extract=boxed can",
+            markup=False,
+        )
     if not n:
         return
     table = Table("task", "gold answer", "gold completion", "reward", "why")
