@@ -26,7 +26,9 @@ class SourceConfig:
     path: str | None = None
     """jsonl/parquet file (for those sources)."""
     question_field: str = "question"
+    """Field (column) of the question in each row of the file."""
     answer_field: str = "answer"
+    """Field (column) of the gold answer in each row of the file."""
     answer_pattern: str | None = None
     """Regex applied to the answer column; group 1 is the gold answer (e.g. GSM8K ``#### (.+)``)."""
     task: str = "chain_sum"
@@ -63,7 +65,9 @@ class DataConfig(SourceConfig):
     weight: float = bounded(finite(), positive(), default=1.0)
     """Share of training prompts from this (the main) source when ``mix`` adds others."""
     seed: int = 42
+    """Seed of the generated reasoning-gym prompts (the held-out ones use another seed)."""
     system_prompt: str | None = None
+    """A system message put before every question (null: none)."""
     answer_template: str = "<answer>{answer}</answer>"
     """An SFT demonstration: ``{answer}`` is the gold answer, ``{reasoning}`` its worked steps."""
     reasoning: Literal["none", "chain_steps"] = "none"
@@ -73,3 +77,9 @@ class DataConfig(SourceConfig):
     """More sources, e.g. ``[{source: mbpp, path: ..., domain: code, weight: 0.3}]``: training
     prompts are drawn from all of them in proportion to their weights; held-out prompts of each
     source are evaluated together."""
+    chat_template_kwargs: dict[str, bool | int | float | str] = field(default_factory=dict)
+    """Extra variables of the model's chat template, passed to ``apply_chat_template`` wherever
+    a prompt is rendered (rollouts, evaluation, SFT and DPO prompts, episodes), e.g.
+    ``{enable_thinking: false}`` for Qwen3 (an empty think block: the model answers without
+    thinking); verl's ``data.apply_chat_template_kwargs``. Names the template does not use are
+    ignored by it."""

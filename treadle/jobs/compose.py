@@ -189,7 +189,7 @@ def engine_kv_gib(
     sequences = max(groups * r.n, len(data.held_out) * cfg.eval.samples_per_prompt)
     model = AutoConfig.from_pretrained(model_dir)
     tokens = longest_prompt + r.max_tokens
-    return kv_cache_gib(model, cfg.model.dtype, sequences, tokens, max_model_len)
+    return kv_cache_gib(model, cfg.rollout.dtype, sequences, tokens, max_model_len)
 
 
 @dataclass(frozen=True)
@@ -273,7 +273,7 @@ def compose(
     weights = ckpt / "model" if ckpt else start
     spec = EngineSpec(
         model_dir=str(weights),
-        dtype=cfg.model.dtype,
+        dtype=cfg.rollout.dtype,
         seed=cfg.run.seed,
         # Room for the model's whole context, capped to bound the KV cache it reserves.
         max_model_len=max_model_len,

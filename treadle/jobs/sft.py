@@ -190,7 +190,7 @@ def warm_up(cfg: Config, data: Dataset, start: Path, run_dir: Path, console: Con
     folder = run_dir / "sft_model"
     if (folder / "config.json").exists():
         return folder
-    model, tokenizer = load_model(start, cfg.model.dtype)
+    model, tokenizer = load_model(start, "float32")  # fp32 master weights, as in RL
     samples = sft_samples(cfg, data, tokenizer)
     backend = sft_backend(cfg, model, cfg.sft.steps)
     metrics = MetricsLogger(run_dir / "sft")

@@ -232,7 +232,7 @@ def describe(algo: AlgorithmConfig) -> str:
 def control_run(parts: RLParts, data: Dataset, run_dir: Path, seconds: float) -> dict:
     """The control: the same wall time spent on more SFT from the SFT checkpoint instead of RL."""
     cfg = parts.cfg
-    model, tokenizer = load_model(run_dir / "sft_model", cfg.model.dtype)
+    model, tokenizer = load_model(run_dir / "sft_model", "float32")  # as the SFT warm-up
     samples = sft_samples(cfg, data, tokenizer)
     probe = sft_backend(cfg, copy.deepcopy(model), 2)
     t0 = time.perf_counter()
