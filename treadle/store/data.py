@@ -11,6 +11,7 @@ import functools
 import json
 import random
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -302,12 +303,19 @@ def _file_task(cfg: DataConfig, row: dict[str, Any], where: str, index: int) -> 
     )
 
 
-def render_prompt(tokenizer: PreTrainedTokenizerBase, task: Task) -> list[int]:
-    """Prompt token ids ``[P]``: the chat template over the task's messages, ready for a reply."""
+def render_prompt(
+    tokenizer: PreTrainedTokenizerBase,
+    task: Task,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> list[int]:
+    """Prompt token ids ``[P]``: the chat template over the task's messages, ready for a reply,
+    with ``template_kwargs`` (``data.chat_template_kwargs``, e.g. ``{"enable_thinking": False}``
+    for Qwen3) as extra variables of the template."""
     text = tokenizer.apply_chat_template(
         [{"role": m.role, "content": m.content} for m in task.messages],
         add_generation_prompt=True,
         tokenize=False,
+        **(template_kwargs or {}),
     )
     return tokenizer.encode(text, add_special_tokens=False)
 
