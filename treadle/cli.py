@@ -44,48 +44,28 @@ def _parser() -> argparse.ArgumentParser:
         "treadle config: every config key with its type, default and meaning.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser(
-        "train", help="SFT warm-up (if sft.steps > 0), then RL, with evaluation", **_about("train")
-    )
+    train = sub.add_parser("train", **_about("train"))
     train.add_argument("recipe", nargs="?", help="YAML recipe (omit with --resume)")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-5")
     train.add_argument(
         "--resume", type=Path, metavar="RUN_DIR", help="continue the run in this directory"
     )
-    sft = sub.add_parser(
-        "sft", help="supervised fine-tuning only; writes RUN/sft_model", **_about("sft")
-    )
+    sft = sub.add_parser("sft", **_about("sft"))
     sft.add_argument("recipe", help="YAML recipe (every key: treadle config)")
     sft.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.size=500")
-    dpo = sub.add_parser(
-        "dpo",
-        help="DPO on preference pairs against the starting model; writes RUN/dpo_model",
-        **_about("dpo"),
-    )
+    dpo = sub.add_parser("dpo", **_about("dpo"))
     dpo.add_argument("recipe", help="YAML recipe (every key: treadle config)")
     dpo.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.size=500")
-    check = sub.add_parser(
-        "reward-check",
-        help="score the data's gold answers with the recipe's graders; exit 1 if any fail",
-        **_about("reward-check"),
-    )
+    check = sub.add_parser("reward-check", **_about("reward-check"))
     check.add_argument("recipe", help="YAML recipe (every key: treadle config)")
     check.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.size=500")
-    serve = sub.add_parser(
-        "serve-reward",
-        help="serve the recipe's reward functions over HTTP (POST /score)",
-        **_about("serve-reward"),
-    )
+    serve = sub.add_parser("serve-reward", **_about("serve-reward"))
     serve.add_argument("recipe", help="YAML recipe (every key: treadle config)")
     serve.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.size=500")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     serve.add_argument("--port", type=int, default=8900)
-    inspect = sub.add_parser(
-        "inspect",
-        help="print a step's rollouts from RUN/buffer; --replay recomputes its update",
-        **_about("inspect"),
-    )
-    inspect.add_argument("run_dir", type=Path)
+    inspect = sub.add_parser("inspect", **_about("inspect"))
+    inspect.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="e.g. runs/default")
     inspect.add_argument("--step", type=int, help="the RL step (default: the last stored)")
     inspect.add_argument("--limit", type=_positive, default=32, help="rollouts to print")
     inspect.add_argument(
@@ -94,11 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument(
         "--rollout", help="print this rollout id turn by turn, with what is trained marked"
     )
-    config = sub.add_parser(
-        "config",
-        help="list the config keys with their type, default and meaning",
-        **_about("config"),
-    )
+    config = sub.add_parser("config", **_about("config"))
     config.add_argument(
         "section", nargs="?", help="a section (rollout, algorithm.kl, data.mix) or one key"
     )
@@ -108,6 +84,7 @@ def _parser() -> argparse.ArgumentParser:
 _RUN = "RUN_DIR is run.output_dir/run.name (runs/default for the default recipe)."
 _ABOUT = {
     "train": (
+        "SFT warm-up (if sft.steps > 0), then RL, with evaluation",
         "Train a policy. Builds or loads the model (model.path, or a small model built from "
         "model.tiny) and the data (data.*), runs the SFT warm-up when sft.steps > 0, then "
         "run.steps RL steps (generate, score, update, sync weights), evaluating held-out "
@@ -122,14 +99,17 @@ _ABOUT = {
         "  treadle train --resume runs/default run.steps=80",
     ),
     "sft": (
+        "supervised fine-tuning only; writes RUN/sft_model",
         "Supervised fine-tuning only: the SFT warm-up of train (sft.steps steps on the data's "
         "demonstrations, written with data.answer_template), without RL.\n\n"
         "Reads the RECIPE, model.path and the data. Writes RUN_DIR/sft_model (Hugging Face "
         f"format) and its metrics under RUN_DIR/sft/. {_RUN}",
         "treadle sft recipes/default.yaml sft.steps=200\n"
-        "  treadle train recipes/default.yaml model.path=runs/default/sft_model sft.steps=0",
+        "  treadle train recipes/default.yaml model.path=runs/default/sft_model sft.steps=0 "
+        "run.name=rl",
     ),
     "dpo": (
+        "DPO on preference pairs against the starting model; writes RUN/dpo_model",
         "Direct Preference Optimization (arXiv 2305.18290) on pairs of a chosen and a rejected "
         "response: the jsonl file dpo.path, or pairs made from the reasoning-gym data; the "
         "starting model is the frozen reference.\n\n"
@@ -138,6 +118,7 @@ _ABOUT = {
         "treadle dpo recipes/dpo.yaml dpo.path=pairs.jsonl dpo.beta=0.1 dpo.steps=200",
     ),
     "reward-check": (
+        "score the data's gold answers with the recipe's graders; exit 1 if any fail",
         "Check data and graders before training: the data's gold answers are scored by the "
         "recipe's reward functions (reward.functions), as a training step would score "
         "completions. Prints the failures; exit status 1 when any gold answer fails.\n\n"
@@ -146,6 +127,7 @@ _ABOUT = {
         "data.reasoning=none reward.functions='[{name: math_verify}]'",
     ),
     "serve-reward": (
+        "serve the recipe's reward functions over HTTP (POST /score)",
         "Serve the recipe's reward functions (reward.functions) over HTTP, so that training "
         "runs elsewhere score with them: POST /score with samples returns their scores. A "
         "training recipe uses it with reward.functions='[{name: remote, params: {url: "
@@ -154,6 +136,7 @@ _ABOUT = {
         "treadle serve-reward recipes/default.yaml --host 127.0.0.1 --port 8900",
     ),
     "inspect": (
+        "print a step's rollouts from RUN/buffer; --replay recomputes its update",
         "Look at what a run trained on: a step's prompts, completions, rewards and advantages "
         "from RUN_DIR/buffer/. --rollout ID prints one rollout turn by turn with the trained "
         "tokens marked; --replay recomputes the step's update from the buffer, the checkpoint "
@@ -162,6 +145,7 @@ _ABOUT = {
         "treadle inspect runs/default --limit 8\n  treadle inspect runs/default --step 41 --replay",
     ),
     "config": (
+        "list the config keys with their type, default and meaning",
         "List the keys a recipe or an override may set, each with its type, default and "
         "meaning (the docstrings of treadle/config/). SECTION lists one section and its "
         "subsections (rollout, algorithm.kl, data.mix); a key prints its whole description. "
@@ -170,13 +154,16 @@ _ABOUT = {
         "treadle config rollout\n  treadle config algorithm.kl.coef\n  treadle config | grep lr",
     ),
 }
-"""Each command's ``--help``: what it does, reads and writes, and example command lines."""
+"""Each command's line in ``treadle --help``, and its own ``--help``: what it does, reads and
+writes, and example command lines."""
 
 
 def _about(command: str) -> dict:
-    """The ``add_parser`` arguments of ``command``'s description and its examples' epilog."""
-    description, examples = _ABOUT[command]
+    """The ``add_parser`` arguments of ``command``: its line in the top-level help, its
+    description and its examples' epilog."""
+    summary, description, examples = _ABOUT[command]
     return {
+        "help": summary,
         "description": description,
         "epilog": f"examples:\n  {examples}",
         "formatter_class": _Help,
