@@ -31,7 +31,8 @@ class KLConfig:
     estimator: Literal["k1", "k2", "k3", "low_var_k3"] = "k3"
     """Per-token estimator of KL(policy || reference); see ALGORITHMS.md for each one."""
     placement: Literal["loss", "reward"] = "loss"
-    """``loss``: ``coef * KL`` added to each token's loss (GRPO). ``reward``: ``-coef * KL`` of
+    """Where the KL term enters. ``loss``: ``coef * KL`` added to each token's loss (GRPO).
+    ``reward``: ``-coef * KL`` of
     the sampling policy added to each token's reward before advantages (InstructGPT PPO,
     REINFORCE++, RLOO)."""
 
@@ -65,7 +66,8 @@ class MismatchConfig:
     ``|logp_trainer - logp_engine|`` of a trained token, nats) exceeds this; one token of a
     large bf16 batch may reach a few nats, 10 nats is a factor of e^10 (~22,000) in probability."""
     action: Literal["warn", "stop"] = "warn"
-    """``warn``: log a warning for each step that exceeds a threshold and count it in
+    """What an alarm does. ``warn``: log a warning for each step that exceeds a threshold and
+    count it in
     ``mismatch/alarms``. ``stop``: end the run with the message, after that step's metrics row
     is logged (``RUN/metrics.jsonl``)."""
 

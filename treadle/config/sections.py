@@ -69,7 +69,8 @@ class TinyModelConfig:
     num_hidden_layers: int = bounded(at_least(1), default=2)
     """Transformer blocks."""
     num_attention_heads: int = 4
-    """Head dim = hidden_size / heads; vLLM's CPU attention needs a head dim of 32 or more."""
+    """Attention heads. Head dim = hidden_size / heads; vLLM's CPU attention needs a head dim of
+    32 or more."""
     num_key_value_heads: int = 2
     """Key/value heads (grouped-query attention); divides ``num_attention_heads``."""
     max_position_embeddings: int = bounded(at_least(1), default=512)
@@ -178,7 +179,8 @@ class RolloutConfig:
     :mod:`treadle.rollout.engines.sizing`). A set size must hold that one request too, or vLLM
     refuses to start."""
     mode: Literal["sync", "one_step_off", "async"] = "sync"
-    """``sync``: each step generates its batch, then trains on it (on-policy). ``one_step_off``:
+    """When generation runs relative to the update. ``sync``: each step generates its batch,
+    then trains on it (on-policy). ``one_step_off``:
     the rollout of step k+1 runs during the update of step k (one version stale at most).
     ``async``: generation never waits for the trainer beyond the staleness bound
     (``max_staleness``); see :mod:`treadle.rollout.scheduler`."""
