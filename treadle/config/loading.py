@@ -170,9 +170,12 @@ def _renamed_dtype(raw: dict[str, Any]) -> None:
     Raises:
         UserError: both names are given.
     """
-    model, rollout = raw.get("model"), raw.setdefault("rollout", {})
-    if not isinstance(model, dict) or "dtype" not in model or not isinstance(rollout, dict):
+    model = raw.get("model")
+    if not isinstance(model, dict) or "dtype" not in model:
         return
+    rollout = raw.setdefault("rollout", {})
+    if not isinstance(rollout, dict):
+        return  # the build names the malformed rollout section
     if "dtype" in rollout:
         raise UserError(
             "config model.dtype is the old name of rollout.dtype; give only rollout.dtype"
