@@ -150,7 +150,7 @@ def type_name(tp: Any) -> str:
         return " | ".join("None" if a is type(None) else type_name(a) for a in args)
     if origin in (list, tuple, dict):
         return f"{origin.__name__}[{', '.join(map(type_name, args))}]"
-    return getattr(tp, "__name__", str(tp))
+    return tp.__name__ if isinstance(tp, type) else str(tp)
 
 
 def _default(f: dataclasses.Field) -> str:
