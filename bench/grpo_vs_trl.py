@@ -76,7 +76,7 @@ SHAPE_OVERRIDES = {
     "default": [],
     "qwen2.5-0.5b": [
         "sft.steps=0", "rollout.prompts_per_step=4", "rollout.n=4", "rollout.max_tokens=64",
-        "trainer.bf16_autocast=true", "model.dtype=bfloat16", "trainer.micro_batch_tokens=4096",
+        "trainer.bf16_autocast=true", "rollout.dtype=bfloat16", "trainer.micro_batch_tokens=4096",
         # held-out accuracy means nothing for random weights: the smallest evaluation there is
         "data.eval_size=1", "eval.samples_per_prompt=1", "eval.greedy=false",
     ],
@@ -271,7 +271,7 @@ def evaluate_snapshots(cfg, held_out, sft: str, snapshots: dict[int, Path]) -> d
     # The evaluator's engine: its KV cache as the benchmark has always reserved (1 GiB) unless
     # the recipe sets one; it is not part of either framework's measured step.
     kv_gib = cfg.rollout.kv_cache_gib or 1.0
-    spec = EngineSpec(sft, cfg.model.dtype, cfg.run.seed, max_len, kv_gib)
+    spec = EngineSpec(sft, cfg.rollout.dtype, cfg.run.seed, max_len, kv_gib)
     engine = build_engine(cfg.rollout.engine, spec)
     tokenizer = AutoTokenizer.from_pretrained(sft)
     pool = RewardPool.from_config(cfg.reward)

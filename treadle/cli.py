@@ -6,6 +6,7 @@
     treadle reward-check RECIPE [section.key=value ...]
     treadle serve-reward RECIPE [section.key=value ...] [--host 127.0.0.1] [--port 8900]
     treadle inspect RUN_DIR [--step N] [--limit K] [--replay] [--rollout ID]
+    treadle config [SECTION | KEY]
 
 Bad input prints one line on stderr and exits with code 2, without a traceback.
 """
@@ -36,37 +37,35 @@ from pathlib import Path
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="treadle", description="RL post-training for LLMs")
+    parser = argparse.ArgumentParser(
+        prog="treadle",
+        description="RL post-training for LLMs",
+        epilog="treadle COMMAND --help: what a command reads and writes, with an example. "
+        "treadle config: every config key with its type, default and meaning.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="SFT warm-up (if sft.steps > 0), then RL, with evaluation")
+    train = sub.add_parser("train", **_about("train"))
     train.add_argument("recipe", nargs="?", help="YAML recipe (omit with --resume)")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-5")
-    train.add_argument("--resume", type=Path, help="continue the run in this directory")
-    sft = sub.add_parser("sft", help="supervised fine-tuning only; writes RUN/sft_model")
-    sft.add_argument("recipe")
-    sft.add_argument("overrides", nargs="*")
-    dpo = sub.add_parser(
-        "dpo", help="DPO on preference pairs against the starting model; writes RUN/dpo_model"
+    train.add_argument(
+        "--resume", type=Path, metavar="RUN_DIR", help="continue the run in this directory"
     )
-    dpo.add_argument("recipe")
-    dpo.add_argument("overrides", nargs="*")
-    check = sub.add_parser(
-        "reward-check",
-        help="score the data's gold answers with the recipe's graders; exit 1 if any fail",
-    )
-    check.add_argument("recipe")
-    check.add_argument("overrides", nargs="*")
-    serve = sub.add_parser(
-        "serve-reward", help="serve the recipe's reward functions over HTTP (POST /score)"
-    )
-    serve.add_argument("recipe")
-    serve.add_argument("overrides", nargs="*")
+    sft = sub.add_parser("sft", **_about("sft"))
+    sft.add_argument("recipe", help="YAML recipe (every key: treadle config)")
+    sft.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.size=500")
+    dpo = sub.add_parser("dpo", **_about("dpo"))
+    dpo.add_argument("recipe", help="YAML recipe (every key: treadle config)")
+    dpo.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.size=500")
+    check = sub.add_parser("reward-check", **_about("reward-check"))
+    check.add_argument("recipe", help="YAML recipe (every key: treadle config)")
+    check.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.size=500")
+    serve = sub.add_parser("serve-reward", **_about("serve-reward"))
+    serve.add_argument("recipe", help="YAML recipe (every key: treadle config)")
+    serve.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.size=500")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     serve.add_argument("--port", type=int, default=8900)
-    inspect = sub.add_parser(
-        "inspect", help="print a step's rollouts from RUN/buffer; --replay recomputes its update"
-    )
-    inspect.add_argument("run_dir", type=Path)
+    inspect = sub.add_parser("inspect", **_about("inspect"))
+    inspect.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="e.g. runs/default")
     inspect.add_argument("--step", type=int, help="the RL step (default: the last stored)")
     inspect.add_argument("--limit", type=_positive, default=32, help="rollouts to print")
     inspect.add_argument(
@@ -75,7 +74,110 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument(
         "--rollout", help="print this rollout id turn by turn, with what is trained marked"
     )
+    config = sub.add_parser("config", **_about("config"))
+    config.add_argument(
+        "section", nargs="?", help="a section (rollout, algorithm.kl, data.mix) or one key"
+    )
     return parser
+
+
+_RUN = "RUN_DIR is run.output_dir/run.name (runs/default for the default recipe)."
+_ABOUT = {
+    "train": (
+        "SFT warm-up (if sft.steps > 0), then RL, with evaluation",
+        "Train a policy. Builds or loads the model (model.path, or a small model built from "
+        "model.tiny) and the data (data.*), runs the SFT warm-up when sft.steps > 0, then "
+        "run.steps RL steps (generate, score, update, sync weights), evaluating held-out "
+        "accuracy before RL, every eval.every steps and after RL.\n\n"
+        "Reads the RECIPE (YAML, with its base: recipe; every key: treadle config), the "
+        "dotted overrides, model.path and data.path. Writes RUN_DIR: config.yaml, "
+        "metrics.jsonl, tensorboard/, samples/, buffer/, checkpoints/, sft_model/, "
+        f"final_model/, summary.json, plot.png. {_RUN} --resume RUN_DIR continues from its "
+        "last checkpoint.",
+        "treadle train recipes/default.yaml\n"
+        "  treadle train recipes/default.yaml trainer.lr=1e-5 rollout.n=4 run.name=lr1e-5\n"
+        "  treadle train --resume runs/default run.steps=80",
+    ),
+    "sft": (
+        "supervised fine-tuning only; writes RUN/sft_model",
+        "Supervised fine-tuning only: the SFT warm-up of train (sft.steps steps on the data's "
+        "demonstrations, written with data.answer_template), without RL.\n\n"
+        "Reads the RECIPE, model.path and the data. Writes RUN_DIR/sft_model (Hugging Face "
+        f"format) and its metrics under RUN_DIR/sft/. {_RUN}",
+        "treadle sft recipes/default.yaml sft.steps=200\n"
+        "  treadle train recipes/default.yaml model.path=runs/default/sft_model sft.steps=0 "
+        "run.name=rl",
+    ),
+    "dpo": (
+        "DPO on preference pairs against the starting model; writes RUN/dpo_model",
+        "Direct Preference Optimization (arXiv 2305.18290) on pairs of a chosen and a rejected "
+        "response: the jsonl file dpo.path, or pairs made from the reasoning-gym data; the "
+        "starting model is the frozen reference.\n\n"
+        "Reads the RECIPE, model.path and dpo.path. Writes RUN_DIR/dpo_model (Hugging Face "
+        f"format) and the held-out summary dpo_summary.json beside it. {_RUN}",
+        "treadle dpo recipes/dpo.yaml dpo.path=pairs.jsonl dpo.beta=0.1 dpo.steps=200",
+    ),
+    "reward-check": (
+        "score the data's gold answers with the recipe's graders; exit 1 if any fail",
+        "Check data and graders before training: the data's gold answers are scored by the "
+        "recipe's reward functions (reward.functions), as a training step would score "
+        "completions. Prints the failures; exit status 1 when any gold answer fails.\n\n"
+        "Reads the RECIPE and its data. Writes nothing.",
+        "treadle reward-check recipes/default.yaml data.source=jsonl data.path=gsm8k.jsonl "
+        "data.reasoning=none reward.functions='[{name: math_verify}]'",
+    ),
+    "serve-reward": (
+        "serve the recipe's reward functions over HTTP (POST /score)",
+        "Serve the recipe's reward functions (reward.functions) over HTTP, so that training "
+        "runs elsewhere score with them: POST /score with samples returns their scores. A "
+        "training recipe uses it with reward.functions='[{name: remote, params: {url: "
+        '"http://HOST:PORT"}}]\'.\n\n'
+        "Reads the RECIPE. Writes nothing; serves until stopped (Ctrl-C).",
+        "treadle serve-reward recipes/default.yaml --host 127.0.0.1 --port 8900",
+    ),
+    "inspect": (
+        "print a step's rollouts from RUN/buffer; --replay recomputes its update",
+        "Look at what a run trained on: a step's prompts, completions, rewards and advantages "
+        "from RUN_DIR/buffer/. --rollout ID prints one rollout turn by turn with the trained "
+        "tokens marked; --replay recomputes the step's update from the buffer, the checkpoint "
+        "before the step and config.yaml, and prints its loss beside the logged one.\n\n"
+        "Reads RUN_DIR. Writes nothing.",
+        "treadle inspect runs/default --limit 8\n  treadle inspect runs/default --step 41 --replay",
+    ),
+    "config": (
+        "list the config keys with their type, default and meaning",
+        "List the keys a recipe or an override may set, each with its type, default and "
+        "meaning (the docstrings of treadle/config/). SECTION lists one section and its "
+        "subsections (rollout, algorithm.kl, data.mix); a key prints its whole description. "
+        "An unknown name gets a did-you-mean, TRL's and verl's names included.\n\n"
+        "Reads nothing. Prints a table on a terminal, one line per key when piped.",
+        "treadle config rollout\n  treadle config algorithm.kl.coef\n  treadle config | grep lr",
+    ),
+}
+"""Each command's line in ``treadle --help``, and its own ``--help``: what it does, reads and
+writes, and example command lines."""
+
+
+def _about(command: str) -> dict:
+    """The ``add_parser`` arguments of ``command``: its line in the top-level help, its
+    description and its examples' epilog."""
+    summary, description, examples = _ABOUT[command]
+    return {
+        "help": summary,
+        "description": description,
+        "epilog": f"examples:\n  {examples}",
+        "formatter_class": _Help,
+    }
+
+
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Paragraphs of the description reflowed to the terminal, the examples kept as written."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if text.startswith("examples:"):
+            return super()._fill_text(text, width, indent)
+        fill = argparse.HelpFormatter._fill_text
+        return "\n\n".join(fill(self, p, width, indent) for p in text.split("\n\n"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     """
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "config":  # pure data: answered without importing torch
+        return _config(args.section)
     import transformers
 
     # Our own progress bars report the run; transformers' per-save/load bars only add noise.
@@ -246,6 +350,42 @@ def _inspect(args: argparse.Namespace, console) -> int:
             console.print("the checkpoint after the step is not kept: weights not compared")
         else:
             console.print(f"max |replayed - checkpointed| parameter: {r.max_param_diff:.3g}")
+    return 0
+
+
+def _config(name: str | None) -> int:
+    """``treadle config [NAME]``: the keys as a table on a terminal, one aligned line per key
+    when piped (for grep), a single key with its whole description; 2 on an unknown name."""
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    from treadle.config.keys import select_keys
+    from treadle.core.errors import UserError
+
+    try:
+        rows = select_keys(name)
+    except UserError as e:
+        print(f"treadle: error: {e}", file=sys.stderr)
+        return 2
+    console = Console()
+    if len(rows) == 1 and name is not None:
+        (r,) = rows
+        console.print(f"{r.key}  ({r.type}, default {r.default})", markup=False, highlight=False)
+        console.print(r.text, markup=False, highlight=False)
+        return 0
+    if not console.is_terminal:
+        # Capped widths: one long type (a Literal's choices) shifts its own line, not all.
+        cols = [[r.key for r in rows], [r.type for r in rows], [r.default for r in rows]]
+        widths = [min(max(map(len, col)), cap) for col, cap in zip(cols, (40, 28, 16), strict=True)]
+        for r in rows:
+            cells = (r.key.ljust(widths[0]), r.type.ljust(widths[1]), r.default.ljust(widths[2]))
+            print("  ".join((*cells, r.meaning)))
+        return 0
+    table = Table("key", "type", "default", "meaning", box=None, highlight=False)
+    for r in rows:
+        table.add_row(*map(Text, (r.key, r.type, r.default, r.meaning)))  # no markup: [str]
+    console.print(table)
     return 0
 
 

@@ -20,8 +20,8 @@ def main() -> None:
     recorded: list[dict] = []
     original = sources.generate
 
-    def recording(engine, tokenizer, tasks, params):
-        out = original(engine, tokenizer, tasks, params)
+    def recording(engine, tokenizer, tasks, params, template_kwargs=None):
+        out = original(engine, tokenizer, tasks, params, template_kwargs)
         recorded.extend(
             {"question": g.task.messages[-1].content, "prompt_token_ids": list(g.prompt_token_ids)}
             for g in out

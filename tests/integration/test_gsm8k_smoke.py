@@ -1,4 +1,5 @@
-"""Two RL steps on real GSM8K questions with the real Qwen3 tokenizer and chat template.
+"""Two RL steps on real GSM8K questions with the real Qwen3 tokenizer and chat template (with
+``data.chat_template_kwargs`` turning Qwen3's thinking off).
 
 The model is a tiny random one sized to Qwen3's vocabulary (no pretrained weights exist offline),
 so this checks the plumbing, not learning: the files load, prompts are rendered by Qwen3's own
@@ -21,6 +22,8 @@ SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 GSM8K = SHARED_DATA / "gsm8k" / "test.jsonl"
 QWEN3 = SHARED_DATA / "tokenizers" / "qwen3"
 IM_START, IM_END = 151644, 151645  # Qwen3's <|im_start|>, <|im_end|>
+NO_THINKING = "<think>\n\n</think>\n\n"
+"""What Qwen3's template writes after the generation prompt with ``enable_thinking: false``."""
 
 pytestmark = [
     pytest.mark.slow,
@@ -44,6 +47,7 @@ def smoke(tmp_path_factory):
             "answer_pattern": r"####\s*(.+)$",
             "size": 16,
             "eval_size": 4,
+            "chat_template_kwargs": {"enable_thinking": False},
         },
         "rollout": {"engine": engine, "prompts_per_step": 2, "n": 2, "max_tokens": 8},
         # A random model writes no <answer> tags: score the last number it writes, if any.
@@ -76,7 +80,7 @@ def test_model_is_sized_to_the_qwen3_vocabulary(smoke):
     assert saved.get_vocab() == tokenizer.get_vocab()
 
 
-def test_prompts_are_rendered_by_the_qwen3_chat_template(smoke):
+def test_prompts_are_rendered_by_the_qwen3_chat_template_with_its_kwargs(smoke):
     _, prompts = smoke
     assert len(prompts) == 4  # 2 steps x 2 prompts
     tokenizer = AutoTokenizer.from_pretrained(QWEN3)
@@ -85,11 +89,9 @@ def test_prompts_are_rendered_by_the_qwen3_chat_template(smoke):
         ids = record["prompt_token_ids"]
         assert record["question"] in questions
         assert ids[0] == IM_START
-        assert tokenizer.decode(ids) == (
-            f"<|im_start|>user\n{record['question']}<|im_end|>\n<|im_start|>assistant\n"
-        )
-        assert ids == tokenizer.encode(
-            f"<|im_start|>user\n{record['question']}<|im_end|>\n<|im_start|>assistant\n",
-            add_special_tokens=False,
-        )
+        # The empty think block of data.chat_template_kwargs {enable_thinking: false} reaches
+        # the engine: the training rollouts' prompts are rendered with it.
+        text = f"<|im_start|>user\n{record['question']}<|im_end|>\n<|im_start|>assistant\n"
+        assert tokenizer.decode(ids) == text + NO_THINKING
+        assert ids == tokenizer.encode(text + NO_THINKING, add_special_tokens=False)
         assert ids.count(IM_START) == 2 and ids.count(IM_END) == 1

@@ -128,7 +128,7 @@ MISMATCH_CAUSES = (
     "stale weights (a weight sync skipped or failed, so the engine samples an older policy)",
     "the engine's prefix cache serving KV computed before the last weight sync",
     "different dtypes in engine and trainer (e.g. a bf16 engine against an fp32 trainer: "
-    "model.dtype, trainer.bf16_autocast)",
+    "rollout.dtype, trainer.bf16_autocast)",
     "a different temperature or top_p in the engine's logprobs than in the trainer's",
 )
 """Why an engine's logprobs drift from the trainer's, most common first, as the alarm says."""

@@ -52,7 +52,7 @@ def build_ray_roles(cfg, spec, version: int, run_dir: Path):
         transport,
         trainers,
         engines,
-        cfg.model.dtype,
+        cfg.rollout.dtype,
         p.bucket_mb,
         disk_dir=run_dir / "weight_sync",
         backend=resolve_backend(p),

@@ -26,10 +26,13 @@ class KLConfig:
     """KL to a frozen reference (the starting policy). ``coef`` 0 loads no reference model."""
 
     coef: float = bounded(at_least(0.0), default=0.0)
+    """Weight of the KL term (TRL's ``beta``, verl's ``kl_loss_coef``); 0: no KL and no
+    reference model."""
     estimator: Literal["k1", "k2", "k3", "low_var_k3"] = "k3"
     """Per-token estimator of KL(policy || reference); see ALGORITHMS.md for each one."""
     placement: Literal["loss", "reward"] = "loss"
-    """``loss``: ``coef * KL`` added to each token's loss (GRPO). ``reward``: ``-coef * KL`` of
+    """Where the KL term enters. ``loss``: ``coef * KL`` added to each token's loss (GRPO).
+    ``reward``: ``-coef * KL`` of
     the sampling policy added to each token's reward before advantages (InstructGPT PPO,
     REINFORCE++, RLOO)."""
 
@@ -40,6 +43,7 @@ class CriticConfig:
     starting weights with a one-output value head instead of the LM head."""
 
     lr: float = bounded(finite(), positive(), default=1.0e-4)
+    """Learning rate of the critic's AdamW optimizer."""
     value_clip: float = bounded(at_least(0.0), default=0.2)
     """Clip of the value change per update around the old value (0: unclipped)."""
 
@@ -62,7 +66,8 @@ class MismatchConfig:
     ``|logp_trainer - logp_engine|`` of a trained token, nats) exceeds this; one token of a
     large bf16 batch may reach a few nats, 10 nats is a factor of e^10 (~22,000) in probability."""
     action: Literal["warn", "stop"] = "warn"
-    """``warn``: log a warning for each step that exceeds a threshold and count it in
+    """What an alarm does. ``warn``: log a warning for each step that exceeds a threshold and
+    count it in
     ``mismatch/alarms``. ``stop``: end the run with the message, after that step's metrics row
     is logged (``RUN/metrics.jsonl``)."""
 
@@ -81,7 +86,10 @@ class AlgorithmConfig:
     clip_eps_low: float = bounded(
         at_least(0.0), below(1, "the ratio floor is 1 - eps"), default=0.2
     )
+    """Lower clip of the PPO ratio at ``1 - clip_eps_low`` (TRL's ``epsilon``, verl's
+    ``clip_ratio_low``)."""
     clip_eps_high: float = bounded(at_least(0.0), default=0.2)
+    """Upper clip of the PPO ratio at ``1 + clip_eps_high`` (DAPO's clip-higher uses 0.28)."""
     dual_clip: float = bounded(at_least(0.0), off_or_above(1), default=0.0)
     """Dual-clip bound c (> 1) on negative-advantage tokens' loss (verl uses 3); 0: off."""
     loss_agg: Literal[

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import types
 import typing
 from dataclasses import dataclass
@@ -13,9 +14,12 @@ from typing import Any, Literal
 
 import yaml
 
+from treadle.config.aliases import hint
 from treadle.config.checks import check
 from treadle.config.sections import Config
 from treadle.core.errors import UserError
+
+logger = logging.getLogger(__name__)
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
@@ -35,6 +39,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         if not sep or not key:
             raise UserError(f"override {item!r} must look like section.key=value")
         _set_dotted(raw, key.strip(), _Override(value))
+    _renamed_dtype(raw)
     cfg = _build(Config, raw, "")
     check(cfg)
     return cfg
@@ -117,9 +122,7 @@ def _build(cls: type, raw: Any, path: str) -> Any:
     for key, value in raw.items():
         dotted = f"{path}.{key}" if path else str(key)
         if key not in fields:
-            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
-            hint = f"; did you mean {path + '.' if path else ''}{close[0]}?" if close else ""
-            raise UserError(f"config: unknown key {dotted}{hint} (valid: {', '.join(fields)})")
+            raise UserError(_unknown_key(dotted, str(key), value, path, list(fields)))
         kwargs[key] = _coerce(hints[key], value, dotted)
     missing = [
         f.name
@@ -132,6 +135,56 @@ def _build(cls: type, raw: Any, path: str) -> Any:
         where = ", ".join(f"{path}.{m}" if path else m for m in missing)
         raise UserError(f"config: missing required key {where}")
     return cls(**kwargs)
+
+
+def _unknown_key(dotted: str, key: str, value: Any, path: str, fields: list[str]) -> str:
+    """The one-line error for the unknown key ``dotted``: a near spelling of a key of its section
+    (``trainer.lrr``), else another framework's name for a key (``trainer.learning_rate``, or
+    verl's ``actor_rollout_ref.actor.optim.lr`` under the unknown ``actor_rollout_ref``), else
+    the closest key of the section, if any, and the section's keys."""
+    close = difflib.get_close_matches(key, fields, n=1, cutoff=0.5)
+    typo = bool(close) and difflib.SequenceMatcher(None, key, close[0]).ratio() >= 0.8
+    if not typo:
+        for name in (dotted, *_paths_below(value, dotted)):
+            said = hint(name)
+            if said is not None:
+                return f"config: unknown key {name}; {said}"
+    suggestion = f"; did you mean {path + '.' if path else ''}{close[0]}?" if close else ""
+    return f"config: unknown key {dotted}{suggestion} (valid: {', '.join(fields)})"
+
+
+def _paths_below(value: Any, path: str) -> list[str]:
+    """The dotted paths of every key inside the raw mapping ``value``, depth first."""
+    if not isinstance(value, dict):
+        return []
+    out = []
+    for k, v in value.items():
+        out += [f"{path}.{k}", *_paths_below(v, f"{path}.{k}")]
+    return out
+
+
+def _renamed_dtype(raw: dict[str, Any]) -> None:
+    """``model.dtype`` (the engine's dtype, under its old name) moved to ``rollout.dtype``, with
+    one warning: old recipes and old runs' ``config.yaml`` still load.
+
+    Raises:
+        UserError: both names are given.
+    """
+    model = raw.get("model")
+    if not isinstance(model, dict) or "dtype" not in model:
+        return
+    rollout = raw.setdefault("rollout", {})
+    if not isinstance(rollout, dict):
+        return  # the build names the malformed rollout section
+    if "dtype" in rollout:
+        raise UserError(
+            "config model.dtype is the old name of rollout.dtype; give only rollout.dtype"
+        )
+    rollout["dtype"] = model.pop("dtype")
+    logger.warning(
+        "config model.dtype is deprecated: it is the inference engine's dtype, now "
+        "rollout.dtype (the trainer keeps fp32 weights; bf16 compute: trainer.bf16_autocast)"
+    )
 
 
 def _coerce(tp: Any, value: Any, path: str) -> Any:

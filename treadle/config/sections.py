@@ -63,12 +63,18 @@ class TinyModelConfig:
     """A small Qwen2-architecture model built locally with seeded random weights."""
 
     hidden_size: int = bounded(at_least(1), default=128)
+    """Width of the residual stream."""
     intermediate_size: int = bounded(at_least(1), default=384)
+    """Width of the MLP's hidden layer."""
     num_hidden_layers: int = bounded(at_least(1), default=2)
+    """Transformer blocks."""
     num_attention_heads: int = 4
-    """Head dim = hidden_size / heads; vLLM's CPU attention needs a head dim of 32 or more."""
+    """Attention heads. Head dim = hidden_size / heads; vLLM's CPU attention needs a head dim of
+    32 or more."""
     num_key_value_heads: int = 2
+    """Key/value heads (grouped-query attention); divides ``num_attention_heads``."""
     max_position_embeddings: int = bounded(at_least(1), default=512)
+    """Context length in tokens (prompt plus completion)."""
     tokenizer_vocab_size: int = 512
     """BPE vocabulary trained on the task's own text (digits stay single tokens)."""
     tokenizer_path: str | None = None
@@ -77,14 +83,13 @@ class TinyModelConfig:
 
 @dataclass
 class ModelConfig:
-    """The ``model`` section: the policy's starting weights and the dtype the engine serves."""
+    """The ``model`` section: the policy's starting weights (the engine's dtype is
+    ``rollout.dtype``)."""
 
     path: str | None = None
     """Local Hugging Face model folder (weights + tokenizer). None builds ``tiny``."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Dtype the engine serves in; the trainer keeps fp32 master weights (for bf16 compute in
-    training use ``trainer.bf16_autocast``)."""
+    """The model built when ``path`` is None: its size, and its tokenizer."""
 
 
 @dataclass
@@ -106,8 +111,11 @@ class SFTConfig:
     steps: int = bounded(at_least(0), default=0)
     """SFT warm-up optimizer steps before RL (0: none)."""
     batch_size: int = bounded(at_least(1), default=64)
+    """Demonstrations per SFT optimizer step."""
     lr: float = bounded(positive(), finite(), default=1e-3)
+    """Peak learning rate of the SFT warm-up (AdamW; cosine decay to 0 over ``sft.steps``)."""
     warmup_steps: int = 10
+    """SFT steps of linear learning-rate warm-up from 0."""
     noise: NoiseConfig = field(default_factory=NoiseConfig)
 
 
@@ -141,14 +149,27 @@ class RolloutConfig:
     """The ``rollout`` section: the inference engine and how it samples completions."""
 
     engine: Literal["vllm", "hf"] = "vllm"
+    """Inference engine of the rollouts: vLLM, or transformers ``generate`` (no extra install)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the inference engine's weights and compute (vLLM's ``dtype``, verl's
+    ``actor_rollout_ref.rollout.dtype``), and of its KV cache. The trainer (RL, SFT, DPO) keeps
+    fp32 master weights whatever this is, cast to it by the engine at each weight sync; for bf16
+    compute in training use ``trainer.bf16_autocast``. Was ``model.dtype``, still read
+    with a warning."""
     prompts_per_step: int = bounded(at_least(1), default=64)
+    """Prompts per RL step, each sampled ``n`` times: a step trains on ``prompts_per_step * n``
+    completions (verl's ``data.train_batch_size``)."""
     n: int = bounded(at_least(1), default=8)
     """Samples per prompt (the group size)."""
     temperature: float = bounded(finite(), positive("RL samples n > 1 per prompt"), default=1.0)
+    """Sampling temperature of the rollouts (and of held-out pass@1)."""
     # The engines report logprobs of the top-p-renormalised distribution; the trainer does not
     # re-apply the nucleus cut, so the PPO ratio would be biased.
     top_p: float = bounded(only(1.0, "the trainer does not apply top-p"), default=1.0)
+    """Nucleus sampling cut; only 1.0 (no cut) is supported."""
     max_tokens: int = bounded(at_least(1), default=32)
+    """Most tokens sampled per completion (TRL's ``max_completion_length``); a completion
+    that reaches it is truncated."""
     stop: list[str] = field(default_factory=list)
     """Stop strings (the end-of-turn token always stops a completion)."""
     kv_cache_gib: float = bounded(at_least(0.0), default=0.0)
@@ -158,7 +179,8 @@ class RolloutConfig:
     :mod:`treadle.rollout.engines.sizing`). A set size must hold that one request too, or vLLM
     refuses to start."""
     mode: Literal["sync", "one_step_off", "async"] = "sync"
-    """``sync``: each step generates its batch, then trains on it (on-policy). ``one_step_off``:
+    """When generation runs relative to the update. ``sync``: each step generates its batch,
+    then trains on it (on-policy). ``one_step_off``:
     the rollout of step k+1 runs during the update of step k (one version stale at most).
     ``async``: generation never waits for the trainer beyond the staleness bound
     (``max_staleness``); see :mod:`treadle.rollout.scheduler`."""
@@ -183,12 +205,18 @@ class TrainerConfig:
     """The ``trainer`` section: the policy's optimizer and how a batch is split into updates."""
 
     lr: float = bounded(positive(), finite(), default=1e-4)
+    """Peak learning rate of the policy's AdamW optimizer (after warm-up)."""
     weight_decay: float = bounded(at_least(0.0), default=0.0)
+    """AdamW's decoupled weight decay."""
     betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW's (beta1, beta2)."""
     grad_clip: float = bounded(at_least(0.0), default=1.0)
     """Max global grad norm; 0 turns clipping off (as ``max_grad_norm=0`` in transformers)."""
     warmup_steps: int = bounded(at_least(0), default=0)
+    """Optimizer steps of linear learning-rate warm-up from 0 (0: none)."""
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """Learning rate after warm-up: constant, or a cosine or linear decay to 0 at the last
+    optimizer step."""
     micro_batch_tokens: int = bounded(at_least(16), default=512)
     """Token budget of one packed micro-batch (no padding is computed)."""
     bf16_autocast: bool = False
@@ -206,6 +234,7 @@ class EvalConfig:
     samples_per_prompt: int = bounded(at_least(1), default=8)
     """pass@1 is averaged over these samples; pass@k uses k = this."""
     greedy: bool = True
+    """Also evaluate greedy decoding (``eval/greedy_accuracy``)."""
     control_sft: bool = False
     """After RL, also spend the same wall time on SFT from the SFT checkpoint and evaluate it."""
 
@@ -215,11 +244,16 @@ class RunConfig:
     """The ``run`` section: its name, output folder, length, and checkpoints."""
 
     name: str = "default"
+    """Name of the run: its directory is ``run.output_dir/run.name``."""
     output_dir: str = "runs"
+    """Folder of the run directories (relative to the working directory)."""
     seed: int = 0
+    """Seed of the model build, sampling, the prompt order and the trainer (``data.seed``
+    seeds the prompts themselves)."""
     steps: int = bounded(at_least(0), default=20)
     """RL steps (one batch of rollouts each)."""
     save_every: int = bounded(at_least(1), default=10)
+    """Checkpoint every N RL steps (and after the last one)."""
     keep_last: int = bounded(at_least(2), default=2)
     """Checkpoints kept (the newest ones): at least two, so a checkpoint found corrupt on
     resume has an older one to fall back to."""
@@ -241,6 +275,8 @@ class PlacementConfig:
     share its devices), disaggregated gives every worker its own bundle."""
 
     mode: Literal["single", "colocated", "disaggregated"] = "single"
+    """Where the roles run: this process, or Ray actors sharing or not sharing devices (see
+    the section's description)."""
     trainers: int = bounded(at_least(1), default=2)
     """Trainer workers (FSDP2 ranks)."""
     engines: int = bounded(at_least(1), default=1)
@@ -248,9 +284,11 @@ class PlacementConfig:
     trainer_cpus: float = bounded(at_least(0.0), default=1.0)
     """CPUs of one trainer worker's bundle (Ray resources)."""
     engine_cpus: float = bounded(at_least(0.0), default=1.0)
+    """CPUs of one engine worker's bundle (Ray resources)."""
     trainer_gpus: float = bounded(at_least(0.0), default=0.0)
     """GPUs of one trainer worker's bundle (1 on a GPU cluster; 0 here)."""
     engine_gpus: float = bounded(at_least(0.0), default=0.0)
+    """GPUs of one engine worker's bundle (1 on a GPU cluster; 0 here)."""
     threads: int = bounded(at_least(1), default=1)
     """torch intra-op threads of each worker process (1 on a 2-core machine)."""
     weight_sync: Literal["auto", "shared_memory", "collective", "disk"] = "auto"

@@ -158,14 +158,18 @@ def check_inputs(cfg: Config, data: Dataset) -> None:
         import_path(cfg.environment.agent, f"environment.agent={cfg.environment.agent!r}")
 
 
-def check_context(tokenizer, data: Dataset, max_tokens: int, max_model_len: int) -> int:
-    """Every prompt plus ``rollout.max_tokens`` must fit the model's context; returns the
-    longest prompt's length (tokens).
+def check_context(
+    tokenizer, data: Dataset, max_tokens: int, max_model_len: int, template_kwargs=None
+) -> int:
+    """Every prompt (rendered with the chat-template variables ``template_kwargs``) plus
+    ``rollout.max_tokens`` must fit the model's context; returns the longest prompt's length
+    (tokens).
 
     Raises:
         UserError: naming the longest prompt's length and the limit.
     """
-    longest = max(len(render_prompt(tokenizer, t)) for t in (*data.train, *data.held_out))
+    tasks = (*data.train, *data.held_out)
+    longest = max(len(render_prompt(tokenizer, t, template_kwargs)) for t in tasks)
     if longest + max_tokens > max_model_len:
         raise UserError(
             f"rollout.max_tokens {max_tokens} + the longest prompt ({longest} tokens) exceed the "
@@ -189,7 +193,7 @@ def engine_kv_gib(
     sequences = max(groups * r.n, len(data.held_out) * cfg.eval.samples_per_prompt)
     model = AutoConfig.from_pretrained(model_dir)
     tokens = longest_prompt + r.max_tokens
-    return kv_cache_gib(model, cfg.model.dtype, sequences, tokens, max_model_len)
+    return kv_cache_gib(model, cfg.rollout.dtype, sequences, tokens, max_model_len)
 
 
 @dataclass(frozen=True)
@@ -273,7 +277,7 @@ def compose(
     weights = ckpt / "model" if ckpt else start
     spec = EngineSpec(
         model_dir=str(weights),
-        dtype=cfg.model.dtype,
+        dtype=cfg.rollout.dtype,
         seed=cfg.run.seed,
         # Room for the model's whole context, capped to bound the KV cache it reserves.
         max_model_len=max_model_len,

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -191,9 +191,13 @@ def load_pairs(cfg: Config, data: Dataset | None) -> PairSplit:
 
 
 def pair_samples(
-    pairs: Sequence[PreferencePair], tokenizer: PreTrainedTokenizerBase, max_len: int
+    pairs: Sequence[PreferencePair],
+    tokenizer: PreTrainedTokenizerBase,
+    max_len: int,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[PairSamples]:
-    """Tokenize each pair: prompt (chat template) + response + end-of-turn token.
+    """Tokenize each pair: prompt (chat template, with the extra variables ``template_kwargs``)
+    + response + end-of-turn token.
 
     Raises:
         UserError: a sample is longer than ``max_len`` (the model's context), naming the pair.
@@ -223,7 +227,7 @@ def pair_samples(
 
     out = []
     for p in pairs:
-        prompt = render_prompt(tokenizer, p.task)
+        prompt = render_prompt(tokenizer, p.task, template_kwargs)
         out.append(PairSamples(sample(p, prompt, p.chosen), sample(p, prompt, p.rejected)))
     return out
 
@@ -360,8 +364,9 @@ def run_dpo(cfg: Config, console: Console | None = None) -> Path:
     model, tokenizer = load_model(start, "float32")  # fp32 master weights, as in RL
     ref_model, _ = load_model(start, "float32")
     max_len = model.config.max_position_embeddings
-    train = pair_samples(pairs.train, tokenizer, max_len)
-    held_out = pair_samples(pairs.held_out, tokenizer, max_len)
+    kwargs = cfg.data.chat_template_kwargs
+    train = pair_samples(pairs.train, tokenizer, max_len, kwargs)
+    held_out = pair_samples(pairs.held_out, tokenizer, max_len, kwargs)
     trainer = dataclasses.replace(cfg.trainer, lr=cfg.dpo.lr)
     policy = TorchBackend(model.to(device), trainer, total_steps=cfg.dpo.steps)
     reference = TorchBackend(ref_model.to(device), cfg.trainer, 1, trainable=False)

@@ -215,7 +215,8 @@ def greedy_baselines(
     if not groups:  # dynamic sampling kept nothing this step
         return torch.zeros(0, dtype=torch.float64)
     argmax = dataclasses.replace(params, n=1, temperature=0.0)
-    generated = generate(parts.engine, parts.tokenizer, [g.task for g in groups], argmax)
+    tasks, kwargs = [g.task for g in groups], parts.cfg.data.chat_template_kwargs
+    generated = generate(parts.engine, parts.tokenizer, tasks, argmax, kwargs)
     greedy = score(parts.rewards, generated).groups
     rewards, _ = outcome_rewards(greedy, parts.cfg.algorithm, parts.cfg.rollout.max_tokens)
     return torch.cat([rewards[i].repeat(len(g.rollouts)) for i, g in enumerate(groups)])
@@ -241,6 +242,7 @@ def evaluate_policy(parts: RLParts) -> EvalResult:
         params,
         greedy=cfg.eval.greedy,
         episodes=parts.episodes,
+        template_kwargs=cfg.data.chat_template_kwargs,
     )
 
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -53,11 +54,13 @@ def demonstration_samples(
     noise: NoiseConfig,
     answer_template: str,
     seed: int,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[TrainSample]:
-    """One sample per task: prompt tokens (not trained) + demonstration tokens + end of turn."""
+    """One sample per task: prompt tokens (not trained) + demonstration tokens + end of turn;
+    ``template_kwargs`` are extra chat-template variables (``data.chat_template_kwargs``)."""
     samples = []
     for t in tasks:
-        prompt = render_prompt(tokenizer, t)
+        prompt = render_prompt(tokenizer, t, template_kwargs)
         demo = noisy_demonstration(t, noise, answer_template, seed)
         reply = [*tokenizer.encode(demo, add_special_tokens=False), tokenizer.eos_token_id]
         samples.append(
@@ -137,7 +140,12 @@ def sft_samples(
     if isinstance(rollout, EpisodeRollout) and rollout.has_expert():
         return episode_demonstration_samples(cfg, data.train, tokenizer)
     return demonstration_samples(
-        data.train, tokenizer, cfg.sft.noise, cfg.data.answer_template, cfg.run.seed
+        data.train,
+        tokenizer,
+        cfg.sft.noise,
+        cfg.data.answer_template,
+        cfg.run.seed,
+        cfg.data.chat_template_kwargs,
     )
 
 
@@ -190,7 +198,7 @@ def warm_up(cfg: Config, data: Dataset, start: Path, run_dir: Path, console: Con
     folder = run_dir / "sft_model"
     if (folder / "config.json").exists():
         return folder
-    model, tokenizer = load_model(start, cfg.model.dtype)
+    model, tokenizer = load_model(start, "float32")  # fp32 master weights, as in RL
     samples = sft_samples(cfg, data, tokenizer)
     backend = sft_backend(cfg, model, cfg.sft.steps)
     metrics = MetricsLogger(run_dir / "sft")

@@ -116,7 +116,8 @@ def _generate_and_score(
     appended to ``env_stats``), checked against ``version``, then scored."""
     with timed(t, "generate"):
         if p.episodes is None:
-            generated = generate(p.engine, p.tokenizer, tasks, params)
+            kwargs = p.cfg.data.chat_template_kwargs
+            generated = generate(p.engine, p.tokenizer, tasks, params, kwargs)
         else:  # multi-turn: every sample is an episode in the environment
             episodes = p.episodes.run(cast(RequestEngine, p.engine), tasks, params)
             episodes, unfinished = episodes.without_unfinished()
@@ -250,7 +251,8 @@ class Streamed:
         else:  # a resumed run's prompt, drawn again from where it was drawn
             task = task_at(sampler, position)
         self._draws += 1
-        prompt = tuple(render_prompt(self.parts.tokenizer, task))
+        kwargs = self.parts.cfg.data.chat_template_kwargs
+        prompt = tuple(render_prompt(self.parts.tokenizer, task, kwargs))
         return Draw(self._draws - 1, position, task, prompt)
 
     def _score(self, generated: list[Generated]) -> Scored:

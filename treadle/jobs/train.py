@@ -113,7 +113,9 @@ def check_model(cfg: Config, data: Dataset, start: Path) -> tuple[int, int]:
     max_model_len = min(AutoConfig.from_pretrained(start).max_position_embeddings, 8192)
     tokenizer = AutoTokenizer.from_pretrained(start)
     require_chat_template(tokenizer, start)
-    longest = check_context(tokenizer, data, cfg.rollout.max_tokens, max_model_len)
+    longest = check_context(
+        tokenizer, data, cfg.rollout.max_tokens, max_model_len, cfg.data.chat_template_kwargs
+    )
     if cfg.environment.enabled and cfg.environment.max_tokens > max_model_len:
         raise UserError(
             f"config environment.max_tokens={cfg.environment.max_tokens}: an episode's context "
@@ -232,7 +234,7 @@ def describe(algo: AlgorithmConfig) -> str:
 def control_run(parts: RLParts, data: Dataset, run_dir: Path, seconds: float) -> dict:
     """The control: the same wall time spent on more SFT from the SFT checkpoint instead of RL."""
     cfg = parts.cfg
-    model, tokenizer = load_model(run_dir / "sft_model", cfg.model.dtype)
+    model, tokenizer = load_model(run_dir / "sft_model", "float32")  # as the SFT warm-up
     samples = sft_samples(cfg, data, tokenizer)
     probe = sft_backend(cfg, copy.deepcopy(model), 2)
     t0 = time.perf_counter()

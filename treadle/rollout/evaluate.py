@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 from transformers import PreTrainedTokenizerBase
 
@@ -54,10 +54,12 @@ def evaluate(
     *,
     greedy: bool = True,
     episodes: EpisodeRollout | AgentRollout | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> EvalResult:
     """Sample ``params.n`` completions per held-out task (and a greedy one) and score them;
     with ``episodes``, each sample is an episode in the environment (``engine`` then serves
-    single requests) and its final answer is scored.
+    single requests) and its final answer is scored. ``template_kwargs`` are extra variables of
+    the chat template (``data.chat_template_kwargs``).
 
     Raises:
         ValueError: ``tasks`` is empty.
@@ -69,7 +71,7 @@ def evaluate(
     def scored(p: SamplingParams) -> list[RolloutGroup]:
         """The held-out tasks sampled with ``p`` and scored (episodes' statistics kept)."""
         if episodes is None:
-            return score(pool, generate(engine, tokenizer, tasks, p)).groups
+            return score(pool, generate(engine, tokenizer, tasks, p, template_kwargs)).groups
         ran = episodes.run(cast(RequestEngine, engine), tasks, p)
         stats.update(ran.stats())
         return score_episodes(pool, ran).groups

@@ -3,8 +3,9 @@ them with the reward pool into groups, and check which policy produced them."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -29,9 +30,11 @@ def generate(
     tokenizer: PreTrainedTokenizerBase,
     tasks: Sequence[Task],
     params: SamplingParams,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[Generated]:
-    """Render each task's prompt and sample ``params.n`` completions of it."""
-    prompts = [tuple(render_prompt(tokenizer, t)) for t in tasks]
+    """Render each task's prompt (``template_kwargs``: extra chat-template variables,
+    ``data.chat_template_kwargs``) and sample ``params.n`` completions of it."""
+    prompts = [tuple(render_prompt(tokenizer, t, template_kwargs)) for t in tasks]
     outputs = engine.generate(prompts, params)
     return [Generated(t, p, tuple(c)) for t, p, c in zip(tasks, prompts, outputs, strict=True)]
 

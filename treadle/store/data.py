@@ -14,6 +14,7 @@ import json
 import logging
 import random
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -434,12 +435,19 @@ def _gold_answer(cfg: DataConfig, key: str, raw: str, where: str, bad: BadRows) 
     return answer
 
 
-def render_prompt(tokenizer: PreTrainedTokenizerBase, task: Task) -> list[int]:
-    """Prompt token ids ``[P]``: the chat template over the task's messages, ready for a reply."""
+def render_prompt(
+    tokenizer: PreTrainedTokenizerBase,
+    task: Task,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> list[int]:
+    """Prompt token ids ``[P]``: the chat template over the task's messages, ready for a reply,
+    with ``template_kwargs`` (``data.chat_template_kwargs``, e.g. ``{"enable_thinking": False}``
+    for Qwen3) as extra variables of the template."""
     text = tokenizer.apply_chat_template(
         [{"role": m.role, "content": m.content} for m in task.messages],
         add_generation_prompt=True,
         tokenize=False,
+        **(template_kwargs or {}),
     )
     return tokenizer.encode(text, add_special_tokens=False)
 

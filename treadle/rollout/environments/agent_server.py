@@ -238,7 +238,7 @@ class AgentServer:
         held conversation, or (first call, or a rewritten history) a new sample."""
         renderer = self.renderer
         if tools:
-            renderer = ChatRenderer(self.renderer.tokenizer, tools=tools)
+            renderer = ChatRenderer(self.renderer.tokenizer, tools, self.renderer.kwargs)
         held = [_key(m) for m in episode.held]
         extends = held and [_key(m) for m in messages[: len(held)]] == held
         if episode.trajectory is None or not extends or len(messages) == len(held):

@@ -286,12 +286,13 @@ def episode_rollout(
     )
     if e.agent:
         agent = import_path(e.agent, f"environment.agent={e.agent!r}")
-        return AgentRollout(agent, ChatRenderer(tokenizer), budgets, min(e.max_concurrent, 32))
+        renderer = ChatRenderer(tokenizer, template_kwargs=cfg.data.chat_template_kwargs)
+        return AgentRollout(agent, renderer, budgets, min(e.max_concurrent, 32))
     if not e.name:
         return None
     pool = ThreadPoolExecutor(e.tool_threads, thread_name_prefix="treadle-env")
     probe = make(e.name, e.kwargs, pool)  # fails here, before any rollout, on a bad name
-    renderer = ChatRenderer(tokenizer, tools=probe.tools)
+    renderer = ChatRenderer(tokenizer, probe.tools, cfg.data.chat_template_kwargs)
     check_template(renderer, e.history)
     return EpisodeRollout(
         lambda: make(e.name, e.kwargs, pool), renderer, budgets, e.history, e.max_concurrent

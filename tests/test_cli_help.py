@@ -1,0 +1,95 @@
+"""The help that teaches, through the ``treadle`` command: ``treadle config``, each command's
+``--help``, and the "did you mean" of another framework's key name (one line, exit 2)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.config.test_keys import leaf_keys
+from treadle.config import Config
+
+DEFAULT = Path(__file__).resolve().parents[1] / "recipes" / "default.yaml"
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
+def treadle(*args: str) -> subprocess.CompletedProcess:
+    """``treadle ARGS`` in a subprocess, its output piped (not a terminal)."""
+    return subprocess.run(
+        [sys.executable, "-m", "treadle.cli", *args],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+
+def test_config_lists_every_leaf_key_one_line_each_when_piped():
+    r = treadle("config")
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    lines = r.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == leaf_keys(Config)
+    lr = next(line for line in lines if line.startswith("trainer.lr "))
+    assert lr.split()[1:3] == ["float", "0.0001"] and "learning rate" in lr
+    n = next(line for line in lines if line.startswith("rollout.n "))
+    assert n.split()[1:3] == ["int", "8"] and "Samples per prompt" in n
+
+
+def test_config_of_a_section_and_of_a_key():
+    r = treadle("config", "algorithm.kl")
+    assert [line.split()[0] for line in r.stdout.splitlines()] == [
+        "algorithm.kl.coef",
+        "algorithm.kl.estimator",
+        "algorithm.kl.placement",
+    ]
+    r = treadle("config", "rollout.dtype")
+    assert r.returncode == 0
+    assert r.stdout.startswith("rollout.dtype  (float32|bfloat16, default float32)\n")
+    assert "fp32 master weights" in r.stdout  # the whole description, not its first sentence
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (("config", "rollot"), "config: no section or key rollot; did you mean rollout?"),
+        (
+            ("train", str(DEFAULT), "trainer.learning_rate=1e-5"),
+            "config: unknown key trainer.learning_rate; did you mean trainer.lr? "
+            "(learning_rate is TRL's name)",
+        ),
+        (
+            ("train", str(DEFAULT), "actor_rollout_ref.rollout.n=4"),
+            "config: unknown key actor_rollout_ref.rollout.n; did you mean rollout.n? "
+            "(actor_rollout_ref.rollout.n is verl's name)",
+        ),
+    ],
+)
+def test_unknown_names_are_one_line_exit_2(args, says):
+    r = treadle(*args)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.splitlines() == [f"treadle: error: {says}"], r.stderr
+
+
+@pytest.mark.parametrize(
+    ("command", "says"),
+    [
+        ("train", ["Writes RUN_DIR: config.yaml", "treadle train recipes/default.yaml"]),
+        ("sft", ["RUN_DIR/sft_model", "treadle sft recipes/default.yaml sft.steps=200"]),
+        ("dpo", ["RUN_DIR/dpo_model", "treadle dpo recipes/dpo.yaml"]),
+        ("reward-check", ["Writes nothing", "treadle reward-check recipes/default.yaml"]),
+        ("serve-reward", ["POST /score", "treadle serve-reward recipes/default.yaml"]),
+        ("inspect", ["RUN_DIR/buffer/", "treadle inspect runs/default --step 41 --replay"]),
+        ("config", ["one line per key when piped", "treadle config rollout"]),
+    ],
+)
+def test_each_command_help_says_what_it_reads_and_writes_with_an_example(command, says):
+    from treadle.cli import _parser
+
+    sub = next(a for a in _parser()._actions if a.dest == "command").choices[command]
+    text = sub.format_help()
+    assert "Reads " in text and "\nexamples:\n  treadle " in text
+    assert all(s in " ".join(text.split()) or s in text for s in says), text
