@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from treadle.config import Config, to_dict
 from treadle.core.errors import UserError
+from treadle.core.plugins import import_path
 from treadle.core.protocols import EngineSpec, InferenceEngine, TrainingBackend, WeightSync
 from treadle.jobs.loop import RLParts
 from treadle.rewards.base import build_reward_function
@@ -29,7 +30,6 @@ from treadle.rewards.pool import RewardPool
 from treadle.rollout.engines import build_engine
 from treadle.rollout.engines.sizing import kv_cache_gib
 from treadle.rollout.environments.registry import check as check_environment_spec
-from treadle.rollout.environments.registry import import_path
 from treadle.rollout.environments.rollout import (
     EpisodeRollout,
     demonstrations,
