@@ -20,9 +20,12 @@ class SourceConfig:
     """One source of prompts: the fields ``data`` and each ``data.mix[i]`` share. The source,
     its domain and its weight are required here (a mixed source must name them)."""
 
-    source: DataSource
+    source: DataSource | str
     """``humaneval`` (HumanEval.jsonl.gz) and ``mbpp`` (sanitized-mbpp.json) give code tasks
-    whose tests the ``code`` reward runs."""
+    whose tests the ``code`` reward runs. Or your own loader's import path
+    ``package.module:function``, called as ``function(cfg)`` with this section (a
+    ``SourceConfig``) and returning a list of ``treadle.core.types.Task``; treadle holds out the
+    last ``eval_size`` of them and trains on at most ``size`` of the rest, as for a file."""
     path: str | None = None
     """jsonl/parquet file (for those sources)."""
     question_field: str = "question"
@@ -54,7 +57,7 @@ class DataConfig(SourceConfig):
     """The ``data`` section: the main source of prompts, how prompts and demonstrations are
     written, and the sources mixed in."""
 
-    source: DataSource = "reasoning_gym"
+    source: DataSource | str = "reasoning_gym"
     # The main source's sizes are bounded; a mixed source's are not (eval_size 0 there adds no
     # held-out prompts).
     size: int = bounded(at_least(1), default=2000)

@@ -17,6 +17,9 @@ def routes_to(domains: Collection[str], domain: str) -> bool:
     return not domains or domain in domains
 
 
+EngineName = Literal["vllm", "hf"]
+"""The inference engines treadle ships."""
+
 ParamScalar = bool | int | float | str
 ParamValue = bool | int | float | str | list[ParamScalar]
 """A reward function's constructor param as YAML gives it: a number, a bool, a string or a list
@@ -149,7 +152,9 @@ class DPOConfig:
 class RolloutConfig:
     """The ``rollout`` section: the inference engine and how it samples completions."""
 
-    engine: Literal["vllm", "hf"] = "vllm"
+    engine: EngineName | str = "vllm"
+    """``vllm`` or ``hf``, or your own engine class's import path ``package.module:Class`` (an
+    ``InferenceEngine`` built as ``Class(spec)``; see :mod:`treadle.rollout.engines`)."""
     prompts_per_step: int = bounded(at_least(1), default=64)
     n: int = bounded(at_least(1), default=8)
     """Samples per prompt (the group size)."""

@@ -22,11 +22,11 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from treadle.config import Config, to_dict
 from treadle.core.errors import UserError
-from treadle.core.plugins import import_path
+from treadle.core.plugins import import_path, is_import_path
 from treadle.core.protocols import EngineSpec, InferenceEngine, TrainingBackend, WeightSync
 from treadle.jobs.loop import RLParts
 from treadle.rewards.pool import RewardPool, check_reward_functions
-from treadle.rollout.engines import build_engine
+from treadle.rollout.engines import build_engine, engine_class
 from treadle.rollout.engines.sizing import kv_cache_gib
 from treadle.rollout.environments.registry import check as check_environment_spec
 from treadle.rollout.environments.rollout import (
@@ -142,7 +142,9 @@ def check_inputs(cfg: Config, data: Dataset) -> None:
         from treadle.cluster import check_environment
 
         check_environment(cfg)
-    if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+    if is_import_path(cfg.rollout.engine):  # imported now, and checked against the Protocol
+        engine_class(cfg.rollout.engine, cfg.rollout.mode != "sync" or cfg.environment.enabled)
+    elif cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise UserError(
             "rollout.engine vllm: the vllm package is not installed; install treadle[vllm] "
             "(scripts/install.sh does) or set rollout.engine=hf"

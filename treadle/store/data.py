@@ -19,7 +19,9 @@ from transformers import PreTrainedTokenizerBase
 
 from treadle.config import DataConfig, SourceConfig
 from treadle.core.errors import UserError
+from treadle.core.plugins import is_import_path
 from treadle.core.types import CodeTests, DataPosition, Message, Task
+from treadle.store.data_plugins import loaded_split
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,9 @@ def _load_source(cfg: DataConfig) -> Dataset:
             )
         cut = len(tasks) - cfg.eval_size
         return Dataset(tuple(tasks[:cut][: cfg.size]), tuple(tasks[cut:]))
-    if cfg.source == "reasoning_gym":
+    if is_import_path(cfg.source):  # a user's own loader (treadle.store.data_plugins)
+        train, held_out = loaded_split(cfg)
+    elif cfg.source == "reasoning_gym":
         train, held_out = _reasoning_gym(cfg)
     else:
         rows = read_rows(Path(cfg.path or ""), cfg.source)
