@@ -130,7 +130,7 @@ def check_inputs(cfg: Config, data: Dataset) -> None:
         raise UserError("data.eval_size: no held-out prompts left after removing trained-on ones")
     if cfg.model.path is not None:
         require_model_folder(cfg.model.path)
-    check_reward_functions(cfg)
+    check_reward_functions(cfg.reward)
     domains = {t.domain for t in (*data.train, *data.held_out)}
     for domain in sorted(domains):
         if not any(spec.scores(domain) for spec in cfg.reward.functions):
