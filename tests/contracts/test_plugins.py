@@ -175,3 +175,40 @@ def test_a_wrong_plugin_is_one_line_and_exit_2(in_project, capsys, command, case
     assert main([command, str(DEFAULT), *SMALL, "run.output_dir=runs", *overrides]) == 2
     assert expected in _one_line(capsys)
     assert not (in_project / "runs").exists()  # refused before the run directory
+
+
+USER_RECIPE = """\
+data:
+  source: reasoning_gym
+  task: chain_sum
+  size: 20
+  eval_size: 4
+  answer_template: "<answer>{answer}</answer>"
+rollout:
+  engine: hf
+reward:
+  functions:
+    - name: userplug.rewards:%s
+"""
+
+
+@pytest.mark.parametrize(("function", "exit_code"), [("contains_gold", 0), ("never", 1)])
+def test_reward_check_grades_with_a_plugin_reward(in_project, function, exit_code):
+    (in_project / "recipe.yaml").write_text(USER_RECIPE % function)
+    # every gold demonstration contains its gold: contains_gold passes all, never fails all
+    assert main(["reward-check", "recipe.yaml"]) == exit_code
+
+
+def test_train_uses_a_plugin_reward(in_project):
+    import json
+
+    from integration.runs import TINY_RUN
+
+    (in_project / "recipe.yaml").write_text(USER_RECIPE % "quarter")
+    overrides = [o for o in TINY_RUN if not o.startswith("reward.")]
+    args = ["train", "recipe.yaml", *overrides, "run.steps=1", "sft.steps=0", "run.output_dir=runs"]
+    assert main(args) == 0
+    rows = [json.loads(line) for line in (in_project / "runs/default/metrics.jsonl").open()]
+    step = next(r for r in rows if "reward/mean" in r)
+    # quarter scores every completion 0.25, and it is the only function (weight 1)
+    assert step["reward/mean"] == 0.25 and step["reward/failures"] == 0.0
