@@ -212,3 +212,17 @@ def test_train_uses_a_plugin_reward(in_project):
     step = next(r for r in rows if "reward/mean" in r)
     # quarter scores every completion 0.25, and it is the only function (weight 1)
     assert step["reward/mean"] == 0.25 and step["reward/failures"] == 0.0
+
+
+def test_the_example_reward_and_its_recipe(monkeypatch):
+    from treadle.rewards.base import reward_function
+
+    repo = DEFAULT.parents[1]
+    monkeypatch.chdir(repo)  # as README says: treadle run from the repository's root
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(repo))])
+    cfg = load_config(repo / "recipes" / "custom_reward.yaml")
+    (spec,) = cfg.reward.functions
+    fn = reward_function(spec, "reward.functions[0]")
+    # the last number decides: 42 is the gold; "42 or 41" ends in 41
+    assert fn.score(TASK, "40 + 2 = 42. <answer>42</answer>") == Score(1.0, True)
+    assert fn.score(TASK, "42 or 41") == Score(0.0, False)
