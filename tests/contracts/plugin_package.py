@@ -46,6 +46,17 @@ FILES = {
             return 0.0
 
 
+        class Picky:
+            name = "picky"
+
+            def __init__(self, bonus: float = 1.0) -> None:
+                if bonus <= 0:
+                    raise ValueError("bonus must be positive")
+
+            def score(self, task, response):
+                return Score(reward=0.0, correct=False)
+
+
         class NoScore:
             name = "no_score"
 

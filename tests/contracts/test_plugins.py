@@ -136,6 +136,11 @@ ERRORS = {
         ["reward.functions=[{name: 'userplug.rewards:ContainsGold', params: {bonsu: 1}}]"],
         "bad params ['bonsu']",
     ),
+    "constructor-that-raises": (
+        ["reward.functions=[{name: 'userplug.rewards:Picky', params: {bonus: -1}}]"],
+        "config reward.functions[0].name='userplug.rewards:Picky': building Picky(bonus) failed: "
+        "ValueError: bonus must be positive",
+    ),
     "engine-missing-a-method": (
         ["rollout.engine=userplug.engine:Half"],
         "config rollout.engine='userplug.engine:Half': class Half has no method "

@@ -64,3 +64,21 @@ def test_built_in_params_are_typed_and_old_string_params_still_read() -> None:
         build_reward_function("code", memory_mb=2.5)
     with pytest.raises(UserError, match=r"remote reward: timeout_s must be a number, got True"):
         build_reward_function("remote", timeout_s=True)
+
+
+def test_a_plain_functions_return_value_becomes_a_score() -> None:
+    import math
+
+    import numpy as np
+
+    from treadle.core.types import Message, Task
+    from treadle.rewards.base import FunctionReward, Score
+
+    task = Task("t", (Message("user", "q"),), "7", "math")
+    assert FunctionReward(lambda t, c: 0.5, "half").score(task, "") == Score(0.5, False)
+    # numpy scalars are numbers too; 1.0 and above is correct
+    assert FunctionReward(lambda t, c: np.float32(1.0), "np").score(task, "") == Score(1.0, True)
+    assert FunctionReward(lambda t, c: Score(0.2, True), "s").score(task, "") == Score(0.2, True)
+    for bad in ("yes", True, math.nan, None):
+        with pytest.raises(TypeError, match="reward function bad returned"):
+            FunctionReward(lambda t, c, bad=bad: bad, "bad").score(task, "")

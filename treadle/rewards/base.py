@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -120,7 +121,8 @@ def reward_function(spec: RewardSpec, key: str) -> RewardFunction:
         )
     module_name, class_name = REWARD_FUNCTIONS[spec.name].split(":")
     cls = getattr(importlib.import_module(module_name), class_name)
-    return _construct(cls, spec.params, f"{key} ({spec.name!r})")
+    _check_params(cls, spec.params, f"{key} ({spec.name!r})")
+    return cls(**spec.params)
 
 
 def _plugin(spec: RewardSpec, key: str) -> RewardFunction:
@@ -137,7 +139,16 @@ def _plugin(spec: RewardSpec, key: str) -> RewardFunction:
         check_reward_callable(found, what)
         return FunctionReward(found, spec.name)
     require_methods(found, REWARD_METHODS, what, REWARD_KIND)
-    instance = _construct(found, spec.params, f"{key} ({spec.name!r})")
+    _check_params(found, spec.params, f"{key} ({spec.name!r})")
+    try:
+        instance = found(**spec.params)
+    except UserError:
+        raise
+    except Exception as error:  # the user's constructor fails on its params: one line too
+        raise UserError(
+            f"config {what}: building {found.__name__}({', '.join(spec.params)}) failed: "
+            f"{type(error).__name__}: {error}"
+        ) from None
     if not isinstance(getattr(instance, "name", None), str):
         raise UserError(
             f"config {what}: class {found.__name__} has no attribute name (a str for logs and "
@@ -146,8 +157,8 @@ def _plugin(spec: RewardSpec, key: str) -> RewardFunction:
     return instance
 
 
-def _construct(cls: type, params: Mapping[str, Any], what: str) -> RewardFunction:
-    """``cls(**params)``, with a one-line error when they do not fit its signature."""
+def _check_params(cls: type, params: Mapping[str, Any], what: str) -> None:
+    """A one-line error when ``params`` do not fit ``cls``'s constructor."""
     signature = inspect.signature(cls)
     try:
         signature.bind(**params)
@@ -155,15 +166,6 @@ def _construct(cls: type, params: Mapping[str, Any], what: str) -> RewardFunctio
         accepted = ", ".join(signature.parameters) or "none"
         raise UserError(
             f"config {what}: bad params {sorted(params)} ({error}); accepted params: {accepted}"
-        ) from None
-    try:
-        return cls(**params)
-    except UserError:
-        raise
-    except Exception as error:  # a user's constructor that fails on its params
-        raise UserError(
-            f"config {what}: building {cls.__name__}({', '.join(params)}) failed: "
-            f"{type(error).__name__}: {error}"
         ) from None
 
 
@@ -188,7 +190,7 @@ class FunctionReward:
         value = self.fn(task, response)
         if isinstance(value, Score):
             return value
-        if isinstance(value, bool) or not isinstance(value, int | float):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy's too
             raise TypeError(
                 f"reward function {self.name} returned {type(value).__name__} {value!r}; "
                 "return a float or a treadle.rewards.Score"
