@@ -110,6 +110,16 @@ def task_from_json(obj: dict[str, Any]) -> Task:
     )
 
 
+async def _health(request: Request) -> JSONResponse:
+    """``GET /health``: ``{"ok": true}`` while the service is up."""
+    return JSONResponse({"ok": True})
+
+
+async def _openapi(request: Request) -> JSONResponse:
+    """``GET /openapi.json``: the service's OpenAPI document."""
+    return JSONResponse(OPENAPI)
+
+
 def build_app(
     pool: RewardPool, *, max_body_bytes: int = MAX_BODY_BYTES, max_depth: int = MAX_DEPTH
 ) -> Starlette:
@@ -154,14 +164,6 @@ def build_app(
             }
         )
 
-    async def health(request: Request) -> JSONResponse:
-        """``GET /health``: ``{"ok": true}`` while the service is up."""
-        return JSONResponse({"ok": True})
-
-    async def openapi(request: Request) -> JSONResponse:
-        """``GET /openapi.json``: the service's OpenAPI document."""
-        return JSONResponse(OPENAPI)
-
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         """Starlette lifespan: closes the pool when the server shuts down."""
@@ -171,8 +173,8 @@ def build_app(
     return Starlette(
         routes=[
             Route("/score", score, methods=["POST"]),
-            Route("/health", health),
-            Route("/openapi.json", openapi),
+            Route("/health", _health),
+            Route("/openapi.json", _openapi),
         ],
         lifespan=lifespan,
     )
