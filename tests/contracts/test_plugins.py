@@ -80,6 +80,17 @@ def test_a_plugin_data_loader_is_split_as_a_file_is(in_project):
     assert data.train[3].answer == "4" and data.train[3].domain == "math"
 
 
+def test_a_plugin_loader_as_a_mixed_source(in_project):
+    mix = "data.mix=[{source: 'userplug.data:load_tasks', domain: user, weight: 1.0, eval_size: 3}]"
+    cfg = load_config(None, [*SMALL, *FILE_REWARD, mix])
+    data = load_dataset(cfg.data)
+    held_out = [t.task_id for t in data.held_out if t.domain == "user"]
+    assert held_out == ["user/7", "user/8", "user/9"]  # the loader's last 3 of its 10
+    # 20 + 7 training tasks, weights 1:1: each source round(0.5 * 27) = 14, the loader's 7 twice
+    user = [t.task_id for t in data.train if t.domain == "user"]
+    assert len(user) == 14 and set(user) == {f"user/{i}" for i in range(7)}
+
+
 def test_a_plugin_engine_is_built_from_its_spec(in_project):
     from contracts.fakes import FakeEngine
     from treadle.core.protocols import EngineSpec, SamplingParams
