@@ -314,3 +314,28 @@ def test_the_asynchronous_modes_load_with_their_settings_and_ray_placement():
                              "placement.mode=disaggregated"])  # fmt: skip
     r = cfg.rollout
     assert (r.mode, r.max_staleness, r.partial, r.oversample) == ("async", 4, True, 8)
+
+
+def test_reward_params_keep_their_yaml_types(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        "reward:\n  functions:\n    - name: code\n      params:\n"
+        "        timeout_s: 2.5\n        memory_mb: 256\n        strict: true\n"
+        '        mode: all\n        tags: [a, 1, false]\n        old: "10"\n'
+    )
+    params = load_config(recipe).reward.functions[0].params
+    # each value keeps its own type; a quoted "10" (older recipes) stays a string
+    assert params == {
+        "timeout_s": 2.5,
+        "memory_mb": 256,
+        "strict": True,
+        "mode": "all",
+        "tags": ["a", 1, False],
+        "old": "10",
+    }
+    assert [type(v) for v in params.values()] == [float, int, bool, str, list, str]
+    override = "reward.functions=[{name: code, params: {memory_mb: 512, strict: false}}]"
+    typed = load_config(None, [override]).reward.functions[0].params
+    assert typed == {"memory_mb": 512, "strict": False} and type(typed["memory_mb"]) is int
+    with pytest.raises(UserError, match=r"reward\.functions\[0\]\.params\.x"):
+        load_config(None, ["reward.functions=[{name: code, params: {x: {nested: 1}}}]"])

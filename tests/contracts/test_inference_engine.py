@@ -1,7 +1,7 @@
 """The InferenceEngine contract, for every implementation: the fake, transformers ``generate``,
 vLLM, and the Ray engine group (one vLLM worker), on a tiny real model. The first tests hold for
 every engine; those that compare with the model's own distribution, for the engines that serve
-one (``SERVING``: not the fake).
+one (``SERVING``: not the fake, nor the fake named by import path as a user's own engine).
 
 The model is given a few SFT steps first so that it really ends its turn with ``<|im_end|>``:
 without that a random model almost never samples the end-of-turn token and the STOP half of the
@@ -25,6 +25,7 @@ from integration.tiny import (
 )
 
 from contracts.fakes import FakeEngine
+from contracts.plugin_package import write_package
 from treadle.config import TrainerConfig
 from treadle.core.protocols import EngineSpec, SamplingParams
 from treadle.core.types import FinishReason
@@ -37,14 +38,20 @@ SERVING = [
     pytest.param("vllm", marks=pytest.mark.slow),
     pytest.param("engine group", marks=pytest.mark.slow),
 ]
-EVERY = ["fake", *SERVING]
+EVERY = ["fake", "plug-in", *SERVING]
+"""``plug-in``: the fake engine as a user's own engine, named by import path in a temporary
+package (``rollout.engine: userplug.engine:Engine``) and built as treadle builds one."""
 
 
 @pytest.fixture(scope="module")
-def engine(request, model_dir, tokenizer_and_trainer):
+def engine(request, model_dir, tokenizer_and_trainer, tmp_path_factory):
     spec = EngineSpec(model_dir=str(model_dir), seed=0)
     if request.param == "fake":
         eng = FakeEngine(tokenizer_and_trainer[0])
+    elif request.param == "plug-in":
+        with pytest.MonkeyPatch.context() as patch:
+            patch.syspath_prepend(str(write_package(tmp_path_factory.mktemp("project")).parent))
+            eng = build_engine("userplug.engine:Engine", spec)
     elif request.param == "engine group":
         skip_without_vllm()
         request.getfixturevalue("ray_cluster")

@@ -50,7 +50,7 @@ def test_fraction_and_all_modes():
 def test_bad_params_and_payload():
     with pytest.raises(UserError, match="mode"):
         CodeReward(mode="most")
-    with pytest.raises(UserError, match="numbers"):
+    with pytest.raises(UserError, match="code reward: timeout_s must be a number, got 'soon'"):
         CodeReward(timeout_s="soon")
     with pytest.raises(ValueError, match="not a code payload"):
         CodeReward().score(task("{}"), "x = 1")

@@ -1,4 +1,5 @@
-"""The RewardFunction contract, checked for every built-in implementation and the fake."""
+"""The RewardFunction contract, checked for every built-in implementation, the fakes and a plain
+function named by import path (``examples/custom_reward.py``)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ BUILDERS: dict[str, Callable[[], RewardFunction]] = {
     },
     "scripted": ScriptedReward,
     "length": LengthReward,
+    # a user's plain function by import path, as FunctionReward wraps it
+    "plain function": lambda: build_reward_function("examples.custom_reward:last_number"),
 }  # UnpicklableReward breaks the contract on purpose (test_pool.py: the pool refuses it)
 RESPONSES = ["<answer>-14282</answer>", "<answer>7</answer>", "no answer here", "", "<answer>"]
 

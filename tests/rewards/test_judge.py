@@ -95,5 +95,5 @@ def test_a_down_endpoint_raises_quickly():
 def test_bad_arguments():
     with pytest.raises(UserError, match="url"):
         JudgeReward(url="ftp://x")
-    with pytest.raises(UserError, match="numbers"):
+    with pytest.raises(UserError, match="judge reward: max_score must be a number, got 'ten'"):
         JudgeReward(max_score="ten")

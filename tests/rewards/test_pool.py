@@ -108,7 +108,9 @@ def test_from_config(chain_sum_task: Task) -> None:
 
 
 def test_bad_config_is_a_user_error() -> None:
-    with pytest.raises(UserError, match=r"reward\.functions\[1\]: unknown reward function 'f'"):
+    with pytest.raises(
+        UserError, match=r"reward\.functions\[1\]\.name='f': unknown reward function"
+    ):
         RewardPool.from_config(
             RewardConfig(functions=[RewardSpec("format"), RewardSpec("f")], workers=0)
         )

@@ -198,3 +198,66 @@ def test_an_oversized_body_is_a_413_and_the_next_request_succeeds(small_service,
 
 def test_depth_counts_nested_arrays_and_objects():
     assert [_depth(1), _depth([]), _depth({"a": [[1], 2]}), _depth([{}, [[[]]]])] == [0, 1, 3, 4]
+
+
+def _validate(value, schema: dict, doc: dict, where: str = "$") -> None:
+    """``value`` against the subset of JSON Schema the service's document uses ($ref, type,
+    properties, required, additionalProperties: false, items)."""
+    if "$ref" in schema:
+        name = schema["$ref"].removeprefix("#/components/schemas/")
+        return _validate(value, doc["components"]["schemas"][name], doc, where)
+    kinds = {"object": dict, "array": list, "string": str, "boolean": bool, "number": (int, float)}
+    kind = schema.get("type")
+    if kind == "integer":
+        assert isinstance(value, int) and not isinstance(value, bool), f"{where}: {value!r}"
+    elif kind is not None:
+        assert isinstance(value, kinds[kind]), f"{where}: {value!r} is not {kind}"
+        assert kind in ("boolean", "object", "array", "string") or not isinstance(value, bool)
+    if kind == "object":
+        props = schema.get("properties", {})
+        missing = set(schema.get("required", [])) - set(value)
+        assert not missing, f"{where}: missing {missing}"
+        if schema.get("additionalProperties") is False:
+            assert set(value) <= set(props), f"{where}: undocumented {set(value) - set(props)}"
+        for key, item in value.items():
+            if key in props:
+                _validate(item, props[key], doc, f"{where}.{key}")
+    if kind == "array":
+        for i, item in enumerate(value):
+            _validate(item, schema["items"], doc, f"{where}[{i}]")
+
+
+def test_the_openapi_document_describes_the_real_requests_and_replies(service):
+    import dataclasses
+
+    doc = httpx.get(f"{service}/openapi.json").json()
+    assert doc["openapi"].startswith("3.") and set(doc["paths"]) >= {"/score", "/health"}
+    schemas = doc["components"]["schemas"]
+    # the Task schema is the dataclass: every field, and required what task_from_json needs
+    assert list(schemas["Task"]["properties"]) == [f.name for f in dataclasses.fields(Task)]
+    assert schemas["Task"]["required"] == ["task_id", "messages"]
+    post = doc["paths"]["/score"]["post"]
+    request_schema = post["requestBody"]["content"]["application/json"]["schema"]
+    reply_schema = post["responses"]["200"]["content"]["application/json"]["schema"]
+
+    sent = []  # the request RewardClient really sends, through a recording transport
+
+    def record(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content))
+        real = httpx.post(f"{service}/score", json=sent[-1])
+        return httpx.Response(real.status_code, json=real.json())
+
+    async def via_recorder():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(record)) as client:
+            return await RewardClient(service).score([(task(0), "abc"), (task(1), "")], client)
+
+    scores = asyncio.run(via_recorder())
+    assert [s.reward for s in scores] == [3.0, 0.0]  # LengthReward: len("abc") = 3, len("") = 0
+    _validate(sent[0], request_schema, doc)
+    reply = httpx.post(f"{service}/score", json=sent[0])
+    _validate(reply.json(), reply_schema, doc)
+    bad = httpx.post(f"{service}/score", json={"items": [{"id": 1}]})
+    _validate(bad.json(), post["responses"]["400"]["content"]["application/json"]["schema"], doc)
+    _validate(httpx.get(f"{service}/health").json(), {"$ref": "#/components/schemas/Health"}, doc)
+    with pytest.raises(AssertionError, match="undocumented"):  # the check can fail
+        _validate({**reply.json(), "extra": 1}, reply_schema, doc)

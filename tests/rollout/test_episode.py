@@ -271,7 +271,7 @@ def test_environments_by_name_and_by_import_path():
         make("tests.rollout.environments_fakes:Missing")
     with pytest.raises(UserError, match=r"environment\.kwargs"):
         make("scripted-test", {"colour": "red"})
-    with pytest.raises(UserError, match=r"lacks one of reset, step, reward, close"):
+    with pytest.raises(UserError, match=r"class Task has no method reset\(task\); an environment"):
         make("tests.rollout.environments_fakes:task")
     with pytest.raises(UserError, match="registered already"):
         registry.register("scripted-test", lambda: None)

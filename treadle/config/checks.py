@@ -7,12 +7,14 @@ relate fields to each other, or to what the code downstream supports.
 from __future__ import annotations
 
 import string
+import typing
 
 from treadle.config.algorithm import GROUP_BASELINES
-from treadle.config.data import SourceConfig
+from treadle.config.data import DataSource, SourceConfig
 from treadle.config.fields import check_fields
-from treadle.config.sections import Config
+from treadle.config.sections import Config, EngineName
 from treadle.core.errors import UserError
+from treadle.core.plugins import is_import_path
 
 
 def check(cfg: Config) -> None:
@@ -22,6 +24,7 @@ def check(cfg: Config) -> None:
         UserError: naming the dotted key at fault and what was expected.
     """
     check_fields(cfg)
+    _check_plugin_names(cfg)
     _check_placement(cfg)
     _check_rollout_mode(cfg)
     _check_environment(cfg)
@@ -29,6 +32,26 @@ def check(cfg: Config) -> None:
     _check_sources(cfg)
     _check_algorithm(cfg)
     _check_templates(cfg)
+
+
+def _check_plugin_names(cfg: Config) -> None:
+    """A field that takes a built-in's name or an import path holds one of them (what the path
+    names is imported and checked against its Protocol at start-up, not here)."""
+    named = [("rollout.engine", cfg.rollout.engine, EngineName, "Class")]
+    named += [
+        (f"{key}.source", s.source, DataSource, "function")
+        for key, s in (
+            ("data", cfg.data),
+            *((f"data.mix[{i}]", m) for i, m in enumerate(cfg.data.mix)),
+        )
+    ]
+    for key, value, builtin, kind in named:
+        choices = typing.get_args(builtin)
+        if value not in choices and not is_import_path(value):
+            raise UserError(
+                f"config {key}: expected one of {', '.join(map(repr, choices))} or an import "
+                f"path package.module:{kind} of your own, got {value!r}"
+            )
 
 
 def _check_placement(cfg: Config) -> None:
@@ -149,7 +172,7 @@ def _check_sources(cfg: Config) -> None:
                 f"is routed to {key}'s domain {s.domain!r} ({s.source}); use math_verify for file "
                 "data (e.g. reward.functions='[{name: math_verify}]'), or give it domains"
             )
-        if s.source != "reasoning_gym" and not s.path:
+        if s.source != "reasoning_gym" and not s.path and not is_import_path(s.source):
             raise UserError(f"config {key}.path: required for source={s.source}")
         if s.answer_pattern and s.answer_extract != "none":
             raise UserError(

@@ -198,7 +198,10 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
         if value is None and type(None) in args:
             return None
         errors = []
-        for arg in (a for a in args if a is not type(None)):
+        # A member of the value's own type first (a bool of bool | int | str stays a bool, a
+        # str "10" stays a str), then each member in order, with its conversions.
+        exact = [a for a in args if (typing.get_origin(a) or a) is type(value)]
+        for arg in (*exact, *(a for a in args if a is not type(None) and a not in exact)):
             try:
                 return _coerce(arg, value, path)
             except UserError as e:

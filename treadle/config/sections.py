@@ -17,16 +17,28 @@ def routes_to(domains: Collection[str], domain: str) -> bool:
     return not domains or domain in domains
 
 
+EngineName = Literal["vllm", "hf"]
+"""The inference engines treadle ships."""
+
+ParamScalar = bool | int | float | str
+ParamValue = bool | int | float | str | list[ParamScalar]
+"""A reward function's constructor param as YAML gives it: a number, a bool, a string or a list
+of them (``params: {timeout_s: 10, strict: true, tags: [a, b]}``)."""
+
+
 @dataclass
 class RewardSpec:
     """One reward function of the mix."""
 
     name: str
-    """A key of :data:`treadle.rewards.base.REWARD_FUNCTIONS`, e.g. ``"math_verify"``."""
+    """A key of :data:`treadle.rewards.base.REWARD_FUNCTIONS`, e.g. ``"math_verify"``, or your
+    own function's import path ``package.module:Name`` (a class implementing
+    ``treadle.rewards.base.RewardFunction``, or a function ``(task, completion) -> float``)."""
     weight: float = bounded(finite(), default=1.0)
     """Multiplier of this function's reward in the total (unitless)."""
-    params: dict[str, str] = field(default_factory=dict)
-    """Constructor keyword arguments of the function, e.g. ``{"extract": "boxed"}``."""
+    params: dict[str, ParamValue] = field(default_factory=dict)
+    """Constructor keyword arguments of the function: numbers, bools, strings or lists, e.g.
+    ``{extract: boxed}`` or ``{timeout_s: 10}``."""
     domains: list[str] = field(default_factory=list)
     """Task domains this function scores (``Task.domain``, e.g. ``[math]``); empty: every
     domain. A sample gets the weighted sum of the functions routed to its domain."""
@@ -148,8 +160,9 @@ class DPOConfig:
 class RolloutConfig:
     """The ``rollout`` section: the inference engine and how it samples completions."""
 
-    engine: Literal["vllm", "hf"] = "vllm"
-    """Inference engine of the rollouts: vLLM, or transformers ``generate`` (no extra install)."""
+    engine: EngineName | str = "vllm"
+    """``vllm`` or ``hf``, or your own engine class's import path ``package.module:Class`` (an
+    ``InferenceEngine`` built as ``Class(spec)``; see :mod:`treadle.rollout.engines`)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the inference engine's weights and compute (vLLM's ``dtype``, verl's
     ``actor_rollout_ref.rollout.dtype``), and of its KV cache. The trainer (RL, SFT, DPO) keeps

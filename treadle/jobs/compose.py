@@ -22,14 +22,13 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from treadle.config import Config, to_dict
 from treadle.core.errors import UserError
+from treadle.core.plugins import import_path, is_import_path
 from treadle.core.protocols import EngineSpec, InferenceEngine, TrainingBackend, WeightSync
 from treadle.jobs.loop import RLParts
-from treadle.rewards.base import build_reward_function
-from treadle.rewards.pool import RewardPool
-from treadle.rollout.engines import build_engine
+from treadle.rewards.pool import RewardPool, check_reward_functions
+from treadle.rollout.engines import build_engine, engine_class
 from treadle.rollout.engines.sizing import kv_cache_gib
 from treadle.rollout.environments.registry import check as check_environment_spec
-from treadle.rollout.environments.registry import import_path
 from treadle.rollout.environments.rollout import (
     EpisodeRollout,
     demonstrations,
@@ -131,11 +130,7 @@ def check_inputs(cfg: Config, data: Dataset) -> None:
         raise UserError("data.eval_size: no held-out prompts left after removing trained-on ones")
     if cfg.model.path is not None:
         require_model_folder(cfg.model.path)
-    for i, spec in enumerate(cfg.reward.functions):
-        try:
-            build_reward_function(spec.name, **spec.params)
-        except UserError as e:
-            raise UserError(f"reward.functions[{i}]: {e}") from None
+    check_reward_functions(cfg.reward)
     domains = {t.domain for t in (*data.train, *data.held_out)}
     for domain in sorted(domains):
         if not any(spec.scores(domain) for spec in cfg.reward.functions):
@@ -147,7 +142,9 @@ def check_inputs(cfg: Config, data: Dataset) -> None:
         from treadle.cluster import check_environment
 
         check_environment(cfg)
-    if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+    if is_import_path(cfg.rollout.engine):  # imported now, and checked against the Protocol
+        engine_class(cfg.rollout.engine, cfg.rollout.mode != "sync" or cfg.environment.enabled)
+    elif cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise UserError(
             "rollout.engine vllm: the vllm package is not installed; install treadle[vllm] "
             "(scripts/install.sh does) or set rollout.engine=hf"

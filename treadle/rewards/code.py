@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from treadle.core.errors import UserError
 from treadle.core.types import CodeTests, Task
 from treadle.rewards.base import Score
+from treadle.rewards.params import float_param, int_param
 from treadle.rewards.sandbox import SandboxLimits, run_tests
 
 _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
@@ -55,16 +56,13 @@ class CodeReward:
 
     name = "code"
 
-    def __init__(self, mode: str = "fraction", timeout_s: str = "10", memory_mb: str = "1024"):
+    def __init__(
+        self, mode: str = "fraction", timeout_s: float = 10.0, memory_mb: int = 1024
+    ) -> None:
         if mode not in ("fraction", "all"):
             raise UserError(f"code reward: mode must be fraction or all, got {mode!r}")
-        try:
-            wall, memory = float(timeout_s), int(memory_mb)
-        except ValueError:
-            raise UserError(
-                f"code reward: timeout_s and memory_mb must be numbers, got {timeout_s!r}, "
-                f"{memory_mb!r}"
-            ) from None
+        wall = float_param(timeout_s, "code reward: timeout_s")
+        memory = int_param(memory_mb, "code reward: memory_mb")
         if not (wall > 0 and memory >= 64):
             raise UserError("code reward: timeout_s must be > 0 and memory_mb at least 64")
         self.mode = mode

@@ -16,6 +16,7 @@ import httpx
 from treadle.core.errors import UserError
 from treadle.core.types import Task
 from treadle.rewards.base import Score
+from treadle.rewards.params import float_param, int_param
 
 DEFAULT_RUBRIC = (
     "You grade answers. Judge whether the RESPONSE correctly and completely answers the TASK; "
@@ -49,25 +50,20 @@ class JudgeReward:
         url: str = "http://127.0.0.1:8000",
         model: str = "judge",
         rubric: str = DEFAULT_RUBRIC,
-        max_score: str = "10",
-        timeout_s: str = "60",
-        retries: str = "2",
+        max_score: float = 10.0,
+        timeout_s: float = 60.0,
+        retries: int = 2,
         api_key: str = "",
     ) -> None:
         if not url.startswith(("http://", "https://")):
             raise UserError(f"judge reward: url must start with http:// or https://, got {url!r}")
-        try:
-            self.max_score, self.timeout_s, self.retries = (
-                float(max_score),
-                float(timeout_s),
-                int(retries),
-            )
-        except ValueError:
-            raise UserError("judge reward: max_score, timeout_s, retries must be numbers") from None
+        self.max_score = float_param(max_score, "judge reward: max_score")
+        self.timeout_s = float_param(timeout_s, "judge reward: timeout_s")
+        self.retries = int_param(retries, "judge reward: retries")
         if self.max_score <= 0:
             raise UserError("judge reward: max_score must be positive")
         self.url, self.model, self.api_key = url.rstrip("/"), model, api_key
-        self.rubric = rubric.replace("{max_score}", max_score)
+        self.rubric = rubric.replace("{max_score}", f"{self.max_score:g}")
 
     def messages(self, task: Task, response: str) -> list[dict[str, str]]:
         """The chat the judge sees."""

@@ -33,7 +33,7 @@ from types import TracebackType
 from treadle.config import RewardConfig, routes_to
 from treadle.core.errors import UserError
 from treadle.core.types import Task
-from treadle.rewards.base import RewardFunction, Score, build_reward_function
+from treadle.rewards.base import RewardFunction, Score, reward_function
 from treadle.rewards.workers import (
     FAILED,
     SKIPPED,
@@ -158,12 +158,10 @@ class RewardPool:
             UserError: a bad function name or params (the message names ``functions[i]``), or
                 a bad pool setting.
         """
-        functions: list[tuple[RewardFunction, float]] = []
-        for i, spec in enumerate(cfg.functions):
-            try:
-                functions.append((build_reward_function(spec.name, **spec.params), spec.weight))
-            except UserError as error:
-                raise UserError(f"reward.functions[{i}]: {error}") from None
+        functions = [
+            (reward_function(spec, f"reward.functions[{i}]"), spec.weight)
+            for i, spec in enumerate(cfg.functions)
+        ]
         return cls(
             functions,
             timeout_s=cfg.timeout_s,
@@ -423,3 +421,26 @@ def _log_batch_failures(
         if bad:
             what = "timed out" if isinstance(bad[0], TimedOut) else f"failed ({bad[0].message})"
             logger.warning("reward %s %s on %d samples", fn.name, what, len(bad))
+
+
+def check_reward_functions(cfg: RewardConfig) -> None:
+    """Build every function ``cfg`` names (nothing is started), as a run does before its run
+    directory exists: built-ins and plug-ins alike, each checked against
+    :class:`~treadle.rewards.base.RewardFunction`, and picklable when it goes to the workers.
+
+    Raises:
+        UserError: one line naming ``reward.functions[i]`` (see
+            :func:`~treadle.rewards.base.reward_function`), or a per-sample function that cannot
+            be pickled to the workers (``reward.workers > 0``).
+    """
+    for i, spec in enumerate(cfg.functions):
+        fn = reward_function(spec, f"reward.functions[{i}]")
+        if cfg.workers > 0 and not is_batched(fn):
+            try:
+                check_picklable(fn)
+            except TypeError as e:
+                raise UserError(
+                    f"config reward.functions[{i}].name={spec.name!r}: {e}; keep only settings "
+                    "on the instance (no open files, locks, threads or lambdas), or set "
+                    "reward.workers=0"
+                ) from None

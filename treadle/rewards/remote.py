@@ -7,6 +7,7 @@ import asyncio
 from treadle.core.errors import UserError
 from treadle.core.types import Task
 from treadle.rewards.base import Score
+from treadle.rewards.params import float_param, int_param
 from treadle.rewards.service import RewardClient
 
 
@@ -28,14 +29,12 @@ class RemoteReward:
     name = "remote"
 
     def __init__(
-        self, url: str = "http://127.0.0.1:8900", timeout_s: str = "30", retries: str = "3"
+        self, url: str = "http://127.0.0.1:8900", timeout_s: float = 30.0, retries: int = 3
     ) -> None:
         if not url.startswith(("http://", "https://")):
             raise UserError(f"remote reward: url must start with http:// or https://, got {url!r}")
-        try:
-            self.timeout_s, self.retries = float(timeout_s), int(retries)
-        except ValueError:
-            raise UserError("remote reward: timeout_s and retries must be numbers") from None
+        self.timeout_s = float_param(timeout_s, "remote reward: timeout_s")
+        self.retries = int_param(retries, "remote reward: retries")
         self.url = url
 
     def score(self, task: Task, response: str) -> Score:

@@ -38,6 +38,7 @@ from pathlib import Path
 from treadle.core.errors import UserError
 from treadle.core.types import Task
 from treadle.rewards.base import Score
+from treadle.rewards.params import float_param, int_param
 
 PLACEMENTS = ("colocated", "separate")
 _DTYPES = ("float32", "bfloat16")
@@ -104,12 +105,12 @@ class RewardModelReward:
         path: str = "",
         device: str = "cpu",
         placement: str = "separate",
-        batch_size: str = "16",
-        max_length: str = "2048",
+        batch_size: int = 16,
+        max_length: int = 2048,
         dtype: str = "float32",
-        threshold: str = "0",
-        timeout_s: str = "300",
-        threads: str = "1",
+        threshold: float = 0.0,
+        timeout_s: float = 300.0,
+        threads: int = 1,
     ) -> None:
         if not path:
             raise UserError("reward_model: set params.path to a local reward-model folder")
@@ -117,15 +118,11 @@ class RewardModelReward:
             raise UserError(f"reward_model: placement must be one of {PLACEMENTS}: {placement!r}")
         if dtype not in _DTYPES:
             raise UserError(f"reward_model: dtype must be one of {_DTYPES}, got {dtype!r}")
-        try:
-            self.batch_size, self.max_length = int(batch_size), int(max_length)
-            self.threshold, self.timeout_s = float(threshold), float(timeout_s)
-            self.threads = int(threads)
-        except ValueError:
-            raise UserError(
-                "reward_model: batch_size, max_length, threads must be integers and threshold, "
-                "timeout_s numbers"
-            ) from None
+        self.batch_size = int_param(batch_size, "reward_model: batch_size")
+        self.max_length = int_param(max_length, "reward_model: max_length")
+        self.threshold = float_param(threshold, "reward_model: threshold")
+        self.timeout_s = float_param(timeout_s, "reward_model: timeout_s")
+        self.threads = int_param(threads, "reward_model: threads")
         if not (math.isfinite(self.threshold) and math.isfinite(self.timeout_s)):
             raise UserError("reward_model: threshold and timeout_s must be finite numbers")
         if self.batch_size < 1 or self.max_length < 2 or self.timeout_s <= 0 or self.threads < 0:

@@ -1,7 +1,8 @@
 """The reward service: a recipe's reward pool behind HTTP, and an async client for it.
 
-``treadle serve-reward RECIPE`` serves ``POST /score`` (and ``GET /health``) with Starlette on
-uvicorn, on loopback by default. A request is a list of ``(task, response)`` items with caller
+``treadle serve-reward RECIPE`` serves ``POST /score`` (and ``GET /health``, and its own schema
+as OpenAPI 3.1 at ``GET /openapi.json``: :mod:`treadle.rewards.service_schema`) with Starlette
+on uvicorn, on loopback by default. A request is a list of ``(task, response)`` items with caller
 ids; the reply gives one score per id, in order. Graders keep their pool's guarantees (each
 call under a timeout, crashes scored as the fallback). :class:`RewardClient` sends batches with
 a concurrency limit, a per-request timeout and retries with exponential backoff, and raises
@@ -31,6 +32,7 @@ from starlette.routing import Route
 from treadle.core.types import Message, Task
 from treadle.rewards.base import Score
 from treadle.rewards.pool import RewardPool
+from treadle.rewards.service_schema import OPENAPI
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
 """The largest request body the service reads, in bytes."""
@@ -108,6 +110,16 @@ def task_from_json(obj: dict[str, Any]) -> Task:
     )
 
 
+async def _health(request: Request) -> JSONResponse:
+    """``GET /health``: ``{"ok": true}`` while the service is up."""
+    return JSONResponse({"ok": True})
+
+
+async def _openapi(request: Request) -> JSONResponse:
+    """``GET /openapi.json``: the service's OpenAPI document."""
+    return JSONResponse(OPENAPI)
+
+
 def build_app(
     pool: RewardPool, *, max_body_bytes: int = MAX_BODY_BYTES, max_depth: int = MAX_DEPTH
 ) -> Starlette:
@@ -152,10 +164,6 @@ def build_app(
             }
         )
 
-    async def health(request: Request) -> JSONResponse:
-        """``GET /health``: ``{"ok": true}`` while the service is up."""
-        return JSONResponse({"ok": True})
-
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         """Starlette lifespan: closes the pool when the server shuts down."""
@@ -163,7 +171,11 @@ def build_app(
         pool.close()  # the service owns its pool's worker processes
 
     return Starlette(
-        routes=[Route("/score", score, methods=["POST"]), Route("/health", health)],
+        routes=[
+            Route("/score", score, methods=["POST"]),
+            Route("/health", _health),
+            Route("/openapi.json", _openapi),
+        ],
         lifespan=lifespan,
     )
 

@@ -24,7 +24,9 @@ from transformers import PreTrainedTokenizerBase
 from treadle.config import DataConfig, SourceConfig
 from treadle.core.answers import after_last_hashes, answer_is, last_boxed
 from treadle.core.errors import UserError
+from treadle.core.plugins import is_import_path
 from treadle.core.types import CodeTests, DataPosition, Message, Task
+from treadle.store.data_plugins import load_tasks, loaded_split
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +126,9 @@ def load_gold_rows(cfg: DataConfig) -> GoldRows:
 
 
 def _gold_rows(cfg: DataConfig, key: str) -> GoldRows:
-    if cfg.source in ("humaneval", "mbpp"):
+    if is_import_path(cfg.source):  # a user's own loader: all it returns, unsplit
+        tasks = load_tasks(cfg)
+    elif cfg.source in ("humaneval", "mbpp"):
         tasks = _code_tasks(cfg)
     elif cfg.source == "reasoning_gym":
         train, held_out = _reasoning_gym(cfg)
@@ -172,7 +176,9 @@ def _load_source(cfg: DataConfig, key: str) -> Dataset:
         cut = len(tasks) - cfg.eval_size
         return Dataset(tuple(tasks[:cut][: cfg.size]), tuple(tasks[cut:]))
     skipped: tuple[str, ...] = ()
-    if cfg.source == "reasoning_gym":
+    if is_import_path(cfg.source):  # a user's own loader (treadle.store.data_plugins)
+        train, held_out = loaded_split(cfg)
+    elif cfg.source == "reasoning_gym":
         train, held_out = _reasoning_gym(cfg)
     else:
         rows = _file_rows(cfg, key)

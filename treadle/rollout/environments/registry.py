@@ -2,20 +2,19 @@
 
 A name is one treadle ships (:data:`BUILTIN`) or one a user's code registered
 (:func:`register`); anything else is read as ``package.module:Attribute``, a factory called once
-per episode with ``environment.kwargs``.
+per episode with ``environment.kwargs``, loaded by :func:`treadle.core.plugins.import_path` as
+every plug-in is.
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
-import os
-import sys
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from treadle.core.errors import UserError
+from treadle.core.plugins import import_path, require_methods
 from treadle.rollout.environments.base import Environment, SyncEnvironment, Threaded
 
 BUILTIN = {
@@ -25,6 +24,15 @@ BUILTIN = {
     "python_tests": "treadle.rollout.environments.python_tests:PythonTests",
 }
 """The environments treadle ships, by name -> import path."""
+
+ENVIRONMENT_METHODS = {
+    "reset": "reset(task)",
+    "step": "step(turn)",
+    "reward": "reward()",
+    "close": "close()",
+}
+"""The methods an environment has (:class:`~treadle.rollout.environments.base.Environment`)."""
+ENVIRONMENT_KIND = "an environment (treadle.rollout.environments.base.Environment)"
 
 EnvironmentFactory = Callable[..., Environment | SyncEnvironment]
 
@@ -57,38 +65,6 @@ def resolve(spec: str) -> EnvironmentFactory:
             "import path package.module:Class"
         )
     return import_path(BUILTIN.get(spec, spec), f"environment.name={spec!r}")
-
-
-def import_path(path: str, what: str) -> Callable[..., Any]:
-    """The callable at ``package.module:Attribute``; ``what`` names it in errors (a config key
-    and its value). Modules are found on ``sys.path`` and, as uvicorn finds its apps, in the
-    current directory.
-
-    Raises:
-        UserError: not such a path, no such module or attribute, or not callable.
-    """
-    module, sep, attribute = path.partition(":")
-    if not sep or not module or not attribute:
-        raise UserError(f"config {what}: expected an import path package.module:function")
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())  # `treadle train` run where the user's code is
-    try:
-        imported = importlib.import_module(module)
-    except ImportError as e:
-        raise UserError(
-            f"config {what}: cannot import {module!r} ({e}); is its package installed or on "
-            "PYTHONPATH?"
-        ) from None
-    except Exception as e:  # the module itself fails (a SyntaxError, an error at import)
-        raise UserError(
-            f"config {what}: importing {module!r} failed: {type(e).__name__}: {e}"
-        ) from None
-    found = getattr(imported, attribute, None)
-    if found is None:
-        raise UserError(f"config {what}: module {module!r} has no {attribute!r}")
-    if not callable(found):
-        raise UserError(f"config {what}: {attribute!r} is not callable")
-    return found
 
 
 def check(spec: str, kwargs: Mapping[str, Any] | None = None) -> None:
@@ -134,12 +110,8 @@ def make(
         env = factory(**dict(kwargs or {}))
     except TypeError as e:
         raise UserError(f"config environment.kwargs for {spec!r}: {e}") from None
-    methods = ("reset", "step", "reward", "close")
-    if not all(callable(getattr(env, m, None)) for m in methods):
-        raise UserError(
-            f"config environment.name={spec!r}: {type(env).__name__} lacks one of "
-            f"{', '.join(methods)} (see treadle.rollout.environments.base.Environment)"
-        )
+    require_methods(env, ENVIRONMENT_METHODS, f"environment.name={spec!r}", ENVIRONMENT_KIND)
+    methods = tuple(ENVIRONMENT_METHODS)
     if all(inspect.iscoroutinefunction(getattr(env, m)) for m in methods):
         return env  # type: ignore[return-value]  # an Environment (checked above)
     if any(inspect.iscoroutinefunction(getattr(env, m)) for m in methods):

@@ -26,13 +26,14 @@ from transformers import PreTrainedTokenizerBase
 
 from treadle.config import Config
 from treadle.core.errors import UserError
+from treadle.core.plugins import import_path
 from treadle.core.protocols import RequestEngine, SamplingParams
 from treadle.core.types import Completion, FinishReason, Task
 from treadle.rewards.pool import RewardPool
 from treadle.rollout.environments.agent_server import AgentServer
 from treadle.rollout.environments.base import Environment
 from treadle.rollout.environments.episode import Budgets, Episode, run_episode
-from treadle.rollout.environments.registry import import_path, make
+from treadle.rollout.environments.registry import make
 from treadle.rollout.environments.sampler import EngineSampler
 from treadle.rollout.environments.trajectory import (
     ChatRenderer,
