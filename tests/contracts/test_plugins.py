@@ -215,6 +215,19 @@ def test_reward_check_grades_with_a_plugin_reward(in_project, function, exit_cod
     assert main(["reward-check", "recipe.yaml"]) == exit_code
 
 
+def test_reward_check_reads_every_task_of_a_plugin_loader(in_project, capsys):
+    args = [
+        "reward-check",
+        str(DEFAULT),
+        "data.source=userplug.data:load_tasks",
+        "data.eval_size=2",
+    ]
+    args += ["data.reasoning=none", "reward.functions=[{name: userplug.rewards:contains_gold}]"]
+    assert main(args) == 0
+    # all 10 of the loader's tasks, unsplit (eval_size does not hold 2 of them back)
+    assert "0 of 10 gold answers fail" in capsys.readouterr().out
+
+
 def test_train_uses_a_plugin_reward(in_project):
     import json
 
