@@ -52,7 +52,9 @@ def test_golden_batch(
         Score(0.625, False),  # partial credit is not correct
     ]
     assert (result.failures, result.timeouts) == (2, 1)
-    assert wall_s < TIMEOUT_S + 3.0
+    # The sleeper was cut at its timeout, not waited on (30 s); the margin is for a loaded machine,
+    # where killing and respawning a worker took over 3 s (TIMEOUT_S + 3 failed at load 9).
+    assert wall_s < 15.0
     assert result.seconds <= wall_s
     messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(messages) == 3  # each failure logged once
