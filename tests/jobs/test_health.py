@@ -29,6 +29,7 @@ def test_all_zero_rewards_warn_once_at_the_third_step(caplog):
         rows = [m.judge(step(n)) for n in range(1, 6)]
     # flat from step 1: below 3 consecutive steps nothing holds; from step 3 on it holds
     assert [r["health/flat_rewards"] for r in rows] == [0.0, 0.0, 1.0, 1.0, 1.0]
+    assert [r["health/flat_steps"] for r in rows] == [1.0, 2.0, 3.0, 4.0, 5.0]
     assert [r["health/warnings"] for r in rows] == [0.0, 0.0, 1.0, 1.0, 1.0]
     (line,) = warnings(caplog)  # once for the whole episode, not at steps 4 and 5
     assert line.startswith("RL steps 1-3: the reward was 0 for every sample, so every advantage")
@@ -84,6 +85,7 @@ def test_an_empty_step_is_no_zero_loss_and_no_truncation():
         "health/flat_rewards": 0.0,
         "health/zero_loss": 0.0,
         "health/truncated": 0.0,
+        "health/flat_steps": 0.0,
         "health/warnings": 0.0,
     }
 
@@ -122,3 +124,23 @@ def test_from_config_reads_the_run_settings():
     m = HealthMonitor.from_config(cfg)
     assert m.max_tokens == 77 and m.mismatch is cfg.algorithm.mismatch and m.flat_steps == 3
     assert monitor(flat_steps=0).flat_steps == 1  # at least the flat step itself
+
+
+def test_a_resumed_run_continues_the_count_of_flat_steps(tmp_path, caplog):
+    from treadle.store.observe import MetricsLogger
+
+    with MetricsLogger(tmp_path, tensorboard=False) as log:
+        log.log(0, {"eval/accuracy": 0.0})  # the evaluation before RL has no health keys
+        log.log(1, {"health/flat_steps": 1.0})
+        log.log(2, {"health/flat_steps": 2.0})
+    m = HealthMonitor.from_config(Config(), tmp_path, 2)  # resumed after step 2
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        row = m.judge(step(3))
+    # steps 1 and 2 were flat before the resume, step 3 is: 3 in a row, as uninterrupted
+    assert row["health/flat_steps"] == 3.0 and row["health/flat_rewards"] == 1.0
+    assert warnings(caplog)[0].startswith("RL steps 1-3: the reward was 0 for every sample")
+    # a run logged before these metrics existed (its step-2 row has no such key) counts anew
+    with MetricsLogger(tmp_path / "old", tensorboard=False) as log:
+        log.log(2, {"loss": 0.0})
+    old = HealthMonitor.from_config(Config(), tmp_path / "old", 2)
+    assert old.judge(step(3))["health/flat_steps"] == 1.0

@@ -8,6 +8,8 @@ steps it did not, and records in every step's metrics which conditions hold:
 - ``health/flat_rewards``: for ``flat_steps`` consecutive steps or more, no group's rewards
   varied (or dynamic sampling dropped every group as flat), so every group-relative advantage
   is 0 (GRPO, arXiv 2402.03300, eq. 3: ``(r_i - mean) / std`` of a group) and nothing is learned;
+  ``health/flat_steps`` is that count of consecutive steps (0 at a step with variance), which a
+  resumed run continues from;
 - ``health/zero_loss``: the policy loss was exactly 0;
 - ``health/truncated``: every completion of the step ran out of ``rollout.max_tokens``;
 - ``mismatch/alarms`` (set by :func:`treadle.jobs.loop.mismatch_check`): the engine/trainer
@@ -21,10 +23,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from treadle.algorithms.correction import mismatch_alarm
 from treadle.config import Config, MismatchConfig
 from treadle.core.types import FinishReason, RolloutGroup
+from treadle.store.observe import METRICS_FILENAME, read_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -107,9 +111,17 @@ class HealthMonitor:
         self._active: set[str] = set()  # conditions warned and still holding
 
     @classmethod
-    def from_config(cls, cfg: Config) -> HealthMonitor:
-        """The monitor of a run of ``cfg``."""
-        return cls(cfg.rollout.max_tokens, cfg.algorithm.mismatch, cfg.rollout.staleness_bound)
+    def from_config(cls, cfg: Config, run_dir: Path | None = None, step: int = 0) -> HealthMonitor:
+        """The monitor of a run of ``cfg``; one resumed after ``step`` RL steps continues the
+        count of flat steps logged at ``step`` in ``run_dir``'s ``metrics.jsonl`` (so its
+        metrics are the uninterrupted run's)."""
+        monitor = cls(cfg.rollout.max_tokens, cfg.algorithm.mismatch, cfg.rollout.staleness_bound)
+        if run_dir is not None and step > 0 and (run_dir / METRICS_FILENAME).is_file():
+            rows = read_metrics(run_dir / METRICS_FILENAME)
+            flat = [r.get("health/flat_steps") for r in rows if r["step"] == step]
+            streak = int(next((f for f in flat if f is not None), 0))
+            monitor._flat_since = step - streak + 1 if streak > 0 else None
+        return monitor
 
     def check(
         self, step: int, groups: Sequence[RolloutGroup], metrics: Mapping[str, float]
@@ -138,6 +150,8 @@ class HealthMonitor:
                 self._active.add(name)
                 logger.warning("%s", problem)
         out = {f"health/{k}": float(v is not None) for k, v in problems.items() if k != "mismatch"}
+        streak = 0 if self._flat_since is None else health.step - self._flat_since + 1
+        out["health/flat_steps"] = float(streak)
         out["health/warnings"] = float(sum(p is not None for p in problems.values()))
         return out
 

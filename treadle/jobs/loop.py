@@ -88,7 +88,7 @@ def run_rl(parts: RLParts, start_step: int, progress: Progress, stop: StopOnSign
     cfg = parts.cfg
     params = sampling_params(cfg)
     objective = PolicyObjective.from_config(cfg.algorithm, cfg.rollout.max_tokens)
-    health = HealthMonitor.from_config(cfg)
+    health = HealthMonitor.from_config(cfg, parts.run_dir, start_step)  # resumed: its count
     with rollout_source(parts, params, start_step) as source, stop.deferred():
         for step in range(start_step, cfg.run.steps):
             batch, samples, metrics = rl_step(parts, source, step, objective)
