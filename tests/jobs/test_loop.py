@@ -117,6 +117,24 @@ def test_rollout_metrics_per_domain():
     assert abs(m["reward/mean"] - 2 / 6) < 1e-12
 
 
+def test_generation_throughput_counts_sampled_tokens_per_generation_second():
+    from treadle.core.types import Rollout, RolloutGroup
+    from treadle.jobs.loop import generation_throughput
+
+    def group(lengths):
+        done = [Completion((7,) * n, (-0.5,) * n, FinishReason.STOP, 0, "x") for n in lengths]
+        task = Task("t", (Message("user", "q"),), "1", "math")
+        return RolloutGroup(task, (1, 2, 3), tuple(Rollout(c, 0.0, False) for c in done))
+
+    groups = [group([4, 6]), group([10, 20])]  # 40 sampled tokens (prompts not counted)
+    sync = generation_throughput(groups, {"time/generate_s": 0.5})
+    assert sync == {"perf/gen_tokens": 40.0, "perf/gen_tokens_per_s": 80.0}  # 40 / 0.5 s
+    # asynchronous: time/generate_s is the trainer's wait; the engine's busy seconds count
+    both = {"time/generate_s": 0.01, "async/engine_s": 2.0}
+    assert generation_throughput(groups, both)["perf/gen_tokens_per_s"] == 20.0  # 40 / 2 s
+    assert generation_throughput(groups, {"async/engine_s": 0.0}) == {}
+
+
 def test_a_sync_resume_of_an_asynchronous_checkpoint_draws_its_pending_prompts_first():
     # The checkpoint's sampler is at (0, 6), its prompts at 3 and 5 were drawn and not trained.
     from types import SimpleNamespace
