@@ -71,7 +71,10 @@ def test_zero_loss_and_truncation_warn_once_per_episode(caplog):
     assert [r["health/warnings"] for r in rows] == [2, 2, 0, 2]
     lines = warnings(caplog)  # steps 1 and 4 begin an episode of each; steps 2 and 3 do not
     assert [line.split(":")[0] for line in lines] == ["RL step 1"] * 2 + ["RL step 4"] * 2
-    assert "the loss is exactly 0 (check the objective)" in lines[0]
+    assert lines[0] == (
+        "RL step 1: the loss is exactly 0 (with rewards that vary: check the algorithm "
+        "section's loss settings), so the update learns nothing"
+    )
     assert lines[1] == (
         "RL step 1: all 2 completions ran out of rollout.max_tokens=40 (finish reason length), "
         "so their answers are cut; raise rollout.max_tokens or ask for shorter answers"

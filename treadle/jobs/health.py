@@ -174,11 +174,12 @@ class HealthMonitor:
     def _zero_loss_problem(self, h: StepHealth) -> str | None:
         if h.loss != 0.0 or h.samples == 0:  # no samples: nothing was trained, not a zero loss
             return None
-        why = "every advantage is 0: no group's rewards vary" if h.flat else "check the objective"
-        return (
-            f"RL step {h.step}: the loss is exactly 0 ({why}); the update changes nothing "
-            "(a KL or entropy term, if set, moves the weights only by itself)"
+        why = (
+            "every advantage is 0: no group's rewards vary"
+            if h.flat
+            else "with rewards that vary: check the algorithm section's loss settings"
         )
+        return f"RL step {h.step}: the loss is exactly 0 ({why}), so the update learns nothing"
 
     def _truncated_problem(self, h: StepHealth) -> str | None:
         if h.samples == 0 or h.truncated < h.samples:

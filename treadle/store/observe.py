@@ -415,9 +415,9 @@ class Progress:
     On a terminal it is a live rich progress bar with step, reward, accuracy, step time and
     ETA (:func:`eta_text`: from the first step on, the mean step time so far times the steps
     left; rich's own estimate waits for several updates within 30 s, which minute-long steps
-    never give). When the console is not a terminal (a log file, CI) it prints one plain line every
-    ``plain_every`` steps instead, so the log holds no control codes or redraws. Use it as a
-    context manager; ``step`` passed to :meth:`update` is the number of steps completed.
+    never give). When the console is not a terminal (a log file, CI) it prints one plain line
+    every ``plain_every`` steps instead, so the log holds no control codes or redraws. Use it as
+    a context manager; ``step`` passed to :meth:`update` is the number of steps completed.
     """
 
     def __init__(

@@ -392,9 +392,9 @@ class TorchBackend:
 
 
 def throughput(samples: Sequence[TrainSample], seconds: float) -> dict[str, Metric]:
-    """``perf/tokens`` (prompt and completion tokens of the call's samples, a shared prompt once
-    per sample) and ``perf/tokens_per_s``, those tokens per second of the update (the trainer's
-    throughput; the engine's is ``perf/gen_tokens_per_s``)."""
+    """``perf/tokens`` (prompt and completion tokens of the call's samples, a group's shared
+    prompt counted in each) and ``perf/tokens_per_s``, those tokens per second of the update
+    (the trainer's throughput; the engine's is ``perf/gen_tokens_per_s``)."""
     tokens = sum(len(s) for s in samples)
     return {
         "perf/tokens_per_s": Metric(tokens / max(seconds, 1e-9), Reduction.STEP),
