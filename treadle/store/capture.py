@@ -5,7 +5,9 @@ iomp not preloaded, Triton without a CPU backend, NUMA binding, shard-loading ba
 ``logging`` records of their own handlers, ``warnings``, tqdm bars and C++ prints, some from
 native code that no Python-level setting reaches. :func:`captured_output` sends all of them to
 ``RUN/engine.log`` by redirecting this process's file descriptors 1 and 2 for the duration,
-which is the one place every one of those writers ends up.
+which is the one place every one of those writers ends up. (Not by swapping ``sys.stdout``:
+vLLM's log handler keeps the stream object it finds when first imported, here inside the block,
+and would write to a closed file after it.)
 """
 
 from __future__ import annotations
