@@ -74,8 +74,10 @@ def measured_peak_flops(device_type: str, dtype: torch.dtype, budget_s: float = 
     ``budget_s`` seconds (``2 n^3`` FLOPs each; ``n`` = 512 on CPU, 4096 on a GPU), with this
     process's torch threads; measured once per process and arguments (cached)."""
     n = 4096 if device_type == "cuda" else 512
-    a = torch.randn(n, n, device=device_type).to(dtype)
-    b = torch.randn(n, n, device=device_type).to(dtype)
+    # a generator of its own: drawing from the global one would change the run's sampling
+    rng = torch.Generator(device_type).manual_seed(0)
+    a = torch.randn(n, n, device=device_type, generator=rng).to(dtype)
+    b = torch.randn(n, n, device=device_type, generator=rng).to(dtype)
     best = float("inf")
     start = time.perf_counter()
     for i in range(1000):

@@ -105,7 +105,11 @@ class TorchBackend:
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self._tokens_computed = 0  # by the optimizer steps of one train_step (a shared prefix once)
+        self._peak_flops = 0.0  # of this device in the trainer's dtype, for perf/mfu
         if trainable:
+            # measured here on a CPU (once per process), not within a step's timed update
+            dtype = torch.bfloat16 if cfg.bf16_autocast else torch.float32
+            self._peak_flops = peak_flops(self.device, dtype, cfg.peak_tflops)
             self.optimizer = torch.optim.AdamW(
                 model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
             )
@@ -284,10 +288,8 @@ class TorchBackend:
         tokens forward and backward in ``seconds``, against this device's peak in the trainer's
         dtype (bf16 under ``bf16_autocast``, else fp32) or ``cfg.peak_tflops``
         (:mod:`treadle.train.flops`)."""
-        dtype = torch.bfloat16 if self.cfg.bf16_autocast else torch.float32
-        peak = peak_flops(self.device, dtype, self.cfg.peak_tflops)
         n_params = sum(p.numel() for p in self.model.parameters())
-        mfu = model_flops_utilisation(n_params, tokens, seconds, peak)
+        mfu = model_flops_utilisation(n_params, tokens, seconds, self._peak_flops)
         return {"perf/mfu": Metric(mfu, Reduction.STEP)}
 
     def optimizer_step(
