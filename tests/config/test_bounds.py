@@ -30,7 +30,7 @@ AT_LEAST = {
     "algorithm.critic.value_clip": 0.0,
     "algorithm.mismatch.max_kl_k3": 0.0, "algorithm.mismatch.max_abs_logprob_diff": 0.0,
     "trainer.weight_decay": 0.0, "trainer.grad_clip": 0.0, "trainer.warmup_steps": 0,
-    "trainer.micro_batch_tokens": 16, "trainer.mini_batches": 1,
+    "trainer.micro_batch_tokens": 16, "trainer.mini_batches": 1, "trainer.peak_tflops": 0.0,
     "eval.every": 0, "eval.samples_per_prompt": 1,
     "dpo.steps": 1, "dpo.batch_size": 1,
     "placement.trainers": 1, "placement.engines": 1, "placement.trainer_cpus": 0.0,

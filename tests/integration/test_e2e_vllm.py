@@ -56,7 +56,8 @@ def run_dir(tmp_path_factory):
     recipe = json.loads(json.dumps(RECIPE))
     recipe["run"]["output_dir"] = str(root / "runs")
     path = write_recipe(root / "recipe.yaml", recipe)
-    run_python(["-m", "treadle.cli", "train", str(path)], cwd=root, timeout_s=900)
+    proc = run_python(["-m", "treadle.cli", "train", str(path)], cwd=root, timeout_s=900)
+    (root / "console.txt").write_text(proc.stdout + proc.stderr)  # all the user saw
     return root / "runs" / "e2e"
 
 
@@ -104,3 +105,15 @@ def test_run_leaves_reports_samples_and_checkpoints(run_dir):
     state = json.loads((run_dir / "checkpoints" / "step_000002" / "state.json").read_text())
     assert state["step"] == 2 and state["policy_version"] == 2
     assert state["data_position"] == {"epoch": 0, "offset": 16}  # 2 steps x 8 prompts
+
+
+def test_the_engine_start_up_warnings_are_in_engine_log_not_on_the_console(run_dir):
+    console = (run_dir.parents[1] / "console.txt").read_text()
+    log = (run_dir / "engine.log").read_text()
+    # vLLM's start-up output: its own log records and its shard-loading bar (on a CPU also the
+    # allocators it wants preloaded, Triton without a CPU backend, NUMA binding)
+    assert "Loading safetensors checkpoint shards" in log
+    assert "safetensors" not in console and "(MainProcess pid=" not in console
+    warned = [line for line in console.splitlines() if "WARNING" in line]
+    assert all(line.startswith("WARNING treadle.") for line in warned), warned
+    assert "RL (grpo advantages" in console  # treadle's own output is still there

@@ -117,6 +117,24 @@ def test_rollout_metrics_per_domain():
     assert abs(m["reward/mean"] - 2 / 6) < 1e-12
 
 
+def test_generation_throughput_counts_sampled_tokens_per_generation_second():
+    from treadle.core.types import Rollout, RolloutGroup
+    from treadle.jobs.loop import generation_throughput
+
+    def group(lengths):
+        done = [Completion((7,) * n, (-0.5,) * n, FinishReason.STOP, 0, "x") for n in lengths]
+        task = Task("t", (Message("user", "q"),), "1", "math")
+        return RolloutGroup(task, (1, 2, 3), tuple(Rollout(c, 0.0, False) for c in done))
+
+    groups = [group([4, 6]), group([10, 20])]  # 40 sampled tokens (prompts not counted)
+    sync = generation_throughput(groups, {"time/generate_s": 0.5})
+    assert sync == {"perf/gen_tokens": 40.0, "perf/gen_tokens_per_s": 80.0}  # 40 / 0.5 s
+    # asynchronous: time/generate_s is the trainer's wait; the engine's busy seconds count
+    both = {"time/generate_s": 0.01, "async/engine_s": 2.0}
+    assert generation_throughput(groups, both)["perf/gen_tokens_per_s"] == 20.0  # 40 / 2 s
+    assert generation_throughput(groups, {"async/engine_s": 0.0}) == {}
+
+
 def test_a_sync_resume_of_an_asynchronous_checkpoint_draws_its_pending_prompts_first():
     # The checkpoint's sampler is at (0, 6), its prompts at 3 and 5 were drawn and not trained.
     from types import SimpleNamespace
@@ -155,7 +173,7 @@ class NoProgress:
         pass
 
 
-def rl_parts(tmp_path, steps: int, **mismatch) -> RLParts:
+def rl_parts(tmp_path, steps: int, pool=None, **mismatch) -> RLParts:
     """A two-prompt, two-sample run of a tiny random Qwen2 trainer (vocab ~300) fed by the fake
     engine, whose every token has logprob log(1/2): the trainer gives them about -log(300), so
     the engine/trainer gap is several nats, as with an engine serving other weights."""
@@ -173,7 +191,7 @@ def rl_parts(tmp_path, steps: int, **mismatch) -> RLParts:
     policy = TorchBackend(policy_model(len(tokenizer)), cfg.trainer, total_steps=steps)
     engine = FakeEngine(tokenizer)
     return RLParts(
-        cfg, tmp_path, engine, tokenizer, DigitZeroIsRight(), policy, None, None,
+        cfg, tmp_path, engine, tokenizer, pool or DigitZeroIsRight(), policy, None, None,
         TaskSampler(TASKS, 0), (), MetricsLogger(tmp_path, tensorboard=False),
         RolloutBuffer(tmp_path), InProcessSync(policy, engine),
     )  # fmt: skip
@@ -225,18 +243,48 @@ def test_the_mismatch_alarm_stops_the_run_after_logging_the_step(tmp_path, one_t
 
 
 @pytest.mark.parametrize(("limit", "alarms"), [(1.0, 1.0), (0.0, 0.0)])
-def test_the_mismatch_alarm_warns_once_per_step_and_trains_on(
+def test_the_mismatch_alarm_warns_once_per_episode_and_trains_on(
     tmp_path, one_torch_thread, caplog, limit, alarms
 ):
     from treadle.jobs.loop import run_rl
 
     p = rl_parts(tmp_path, steps=2, max_kl_k3=0.0, max_abs_logprob_diff=limit, action="warn")
-    with caplog.at_level("WARNING", logger="treadle.jobs.loop"):
+    with caplog.at_level("WARNING", logger="treadle.jobs.health"):
         run_rl(p, 0, NoProgress(), StopOnSignal())
     rows = logged_rows(tmp_path)
     assert [r["step"] for r in rows] == [1, 2]
     assert [r["mismatch/alarms"] for r in rows] == [alarms, alarms]
-    warned = [r.getMessage() for r in caplog.records if r.name == "treadle.jobs.loop"]
-    assert len(warned) == 2 * int(alarms)  # one per step that fired, none when off
-    for step, message in enumerate(warned, start=1):
-        assert message.startswith(f"RL step {step}: engine/trainer mismatch: ")
+    # the fake engine's rewards vary and nothing is cut: the alarm is the only condition
+    assert [r["health/warnings"] for r in rows] == [alarms, alarms]
+    warned = [r.getMessage() for r in caplog.records if r.name == "treadle.jobs.health"]
+    assert len(warned) == int(alarms)  # once for both steps over the limit, none when off
+    for message in warned:
+        assert message.startswith("RL step 1: engine/trainer mismatch: ")
+
+
+class NeverRight:
+    """Reward 0 for every completion: a model that never writes the rewarded format."""
+
+    def score(self, items):
+        return Batch([Score(0.0, False) for _ in items])
+
+
+def test_a_run_whose_rewards_are_all_zero_warns_by_step_3(tmp_path, one_torch_thread, caplog):
+    from treadle.jobs.loop import run_rl
+
+    # the mismatch alarm off: the fake engine's logprobs are not the trainer's
+    p = rl_parts(tmp_path, 4, NeverRight(), max_kl_k3=0.0, max_abs_logprob_diff=0.0)
+    with caplog.at_level("WARNING", logger="treadle.jobs.health"):
+        run_rl(p, 0, NoProgress(), StopOnSignal())
+    rows = logged_rows(tmp_path)
+    assert [r["health/flat_rewards"] for r in rows] == [0.0, 0.0, 1.0, 1.0]
+    # every advantage is 0, so the PPO loss -A * ratio is exactly 0 from the first step
+    assert [r["loss"] for r in rows] == [0.0] * 4
+    assert [r["health/zero_loss"] for r in rows] == [1.0] * 4
+    assert [r["health/warnings"] for r in rows] == [1.0, 1.0, 2.0, 2.0]
+    warned = [r.getMessage() for r in caplog.records if r.name == "treadle.jobs.health"]
+    assert [w.split(":")[0] for w in warned] == ["RL step 1", "RL steps 1-3"]
+    assert "the reward was 0 for every sample" in warned[1]
+    # the throughput of both sides: 4 samples x ("digit", end of turn) = 8 sampled tokens
+    assert all(r["perf/gen_tokens"] == 8.0 and r["perf/gen_tokens_per_s"] > 0 for r in rows)
+    assert all(0 < r["perf/mfu"] < 1 for r in rows)

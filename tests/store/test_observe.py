@@ -278,3 +278,23 @@ def test_progress_rejects_bad_bounds() -> None:
         Progress(0)
     with pytest.raises(ValueError, match="start_step"):
         Progress(10, start_step=11)
+
+
+def test_eta_is_the_mean_step_time_so_far_times_the_steps_left() -> None:
+    assert observe.eta_text(10.0, 0, 60) == "-"  # no step done yet: nothing to go on
+    assert observe.eta_text(12.4, 1, 59) == "12m12s"  # 12.4 s x 59 = 731.6 s
+    assert observe.eta_text(125.0, 2, 58) == "1h00m25s"  # 62.5 s x 58 = 3625 s
+    assert observe.eta_text(9.0, 3, 1) == "3s"
+    assert observe.eta_text(50.0, 5, 0) == "0s"
+
+
+def test_the_bar_shows_an_eta_from_the_first_step(monkeypatch) -> None:
+    clock = [100.0, 100.0, 130.0]  # __init__, __enter__, then step 1 done 30 s later
+    monkeypatch.setattr(observe.time, "perf_counter", lambda: clock.pop(0) if clock else 130.0)
+    out = io.StringIO()
+    with Progress(5, console=Console(file=out, force_terminal=True, width=200)) as progress:
+        progress.update(1, reward=0.5, accuracy=0.5, step_time_s=30.0)
+        rendered = progress._rich.get_renderable()
+    console = Console(file=io.StringIO(), width=200, record=True)
+    console.print(rendered)
+    assert "eta 2m00s" in console.export_text()  # 30 s a step x 4 steps left

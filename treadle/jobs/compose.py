@@ -36,6 +36,7 @@ from treadle.rollout.environments.rollout import (
 )
 from treadle.store.atomic import save_model_atomic
 from treadle.store.buffer import RolloutBuffer
+from treadle.store.capture import ENGINE_LOG, captured_output
 from treadle.store.checkpoint import (
     CRITIC_DIRNAME,
     RunState,
@@ -216,7 +217,8 @@ def build_roles(
         # The trainer keeps fp32 master weights whatever dtype the engine serves in.
         model, tokenizer = load_model(weights, "float32")
         model.to("cuda" if torch.cuda.is_available() else "cpu")
-        engine = build_engine(cfg.rollout.engine, spec)
+        with captured_output(run_dir / ENGINE_LOG):  # vLLM's ~20 start-up lines: not the console
+            engine = build_engine(cfg.rollout.engine, spec)
         engine.policy_version = version
         policy = TorchBackend(
             model, cfg.trainer, cfg.run.steps * cfg.trainer.mini_batches, cfg.rollout.temperature

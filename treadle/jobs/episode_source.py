@@ -134,6 +134,7 @@ class StreamedEpisodes:
                 "async/staleness_max": Metric(lag, Reduction.MAX),
                 "async/queue_depth": float(len(self._ready)),
                 "async/engine_busy": min(self._busy_s / wall, 1.0),
+                "async/engine_s": self._busy_s,
                 "async/dropped_stale": float(self._dropped_prompts),
                 "async/dropped_stale_batches": float(self._dropped_batches),
             }

@@ -25,6 +25,7 @@ from treadle.core.errors import UserError
 from treadle.core.protocols import InferenceEngine, SamplingParams, TrainingBackend, WeightSync
 from treadle.core.types import DataPosition, RolloutGroup, Task, TrainSample
 from treadle.jobs.episode_source import StreamedEpisodes
+from treadle.jobs.health import HealthMonitor
 from treadle.jobs.sources import Batch, OnPolicy, RolloutSource, Streamed
 from treadle.jobs.stopping import StopOnSignal
 from treadle.rewards.pool import RewardPool
@@ -75,8 +76,9 @@ class RLParts:
 
 def run_rl(parts: RLParts, start_step: int, progress: Progress, stop: StopOnSignal) -> None:
     """RL steps ``start_step .. cfg.run.steps - 1``, each: :func:`rl_step`, then judge its
-    engine/trainer mismatch (:func:`mismatch_check`), evaluate, log, store the rollouts in the
-    buffer, save, and stop there if a signal came (``stop``).
+    engine/trainer mismatch (:func:`mismatch_check`) and its health (a warning once per episode
+    of a step that cannot be learning: :mod:`treadle.jobs.health`), evaluate, log, store the
+    rollouts in the buffer, save, and stop there if a signal came (``stop``).
 
     Raises:
         UserError: ``algorithm.mismatch.action=stop`` and a step's mismatch exceeded a threshold
@@ -86,11 +88,13 @@ def run_rl(parts: RLParts, start_step: int, progress: Progress, stop: StopOnSign
     cfg = parts.cfg
     params = sampling_params(cfg)
     objective = PolicyObjective.from_config(cfg.algorithm, cfg.rollout.max_tokens)
+    health = HealthMonitor.from_config(cfg, parts.run_dir, start_step)  # resumed: its count
     with rollout_source(parts, params, start_step) as source, stop.deferred():
         for step in range(start_step, cfg.run.steps):
             batch, samples, metrics = rl_step(parts, source, step, objective)
             done = step + 1
-            alarm = mismatch_check(cfg, done, metrics)  # warns, counts mismatch/alarms
+            alarm = mismatch_check(cfg, done, metrics)  # counts mismatch/alarms
+            metrics |= health.check(done, batch.groups, metrics)  # warns once per episode
             if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.run.steps:
                 with timed(metrics, "eval"), source.exclusive():
                     metrics.update(evaluate_policy(parts).metrics())
@@ -157,6 +161,7 @@ def rl_step(
     metrics = rollout_metrics(batch.groups) | batch.metrics | sample_metrics | reward_metrics
     metrics |= adv_metrics | update_metrics | sync_metrics | t
     metrics |= p.engine.metrics()  # e.g. the workers an engine group replaced
+    metrics |= generation_throughput(batch.groups, metrics)
     if "async/engine_busy" in metrics:  # the trainer waited only for "generate"
         metrics["async/trainer_busy"] = 1 - t["time/generate_s"] / max(t["time/step_s"], 1e-9)
     return batch, samples, metrics
@@ -165,20 +170,18 @@ def rl_step(
 def mismatch_check(cfg: Config, step: int, metrics: dict[str, float]) -> str | None:
     """Judge step ``step``'s engine/trainer mismatch against ``algorithm.mismatch``: sets
     ``metrics["mismatch/alarms"]`` (1 when a threshold is exceeded, else 0); with ``action``
-    ``warn`` logs the alarm as a warning and returns None, with ``stop`` returns the message the
-    run stops with (see :func:`~treadle.algorithms.correction.mismatch_alarm`)."""
+    ``warn`` returns None (the health check warns, once per episode of alarms), with ``stop``
+    returns the message the run stops with (see
+    :func:`~treadle.algorithms.correction.mismatch_alarm`)."""
     settings = cfg.algorithm.mismatch
     alarm = mismatch_alarm(metrics, settings, cfg.rollout.staleness_bound)
     metrics["mismatch/alarms"] = float(alarm is not None)
-    if alarm is None:
+    if alarm is None or settings.action != "stop":
         return None
-    if settings.action == "stop":
-        return (
-            f"RL step {step}: {alarm}. The run stopped (algorithm.mismatch.action=stop); the "
-            "step's metrics are in metrics.jsonl, its rollouts in the buffer"
-        )
-    logger.warning("RL step %d: %s", step, alarm)
-    return None
+    return (
+        f"RL step {step}: {alarm}. The run stopped (algorithm.mismatch.action=stop); the "
+        "step's metrics are in metrics.jsonl, its rollouts in the buffer"
+    )
 
 
 @contextlib.contextmanager
@@ -288,6 +291,20 @@ def rollout_metrics(groups: list[RolloutGroup]) -> dict[str, float]:
         out[f"domain/{domain}/samples"] = float(len(rs))
         out[f"domain/{domain}/grader_failures"] = float(sum(r.grader_failed for r in rs))
     return out
+
+
+def generation_throughput(groups: list[RolloutGroup], metrics: dict[str, float]) -> dict:
+    """``perf/gen_tokens``, the completion tokens of the batch's groups, and
+    ``perf/gen_tokens_per_s``, those per second of generation: ``time/generate_s`` in the sync
+    mode, the engine's busy seconds of the step (``async/engine_s``) in the asynchronous ones,
+    where ``time/generate_s`` is only the trainer's wait. (``perf/tokens_per_s`` is the update's:
+    prompt and completion tokens per trainer second.) Groups that dynamic sampling dropped were
+    generated too and are not counted: there it is a lower bound. Nothing without the seconds."""
+    seconds = metrics.get("async/engine_s", metrics.get("time/generate_s", 0.0))
+    tokens = sum(len(r.completion.token_ids) for g in groups for r in g.rollouts)
+    if seconds <= 0:
+        return {}
+    return {"perf/gen_tokens": float(tokens), "perf/gen_tokens_per_s": tokens / seconds}
 
 
 def sample_records(groups: list[RolloutGroup], samples, limit: int) -> list[SampleRecord]:

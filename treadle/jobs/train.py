@@ -3,6 +3,7 @@
 Run directory layout (``run.output_dir/run.name``)::
 
     config.yaml        the resolved config (what --resume reads)
+    engine.log         the inference engine's start-up output (vLLM's warnings), not the console
     base_model/        the built tiny model + tokenizer (when model.path is unset)
     sft/               the SFT warm-up's metrics.jsonl and TensorBoard events
     sft_model/         the SFT warm-up checkpoint (Hugging Face format)

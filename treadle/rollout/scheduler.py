@@ -386,6 +386,7 @@ class RolloutScheduler:
             "async/queue_depth": float(len(self._ready)),
             "async/running": float(len(self._running)),
             "async/engine_busy": min(self._step.engine_s / wall, 1.0),
+            "async/engine_s": self._step.engine_s,
             "async/aborted": float(self._step.aborted),
             "async/continued": float(self._step.continued),
             "async/tokens_discarded": float(self._step.tokens_discarded),

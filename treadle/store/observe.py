@@ -34,7 +34,6 @@ from rich.progress import (
     TaskID,
     TextColumn,
     TimeElapsedColumn,
-    TimeRemainingColumn,
 )
 from rich.progress import Progress as RichProgress
 
@@ -396,13 +395,29 @@ def _fmt_duration(seconds: float) -> str:
     return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
+def eta_text(elapsed_s: float, done: int, remaining: int) -> str:
+    """The time left, from the mean step time so far: ``elapsed_s / done * remaining`` as
+    :func:`_fmt_duration` writes it (``"-"`` before the first step is done).
+
+    Args:
+        elapsed_s: wall seconds since this process's first step began.
+        done: steps this process completed.
+        remaining: steps left to the run's end.
+    """
+    if done < 1:
+        return "-"
+    return _fmt_duration(elapsed_s / done * remaining)
+
+
 class Progress:
     """Progress of a training run over ``total_steps`` optimizer steps.
 
     On a terminal it is a live rich progress bar with step, reward, accuracy, step time and
-    ETA. When the console is not a terminal (a log file, CI) it prints one plain line every
-    ``plain_every`` steps instead, so the log holds no control codes or redraws. Use it as a
-    context manager; ``step`` passed to :meth:`update` is the number of steps completed.
+    ETA (:func:`eta_text`: from the first step on, the mean step time so far times the steps
+    left; rich's own estimate waits for several updates within 30 s, which minute-long steps
+    never give). When the console is not a terminal (a log file, CI) it prints one plain line
+    every ``plain_every`` steps instead, so the log holds no control codes or redraws. Use it as
+    a context manager; ``step`` passed to :meth:`update` is the number of steps completed.
     """
 
     def __init__(
@@ -449,8 +464,7 @@ class Progress:
                 TextColumn("{task.fields[stats]}"),
                 TextColumn("{task.fields[step_time]}/step"),
                 TimeElapsedColumn(),
-                TextColumn("eta"),
-                TimeRemainingColumn(),
+                TextColumn("eta {task.fields[eta]}"),
                 console=self.console,
             )
             self._rich.start()
@@ -460,6 +474,7 @@ class Progress:
                 completed=self.start_step,
                 stats="reward - | acc -",
                 step_time="-",
+                eta="-",
             )
         return self
 
@@ -495,22 +510,22 @@ class Progress:
         accuracy_s = "-" if accuracy is None else f"{accuracy:.1%}"
         stats = f"loss {loss:.4f}" if loss is not None else f"reward {reward_s} | acc {accuracy_s}"
         step_time_s_s = "-" if step_time_s is None else f"{step_time_s:.1f}s"
+        done_here = step - self.start_step
+        elapsed = time.perf_counter() - self._started_at
+        eta = eta_text(elapsed, done_here, self.total_steps - step)
         if self._rich is not None and self._task is not None:
             self._rich.update(
                 self._task,
                 completed=step,
                 stats=stats,
                 step_time=step_time_s_s,
+                eta=eta,
             )
             return
-        done_here = step - self.start_step
         if done_here == 1 or step == self.total_steps or step % self.plain_every == 0:
-            elapsed = time.perf_counter() - self._started_at
-            eta = elapsed / max(done_here, 1) * (self.total_steps - step)
             self.console.print(
                 f"step {step}/{self.total_steps} | {stats} | "
-                f"step {step_time_s_s} | elapsed {_fmt_duration(elapsed)} | "
-                f"eta {_fmt_duration(eta)}",
+                f"step {step_time_s_s} | elapsed {_fmt_duration(elapsed)} | eta {eta}",
                 markup=False,
                 highlight=False,
                 soft_wrap=True,

@@ -24,6 +24,7 @@ from treadle.core.batch import MicroBatch, StepTotals, TokenOutputs
 from treadle.core.metrics import Metric, Reduction, accumulate, mean_over_steps
 from treadle.core.protocols import Objective, OptimizerState
 from treadle.core.types import TrainSample
+from treadle.train.flops import model_flops_utilisation, peak_flops
 from treadle.train.packed_attention import (
     PackedAttentionUnavailable,
     packed_attention,
@@ -103,7 +104,12 @@ class TorchBackend:
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        self._tokens_computed = 0  # by the optimizer steps of one train_step (a shared prefix once)
+        self._peak_flops = 0.0  # of this device in the trainer's dtype, for perf/mfu
         if trainable:
+            # measured here on a CPU (once per process), not within a step's timed update
+            dtype = torch.bfloat16 if cfg.bf16_autocast else torch.float32
+            self._peak_flops = peak_flops(self.device, dtype, cfg.peak_tflops)
             self.optimizer = torch.optim.AdamW(
                 model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
             )
@@ -273,8 +279,18 @@ class TorchBackend:
             self.optimizer_step(c, objective, mismatch=objective.engine_sampled and i == 0)
             for i, c in enumerate(mini_batches(samples, self.cfg))
         ]
-        totals = mean_over_steps(steps)
-        return totals | throughput(samples, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        tokens, self._tokens_computed = self._tokens_computed, 0
+        return mean_over_steps(steps) | throughput(samples, seconds) | self.mfu(tokens, seconds)
+
+    def mfu(self, tokens: int, seconds: float) -> dict[str, Metric]:
+        """``perf/mfu``: the model FLOPs utilisation of an update that computed ``tokens``
+        tokens forward and backward in ``seconds``, against this device's peak in the trainer's
+        dtype (bf16 under ``bf16_autocast``, else fp32) or ``cfg.peak_tflops``
+        (:mod:`treadle.train.flops`)."""
+        n_params = sum(p.numel() for p in self.model.parameters())
+        mfu = model_flops_utilisation(n_params, tokens, seconds, self._peak_flops)
+        return {"perf/mfu": Metric(mfu, Reduction.STEP)}
 
     def optimizer_step(
         self,
@@ -297,6 +313,7 @@ class TorchBackend:
         """
         micro = self._micro_batches(samples)
         real = len(micro)
+        self._tokens_computed += sum(mb.input_ids.shape[1] for mb in micro)
         if micro_batches > real:
             assert filler is not None, "padding micro-batches need a filler sample"
             micro += [pack([filler], [0]).to(self.device)] * (micro_batches - real)
@@ -377,7 +394,9 @@ class TorchBackend:
 
 
 def throughput(samples: Sequence[TrainSample], seconds: float) -> dict[str, Metric]:
-    """``perf/tokens`` (prompt and completion tokens of the call) and ``perf/tokens_per_s``."""
+    """``perf/tokens`` (prompt and completion tokens of the call's samples, a group's shared
+    prompt counted in each) and ``perf/tokens_per_s``, those tokens per second of the update
+    (the trainer's throughput; the engine's is ``perf/gen_tokens_per_s``)."""
     tokens = sum(len(s) for s in samples)
     return {
         "perf/tokens_per_s": Metric(tokens / max(seconds, 1e-9), Reduction.STEP),
