@@ -29,6 +29,7 @@ def check(cfg: Config) -> None:
     _check_sources(cfg)
     _check_algorithm(cfg)
     _check_templates(cfg)
+    _check_eval(cfg)
 
 
 def _check_placement(cfg: Config) -> None:
@@ -199,3 +200,22 @@ def _check_templates(cfg: Config) -> None:
             raise UserError(
                 f"config {key}: only {{answer}} and {{reasoning}} may appear, got {sorted(fields)}"
             )
+
+
+def _check_eval(cfg: Config) -> None:
+    """Evaluation settings that would measure nothing, or fail after the samples are drawn."""
+    e = cfg.eval
+    for i, k in enumerate(e.k):
+        if k < 1:
+            raise UserError(f"config eval.k[{i}]: pass@k needs k >= 1, got {k}")
+        if k > e.samples_per_prompt:
+            raise UserError(
+                f"config eval.k[{i}]={k}: pass@{k} needs at least {k} samples per prompt, but "
+                f"eval.samples_per_prompt={e.samples_per_prompt}; set eval.samples_per_prompt={k} "
+                "or drop it"
+            )
+    if e.temperature is not None and not (e.temperature > 0 and e.temperature < float("inf")):
+        raise UserError(
+            f"config eval.temperature: must be positive and finite, got {e.temperature} (greedy "
+            "decoding is measured by eval.greedy=true; null samples at rollout.temperature)"
+        )

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +42,10 @@ class HFEngine:
         self, prompts: Sequence[Sequence[int]], params: SamplingParams
     ) -> list[list[Completion]]:
         """``params.n`` completions of each prompt (token ids ``[P]``), in prompt order, with the
-        logprobs (nats) of the sampled distribution (after temperature / top-p)."""
+        logprobs (nats) of the sampled distribution (after temperature / top-p). With
+        ``params.seed`` the batch is sampled from a generator seeded with it (the same prompts
+        in the same order give the same completions) and the global torch RNG is left as it
+        was; without, it draws from the global torch RNG."""
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self._pad, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -62,9 +66,13 @@ class HFEngine:
             output_scores=True,
             stop_strings=list(params.stop) or None,
         )
-        out = self._model.generate(
-            input_ids=ids, attention_mask=mask, generation_config=config, tokenizer=self._tokenizer
-        )
+        with _seeded(None if greedy else params.seed):
+            out = self._model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                generation_config=config,
+                tokenizer=self._tokenizer,
+            )
         new = out.sequences[:, width:]  # [B * n, T]
         # Scores are the processed logits (after temperature / top-p): the sampled distribution.
         logprobs = torch.stack([F.log_softmax(s.float(), -1) for s in out.scores], 1)
@@ -153,3 +161,15 @@ class HFEngine:
     def close(self) -> None:
         """Release the model (idempotent)."""
         self._model = None
+
+
+@contextlib.contextmanager
+def _seeded(seed: int | None) -> Iterator[None]:
+    """Inside: torch's global RNG seeded with ``seed``; after: restored as it was (no-op for
+    None). ``generate`` samples from the global RNG and takes no generator of its own."""
+    if seed is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[]):  # the engine's model is on the CPU
+        torch.default_generator.manual_seed(seed)
+        yield
