@@ -44,6 +44,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     """Stop strings (the end-of-turn token always stops)."""
     seed: int | None = None
+    """Seed of the sampling of one ``generate`` call (evaluation sets ``run.seed``): the same
+    prompts in the same order, weights and seed give the same completions, whatever was sampled
+    before. None (training's rollouts): the engine's own running generator."""
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ into the model runner with the trainer's tensors: no restart, no disk, no pickli
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -130,14 +131,22 @@ class VLLMEngine:
         self, prompts: Sequence[Sequence[int]], params: SamplingParams
     ) -> list[list[Completion]]:
         """``params.n`` completions of each prompt (token ids ``[P]``), in prompt order, with the
-        logprobs (nats) of the sampled distribution (vLLM's processed logprobs).
+        logprobs (nats) of the sampled distribution (vLLM's processed logprobs). With
+        ``params.seed``, sample ``j`` of prompt ``i`` draws from a generator seeded with
+        ``seed + i * n + j``: the same prompts in the same order give the same completions.
 
         Raises:
             RuntimeError: requests submitted one at a time are running (``LLM.generate`` runs
                 the engine until every request is done, theirs too).
         """
         self._check_idle()
-        sp = _vllm_params(params)
+        sp: vllm.SamplingParams | list[vllm.SamplingParams] = _vllm_params(params)
+        if params.seed is not None:  # a seed per prompt: one seed for all would give
+            # every prompt the same random draws (vLLM seeds sample j with seed + j)
+            sp = [
+                _vllm_params(dataclasses.replace(params, seed=params.seed + i * params.n))
+                for i in range(len(prompts))
+            ]
         outputs = self._llm.generate(
             [{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False
         )
