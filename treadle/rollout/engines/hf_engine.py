@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -11,6 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from treadle.core.protocols import EngineSpec, Finished, Request, SamplingParams, check_new_request
 from treadle.core.types import Completion, FinishReason
+from treadle.rollout.engines.seeding import seeded
 
 
 class HFEngine:
@@ -43,9 +43,10 @@ class HFEngine:
     ) -> list[list[Completion]]:
         """``params.n`` completions of each prompt (token ids ``[P]``), in prompt order, with the
         logprobs (nats) of the sampled distribution (after temperature / top-p). With
-        ``params.seed`` the batch is sampled from a generator seeded with it (the same prompts
-        in the same order give the same completions) and the global torch RNG is left as it
-        was; without, it draws from the global torch RNG."""
+        ``params.seed`` the batch is sampled from torch's generator seeded with it
+        (:func:`~treadle.rollout.engines.seeding.seeded`: the same prompts in the same order give
+        the same completions, and the global generator is left as it was); without, it draws
+        from the global generator."""
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self._pad, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -66,7 +67,7 @@ class HFEngine:
             output_scores=True,
             stop_strings=list(params.stop) or None,
         )
-        with _seeded(None if greedy else params.seed):
+        with seeded(None if greedy else params.seed):
             out = self._model.generate(
                 input_ids=ids,
                 attention_mask=mask,
@@ -161,15 +162,3 @@ class HFEngine:
     def close(self) -> None:
         """Release the model (idempotent)."""
         self._model = None
-
-
-@contextlib.contextmanager
-def _seeded(seed: int | None) -> Iterator[None]:
-    """Inside: torch's global RNG seeded with ``seed``; after: restored as it was (no-op for
-    None). ``generate`` samples from the global RNG and takes no generator of its own."""
-    if seed is None:
-        yield
-        return
-    with torch.random.fork_rng(devices=[]):  # the engine's model is on the CPU
-        torch.default_generator.manual_seed(seed)
-        yield
