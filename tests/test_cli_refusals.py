@@ -123,6 +123,8 @@ def test_a_degenerate_setting_is_one_line_exit_2_before_any_work(results, name):
         ("eval.temperature=-1", "eval.temperature: must be positive and finite, got -1.0"),
         ("eval.k=[0]", "eval.k[0]: pass@k needs k >= 1, got 0"),
         ("eval.split=train", "eval.split: expected one of 'held_out', 'all'"),
+        # 64 prompts x 8 samples = 512 samples, one per optimizer step at most
+        ("trainer.mini_batches=513", "trainer.mini_batches=513: a step's batch holds 512"),
     ],
 )
 def test_eval_settings_that_measure_nothing_are_refused_on_load(override, says):

@@ -30,6 +30,7 @@ def check(cfg: Config) -> None:
     _check_algorithm(cfg)
     _check_templates(cfg)
     _check_eval(cfg)
+    _check_batch(cfg)
 
 
 def _check_placement(cfg: Config) -> None:
@@ -218,4 +219,15 @@ def _check_eval(cfg: Config) -> None:
         raise UserError(
             f"config eval.temperature: must be positive and finite, got {e.temperature} (greedy "
             "decoding is measured by eval.greedy=true; null samples at rollout.temperature)"
+        )
+
+
+def _check_batch(cfg: Config) -> None:
+    """A step's batch must fill every optimizer step it is split into."""
+    samples = cfg.rollout.prompts_per_step * cfg.rollout.n
+    if cfg.trainer.mini_batches > samples:
+        raise UserError(
+            f"config trainer.mini_batches={cfg.trainer.mini_batches}: a step's batch holds "
+            f"{samples} samples (rollout.prompts_per_step x rollout.n), so some optimizer steps "
+            f"would get none; set trainer.mini_batches to {samples} or less"
         )
