@@ -151,17 +151,8 @@ def run_eval(
             "--output DIR for another folder"
         )
     tasks = eval_tasks(cfg)
-    data = Dataset((), tasks)
-    check_inputs(cfg, data)
-    max_model_len, longest = check_model(cfg, data, target.model_dir)
+    spec = engine_spec(cfg, target.model_dir, tasks)
     params = eval_sampling(cfg)
-    spec = EngineSpec(
-        model_dir=str(target.model_dir),
-        dtype=cfg.model.dtype,
-        seed=cfg.run.seed,
-        max_model_len=max_model_len,
-        kv_cache_gib=engine_kv_gib(cfg, data, target.model_dir, longest, max_model_len),
-    )
     console.print(
         f"evaluating {target.model_dir} on {len(tasks)} prompts ({cfg.eval.split}): "
         f"{params.n} samples each at temperature {params.temperature:g}"
@@ -191,6 +182,25 @@ def run_eval(
     console.print(summary_table(summary))
     console.print(f"per-sample outputs: {output / 'samples.jsonl'}")
     return summary
+
+
+def engine_spec(cfg: Config, model_dir: Path, tasks: tuple[Task, ...]) -> EngineSpec:
+    """The engine of the evaluation, after the checks training makes of its model and data:
+    the same dtype, seed, context and KV-cache sizing as the training run's engine.
+
+    Raises:
+        UserError: a bad model folder, reward function or engine, or a prompt too long.
+    """
+    data = Dataset((), tasks)
+    check_inputs(cfg, data)
+    max_model_len, longest = check_model(cfg, data, model_dir)
+    return EngineSpec(
+        model_dir=str(model_dir),
+        dtype=cfg.model.dtype,
+        seed=cfg.run.seed,
+        max_model_len=max_model_len,
+        kv_cache_gib=engine_kv_gib(cfg, data, model_dir, longest, max_model_len),
+    )
 
 
 def eval_summary(
