@@ -6,6 +6,7 @@
     treadle reward-check RECIPE [section.key=value ...]
     treadle serve-reward RECIPE [section.key=value ...] [--host 127.0.0.1] [--port 8900]
     treadle inspect RUN_DIR [--step N] [--limit K] [--replay] [--rollout ID]
+    treadle eval MODEL_OR_RUN_DIR [RECIPE] [section.key=value ...] [--output DIR] [--overwrite]
     treadle config [SECTION | KEY]
 
 Bad input prints one line on stderr and exits with code 2, without a traceback.
@@ -73,6 +74,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     inspect.add_argument(
         "--rollout", help="print this rollout id turn by turn, with what is trained marked"
+    )
+    evaluate = sub.add_parser("eval", **_about("eval"))
+    evaluate.add_argument("target", type=Path, help="model folder or run directory")
+    evaluate.add_argument("recipe", nargs="?", help="YAML recipe (default: the run's config)")
+    evaluate.add_argument("overrides", nargs="*", help="dotted overrides, e.g. eval.k=[1,4]")
+    evaluate.add_argument("--output", type=Path, help="output folder (default: RUN/eval/NAME)")
+    evaluate.add_argument(
+        "--overwrite", action="store_true", help="replace an existing output folder"
     )
     config = sub.add_parser("config", **_about("config"))
     config.add_argument(
@@ -143,6 +152,21 @@ _ABOUT = {
         "before the step and config.yaml, and prints its loss beside the logged one.\n\n"
         "Reads RUN_DIR. Writes nothing.",
         "treadle inspect runs/default --limit 8\n  treadle inspect runs/default --step 41 --replay",
+    ),
+    "eval": (
+        "pass@k, greedy accuracy and per-sample outputs of a model on a recipe's data",
+        "Evaluate a model folder, or a run directory's final_model (its config.yaml is then "
+        "the default recipe), on the recipe's held-out split (eval.split=held_out) or on every "
+        "row of its data files (eval.split=all): pass@k for each k of eval.k (the unbiased "
+        "estimator of Chen et al. 2021), greedy accuracy, at eval.temperature with "
+        "eval.samples_per_prompt samples per prompt, seeded with run.seed.\n\n"
+        "Reads the model (config.json, weights, tokenizer), the RECIPE and data.path. Writes "
+        "the output folder (default RUN_DIR/eval/RECIPE_NAME, or next to a model folder): "
+        "samples.jsonl (one line per completion) and summary.json; an existing one is refused "
+        "unless --overwrite.",
+        "treadle eval runs/default\n"
+        "  treadle eval runs/default/final_model recipes/eval/math500.yaml eval.k=[1,4]\n"
+        "  treadle eval runs/default recipes/eval/gsm8k.yaml --output gsm8k_eval",
     ),
     "config": (
         "list the config keys with their type, default and meaning",
@@ -238,6 +262,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "inspect":
         # Piped to a file or a pager, rich would wrap the table at 80 columns.
         return _inspect(args, console if console.is_terminal else Console(width=160))
+    if args.command == "eval":
+        return _eval(args, console)
     recipe = args.recipe
     overrides = list(args.overrides)
     if args.command == "train" and args.resume is not None:
@@ -326,6 +352,19 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
     return value
+
+
+def _eval(args: argparse.Namespace, console) -> int:
+    from treadle.jobs.evaluate_job import default_output, eval_config, resolve_target, run_eval
+
+    recipe, overrides = args.recipe, list(args.overrides)
+    if recipe is not None and "=" in recipe:  # argparse took the first override for the recipe
+        recipe, overrides = None, [recipe, *overrides]
+    target = resolve_target(args.target)
+    cfg = eval_config(target, recipe, overrides)
+    output = args.output or default_output(target, recipe, cfg)
+    run_eval(target, cfg, output, overwrite=args.overwrite, console=console)
+    return 0
 
 
 def _inspect(args: argparse.Namespace, console) -> int:

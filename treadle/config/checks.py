@@ -32,6 +32,8 @@ def check(cfg: Config) -> None:
     _check_sources(cfg)
     _check_algorithm(cfg)
     _check_templates(cfg)
+    _check_eval(cfg)
+    _check_batch(cfg)
 
 
 def _check_plugin_names(cfg: Config) -> None:
@@ -227,3 +229,33 @@ def _check_templates(cfg: Config) -> None:
             raise UserError(
                 f"config {key}: only {{answer}} and {{reasoning}} may appear, got {sorted(fields)}"
             )
+
+
+def _check_eval(cfg: Config) -> None:
+    """Evaluation settings that would measure nothing, or fail after the samples are drawn."""
+    e = cfg.eval
+    for i, k in enumerate(e.k):
+        if k < 1:
+            raise UserError(f"config eval.k[{i}]: pass@k needs k >= 1, got {k}")
+        if k > e.samples_per_prompt:
+            raise UserError(
+                f"config eval.k[{i}]={k}: pass@{k} needs at least {k} samples per prompt, but "
+                f"eval.samples_per_prompt={e.samples_per_prompt}; set eval.samples_per_prompt={k} "
+                "or drop it"
+            )
+    if e.temperature is not None and not (e.temperature > 0 and e.temperature < float("inf")):
+        raise UserError(
+            f"config eval.temperature: must be positive and finite, got {e.temperature} (greedy "
+            "decoding is measured by eval.greedy=true; null samples at rollout.temperature)"
+        )
+
+
+def _check_batch(cfg: Config) -> None:
+    """A step's batch must fill every optimizer step it is split into."""
+    samples = cfg.rollout.prompts_per_step * cfg.rollout.n
+    if cfg.trainer.mini_batches > samples:
+        raise UserError(
+            f"config trainer.mini_batches={cfg.trainer.mini_batches}: a step's batch holds "
+            f"{samples} samples (rollout.prompts_per_step x rollout.n), so some optimizer steps "
+            f"would get none; set trainer.mini_batches to {samples} or less"
+        )

@@ -248,7 +248,19 @@ class EvalConfig:
     every: int = bounded(at_least(0), default=0)
     """Evaluate held-out accuracy every N RL steps (0: only before and after RL)."""
     samples_per_prompt: int = bounded(at_least(1), default=8)
-    """pass@1 is averaged over these samples; pass@k uses k = this."""
+    """Sampled completions per prompt (n): pass@1 is averaged over them; ``eval/pass@k`` is
+    pass@n."""
+    k: list[int] = field(default_factory=list)
+    """More k to report the unbiased pass@k for (Chen et al. 2021, arXiv:2107.03374, eq. 1),
+    each from 1 to ``samples_per_prompt``, e.g. ``[1, 4, 8]`` (logged as ``eval/pass@4``...)."""
+    temperature: float | None = None
+    """Sampling temperature of evaluation; None: ``rollout.temperature``, so training's own
+    numbers are reproduced. Greedy accuracy is always at temperature 0."""
+    split: Literal["held_out", "all"] = "held_out"
+    """What ``treadle eval`` evaluates: ``held_out``, the held-out split of each data source as
+    in training (``data.eval_size``); ``all``, every row of ``data.path`` (and of each
+    ``data.mix`` file), with no training split (e.g. all 500 of MATH-500). Training itself
+    always evaluates the held-out split."""
     greedy: bool = True
     """Also evaluate greedy decoding (``eval/greedy_accuracy``)."""
     control_sft: bool = False

@@ -44,6 +44,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     """Stop strings (the end-of-turn token always stops)."""
     seed: int | None = None
+    """Seed of the sampling of one ``generate`` call (evaluation sets ``run.seed``): the same
+    prompts in the same order, weights and seed give the same completions, whatever was sampled
+    before. None (training's rollouts): the engine's running generator. Requests submitted one
+    at a time (:class:`RequestEngine`) are seeded by the HF engine's batch, not by vLLM."""
 
 
 @dataclass(frozen=True)

@@ -233,19 +233,30 @@ def sampling_params(cfg: Config) -> SamplingParams:
     )
 
 
+def eval_sampling(cfg: Config) -> SamplingParams:
+    """How evaluation samples: ``eval.samples_per_prompt`` per prompt at ``eval.temperature``
+    (default ``rollout.temperature``), seeded with ``run.seed``, so a training run's own
+    evaluation and ``treadle eval`` of its final model draw the same samples."""
+    e = cfg.eval
+    temperature = cfg.rollout.temperature if e.temperature is None else e.temperature
+    return dataclasses.replace(
+        sampling_params(cfg), n=e.samples_per_prompt, temperature=temperature, seed=cfg.run.seed
+    )
+
+
 def evaluate_policy(parts: RLParts) -> EvalResult:
-    """Held-out accuracy of the weights the engine serves now, sampled as in training."""
+    """Held-out accuracy of the weights the engine serves now (:func:`eval_sampling`)."""
     cfg = parts.cfg
-    params = dataclasses.replace(sampling_params(cfg), n=cfg.eval.samples_per_prompt)
     return evaluate(
         parts.engine,
         parts.tokenizer,
         parts.rewards,
         parts.held_out,
-        params,
+        eval_sampling(cfg),
         greedy=cfg.eval.greedy,
         episodes=parts.episodes,
         template_kwargs=cfg.data.chat_template_kwargs,
+        ks=cfg.eval.k,
     )
 
 

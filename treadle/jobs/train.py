@@ -68,6 +68,7 @@ def train(cfg: Config, resume: Path | None = None, console: Console | None = Non
         UserError: bad input, found before a run directory exists where it can be.
     """
     console = console or Console()
+    refuse_degenerate(cfg)
     started = time.perf_counter()
     torch.set_num_threads(cfg.run.threads)
     seed_everything(cfg.run.seed)
@@ -99,6 +100,26 @@ def train(cfg: Config, resume: Path | None = None, console: Console | None = Non
     print_summary(console, summary)
     console.print(f"run directory: {run_dir} (metrics.jsonl, plot.png, final_model/, ...)")
     return summary
+
+
+def refuse_degenerate(cfg: Config) -> None:
+    """Settings under which ``treadle train`` would do no RL, or measure the wrong thing,
+    refused before any work (other commands read the same keys differently).
+
+    Raises:
+        UserError: ``run.steps=0``, or ``eval.split=all`` (the training prompts evaluated).
+    """
+    if cfg.run.steps < 1:
+        raise UserError(
+            "config run.steps=0: treadle train needs at least 1 RL step; to evaluate a model "
+            "without training use treadle eval MODEL RECIPE (treadle sft for the warm-up only)"
+        )
+    if cfg.eval.split != "held_out":
+        raise UserError(
+            f"config eval.split={cfg.eval.split}: training evaluates its held-out split only "
+            "(the whole file would include the prompts it trains on); use eval.split=held_out, "
+            "and treadle eval for a whole file"
+        )
 
 
 def check_model(cfg: Config, data: Dataset, start: Path) -> tuple[int, int]:

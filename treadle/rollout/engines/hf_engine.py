@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from treadle.core.protocols import EngineSpec, Finished, Request, SamplingParams, check_new_request
 from treadle.core.types import Completion, FinishReason
+from treadle.rollout.engines.seeding import seeded
 
 
 class HFEngine:
@@ -41,7 +42,11 @@ class HFEngine:
         self, prompts: Sequence[Sequence[int]], params: SamplingParams
     ) -> list[list[Completion]]:
         """``params.n`` completions of each prompt (token ids ``[P]``), in prompt order, with the
-        logprobs (nats) of the sampled distribution (after temperature / top-p)."""
+        logprobs (nats) of the sampled distribution (after temperature / top-p). With
+        ``params.seed`` the batch is sampled from torch's generator seeded with it
+        (:func:`~treadle.rollout.engines.seeding.seeded`: the same prompts in the same order give
+        the same completions, and the global generator is left as it was); without, it draws
+        from the global generator."""
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self._pad, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -62,9 +67,13 @@ class HFEngine:
             output_scores=True,
             stop_strings=list(params.stop) or None,
         )
-        out = self._model.generate(
-            input_ids=ids, attention_mask=mask, generation_config=config, tokenizer=self._tokenizer
-        )
+        with seeded(None if greedy else params.seed):
+            out = self._model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                generation_config=config,
+                tokenizer=self._tokenizer,
+            )
         new = out.sequences[:, width:]  # [B * n, T]
         # Scores are the processed logits (after temperature / top-p): the sampled distribution.
         logprobs = torch.stack([F.log_softmax(s.float(), -1) for s in out.scores], 1)

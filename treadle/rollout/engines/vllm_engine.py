@@ -25,6 +25,7 @@ from vllm.sampling_params import RequestOutputKind
 
 from treadle.core.protocols import EngineSpec, Finished, Request, SamplingParams, check_new_request
 from treadle.core.types import Completion, FinishReason
+from treadle.rollout.engines.seeding import seeded
 from treadle.rollout.engines.sizing import CPU_MAX_SEQUENCES
 
 
@@ -56,7 +57,10 @@ def _vllm_params(
         top_p=params.top_p,
         max_tokens=params.max_tokens,
         stop=list(params.stop) or None,
-        seed=params.seed,
+        # Never a per-request seed: vLLM's CPU backend cannot rewind a request's generator
+        # after a chunked prefill (RuntimeError "CPU Generator does not use offset"); a seeded
+        # batch seeds torch's generator instead (generate, :func:`seeded`).
+        seed=None,
         logprobs=0,
         skip_special_tokens=True,
         # Keep a matched stop string in the text: its tokens are in token_ids and trained on,
@@ -130,7 +134,10 @@ class VLLMEngine:
         self, prompts: Sequence[Sequence[int]], params: SamplingParams
     ) -> list[list[Completion]]:
         """``params.n`` completions of each prompt (token ids ``[P]``), in prompt order, with the
-        logprobs (nats) of the sampled distribution (vLLM's processed logprobs).
+        logprobs (nats) of the sampled distribution (vLLM's processed logprobs). With
+        ``params.seed`` the batch draws from torch's generator seeded with it
+        (:func:`~treadle.rollout.engines.seeding.seeded`): the same prompts in the same order
+        give the same completions, and the caller's generator is left as it was.
 
         Raises:
             RuntimeError: requests submitted one at a time are running (``LLM.generate`` runs
@@ -138,9 +145,10 @@ class VLLMEngine:
         """
         self._check_idle()
         sp = _vllm_params(params)
-        outputs = self._llm.generate(
-            [{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False
-        )
+        with seeded(params.seed):
+            outputs = self._llm.generate(
+                [{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False
+            )
         return [[self._completion(o) for o in req.outputs] for req in outputs]
 
     def submit(self, request: Request) -> None:
