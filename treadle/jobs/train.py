@@ -248,6 +248,10 @@ def control_run(parts: RLParts, data: Dataset, run_dir: Path, seconds: float) ->
     )
     parts.engine.update_weights(model.state_dict().items(), version=-1)
     result = evaluate_policy(parts)
+    control = {"control/pass@1": result.pass_at_1, "control/sft_steps": float(done)}
+    if result.greedy_accuracy is not None:
+        control["control/greedy_accuracy"] = result.greedy_accuracy
+    parts.metrics.log(cfg.run.steps, control)  # the dashboard draws it beside the RL curves
     return {
         "control_sft_steps": done,
         "accuracy_control_sft": result.pass_at_1,
