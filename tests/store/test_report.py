@@ -87,6 +87,21 @@ def test_plot_survives_missing_and_null_metrics(tmp_path: Path) -> None:
     assert _png_size(plot_run(tmp_path / "metrics.jsonl", tmp_path / "p.png")) == (1920, 1320)
 
 
+def test_the_control_run_is_drawn_from_the_summary(tmp_path: Path) -> None:
+    from treadle.store.report import control_rows
+
+    summary = {"accuracy_after_rl": 0.45, "accuracy_control_sft": 0.3, "k": 2}
+    assert control_rows(summary) == [{"step": 0, "control/pass@1": 0.3}]
+    assert control_rows({"accuracy_after_rl": 0.45}) == []  # no control run, no row
+    rows = read_metrics(_write_run(tmp_path)) + control_rows(summary)
+    eval_ax = _panels(build_run_figure(rows, "demo"))["Accuracy"]
+    (control,) = [ln for ln in eval_ax.get_lines() if ln.get_label().startswith("control")]
+    assert control.get_label() == "control: SFT for the same time, pass@1: 30%"
+    assert list(control.get_ydata()) == [0.3, 0.3]  # a level across the panel
+    out = plot_run(tmp_path / "metrics.jsonl", tmp_path / "p.png", summary=summary)
+    assert _png_size(out) == (1920, 1320)
+
+
 def test_plot_of_an_empty_run(tmp_path: Path) -> None:
     (tmp_path / "metrics.jsonl").write_text("")
     out = plot_run(tmp_path / "metrics.jsonl", tmp_path / "p.png")

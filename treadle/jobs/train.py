@@ -93,7 +93,7 @@ def train(cfg: Config, resume: Path | None = None, console: Console | None = Non
         parts, done = compose(cfg, data, run_dir, start, max_model_len, console, longest)
         summary = _run_parts(parts, data, done, stop, console)
     summary["wall_time_s"] = time.perf_counter() - started
-    plot_run(run_dir / "metrics.jsonl", run_dir / "plot.png")
+    plot_run(run_dir / "metrics.jsonl", run_dir / "plot.png", summary=summary)
     write_summary(run_dir, summary)  # last: a summary marks the run finished
     print_summary(console, summary)
     console.print(f"run directory: {run_dir} (metrics.jsonl, plot.png, final_model/, ...)")
@@ -248,10 +248,6 @@ def control_run(parts: RLParts, data: Dataset, run_dir: Path, seconds: float) ->
     )
     parts.engine.update_weights(model.state_dict().items(), version=-1)
     result = evaluate_policy(parts)
-    control = {"control/pass@1": result.pass_at_1, "control/sft_steps": float(done)}
-    if result.greedy_accuracy is not None:
-        control["control/greedy_accuracy"] = result.greedy_accuracy
-    parts.metrics.log(cfg.run.steps, control)  # the dashboard draws it beside the RL curves
     return {
         "control_sft_steps": done,
         "accuracy_control_sft": result.pass_at_1,

@@ -58,7 +58,8 @@ CONTROL_CURVES: tuple[Curve, ...] = (
     ),
 )
 """The control run (``eval.control_sft``), drawn as levels across the panel: what the same
-wall time of extra SFT reached instead of RL."""
+wall time of extra SFT reached instead of RL (rows made from the run's summary by
+:func:`treadle.store.report.control_rows`)."""
 ASYNC_CURVES: tuple[Curve, ...] = (
     Curve("async/staleness_mean", "staleness, mean (versions)", "tab:blue"),
     Curve("async/staleness_max", "staleness, max (versions)", "tab:orange", linestyle="--"),

@@ -23,6 +23,12 @@ logger = logging.getLogger(__name__)
 SUMMARY_FILENAME = "summary.json"
 Summary = Mapping[str, float | str | None]
 """Final results of a run: name -> number or text (see :func:`format_summary_value`)."""
+CONTROL_SUMMARY_KEYS: Mapping[str, str] = {
+    "accuracy_control_sft": "control/pass@1",
+    "greedy_accuracy_control_sft": "control/greedy_accuracy",
+}
+"""The control run's results in the summary -> the names the dashboard draws them by (they
+are not in ``metrics.jsonl``: a wall-time budget makes them differ between identical runs)."""
 
 
 def build_run_figure(rows: list[MetricsRow], title: str) -> Figure:
@@ -37,6 +43,7 @@ def plot_run(
     out_png: str | os.PathLike[str],
     *,
     title: str | None = None,
+    summary: Summary | None = None,
 ) -> Path:
     """Plot a run's dashboard against step into a PNG.
 
@@ -51,6 +58,8 @@ def plot_run(
         metrics_path: ``RUN/metrics.jsonl``.
         out_png: where to write the PNG; its directory is created.
         title: figure title; defaults to the run directory's name.
+        summary: the run's summary; its control results (:data:`CONTROL_SUMMARY_KEYS`) are
+            drawn as levels in the accuracy panel.
 
     Returns:
         ``out_png`` as a Path.
@@ -59,12 +68,23 @@ def plot_run(
         UserError: ``metrics_path`` does not exist.
     """
     metrics_path, out_png = Path(metrics_path), Path(out_png)
-    rows = read_metrics(metrics_path)
+    rows = read_metrics(metrics_path) + control_rows(summary or {})
     fig = build_run_figure(
         rows, title if title is not None else f"treadle run {metrics_path.parent.name}"
     )
 
     return _save_figure(fig, out_png)
+
+
+def control_rows(summary: Summary) -> list[MetricsRow]:
+    """The control results of ``summary`` as one row of ``control/*`` metrics at step 0 (the
+    dashboard draws them as levels across the steps), or none when the run had no control."""
+    row = {
+        name: float(value)
+        for key, name in CONTROL_SUMMARY_KEYS.items()
+        if isinstance(value := summary.get(key), int | float)
+    }
+    return [{"step": 0, **row}] if row else []
 
 
 def plot_comparison(runs: Mapping[str, str | os.PathLike[str]], out_png) -> Path:
