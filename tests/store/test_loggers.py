@@ -192,3 +192,19 @@ def test_mlflow_logs_to_the_run_directory_and_a_resume_appends(tmp_path: Path, m
     # the same run; step 2 logged again beside the first one, then 3
     assert history("reward/mean") == [(0, 0.0), (1, 0.1), (2, 0.2), (2, 0.2), (3, 0.3)]
     assert client.get_run(run_id).info.status == "FINISHED"
+
+
+def test_every_sink_implements_the_protocol_and_opens_once(tmp_path: Path) -> None:
+    import importlib
+
+    for entry in SINKS.values():
+        module, _, attr = entry.target.partition(":")
+        if importlib.util.find_spec(entry.package) is None:
+            continue  # its own test above says why it is not run
+        cls = getattr(importlib.import_module(module), attr)
+        assert [m for m in ("log", "rewind", "close") if not callable(getattr(cls, m))] == []
+    sinks = open_sinks(["tensorboard", "tensorboard"], _identity(tmp_path))
+    assert len(sinks) == 1  # a name given twice
+    with MetricsLogger(tmp_path, tensorboard=False, sinks=sinks) as m:
+        m.log(1, {"reward/mean": 0.5})
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))

@@ -292,8 +292,7 @@ def compose(
     critic = build_critic(cfg, start, ckpt, roles.device)
     state: RunState | None = load_trainer_state(ckpt, roles.policy) if ckpt else None
     done = state.step if state else 0
-    identity = RunIdentity(run_dir, cfg.run.name, cfg.run.project, to_dict(cfg))
-    metrics = MetricsLogger(run_dir, tensorboard=False, sinks=open_sinks(cfg.run.loggers, identity))
+    metrics = open_metrics(cfg, run_dir)
     # As when the checkpoint was saved: its step's one row; with none, nothing (step 0 again).
     metrics.truncate_after(done, rows_at_step=1 if ckpt else 0)
     buffer = RolloutBuffer(run_dir)
@@ -316,6 +315,17 @@ def compose(
         episodes=episode_rollout(cfg, roles.tokenizer),
     )
     return parts, done
+
+
+def open_metrics(cfg: Config, run_dir: Path) -> MetricsLogger:
+    """The RL run's metrics: ``metrics.jsonl`` and each of ``run.loggers`` (a wandb or MLflow
+    run named ``run.name`` in ``run.project``, with the config).
+
+    Raises:
+        UserError: wandb or MLflow could not start the run.
+    """
+    identity = RunIdentity(run_dir, cfg.run.name, cfg.run.project, to_dict(cfg))
+    return MetricsLogger(run_dir, tensorboard=False, sinks=open_sinks(cfg.run.loggers, identity))
 
 
 def close(parts: RLParts) -> None:

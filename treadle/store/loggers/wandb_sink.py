@@ -81,7 +81,12 @@ class WandbSink:
         follow them (see :data:`STEP_KEY`)."""
 
     def close(self) -> None:
-        """Finish the wandb run (its files are complete after); idempotent."""
+        """Finish the wandb run and stop wandb's service process, which is when the run's
+        files are complete (``finish`` alone may return before the offline ``.wandb`` file is
+        written out); idempotent."""
         if not self._finished:
+            import wandb
+
             self._finished = True
             self._run.finish()
+            wandb.teardown()
