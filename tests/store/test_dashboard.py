@@ -164,3 +164,11 @@ def test_generation_throughput_gets_a_twin_axis_when_logged() -> None:
     fig = build_dashboard(rows, "demo")
     (twin,) = [ax for ax in fig.axes if ax.get_ylabel() == "generated tokens / s"]
     assert list(twin.get_lines()[0].get_ydata()) == [100.0, 200.0, 300.0]
+
+
+def test_the_accuracy_axis_fits_small_accuracies() -> None:
+    rows = _full_run()  # up to pass@k 0.6: the whole 0..100% (104%, room for the frame)
+    assert _panels(rows)["Accuracy"].get_ylim() == pytest.approx((-0.04 * 1.04, 1.04))
+    small = [{"step": 0, "eval/pass@1": 0.02}, {"step": 4, "eval/pass@1": 0.07}]
+    # highest 7%: the axis reaches 2 x 7% = 14%, room above for the legend
+    assert _panels(small)["Accuracy"].get_ylim() == pytest.approx((-0.04 * 0.14, 0.14))

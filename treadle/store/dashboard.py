@@ -179,10 +179,18 @@ def draw_accuracy(ax: Axes, rows: Sequence[MetricsRow]) -> None:
     else:
         names = [c.metric for c in (TRAIN_ACCURACY, *EVAL_CURVES)]
         mark_not_logged(ax, names)
-    ax.set_ylim(-0.04, 1.04)  # a curve at 0% or 100% is not hidden by the frame
+    ax.set_ylim(-0.04 * (top := _accuracy_top(rows)), top)  # 0% is not hidden by the frame
     ax.yaxis.set_major_formatter(PercentFormatter(xmax=1.0))
     ax.set_title("Accuracy")
     ax.set_ylabel("accuracy")
+
+
+def _accuracy_top(rows: Sequence[MetricsRow]) -> float:
+    """The accuracy panel's upper limit: 104% once a value passes 50%, else room above the
+    highest value for the legend (at least 10%), so small accuracies are not a flat line."""
+    names = [c.metric for c in (TRAIN_ACCURACY, *EVAL_CURVES, *CONTROL_CURVES)]
+    highest = max((v for n in names for v in series(rows, n)[1]), default=1.0)
+    return 1.04 if highest > 0.5 else min(max(2.0 * highest, 0.1), 1.04)
 
 
 def draw_loss(ax: Axes, rows: Sequence[MetricsRow]) -> None:
