@@ -70,6 +70,7 @@ def test_sample_is_prompt_plus_completion_with_end_of_turn_trained():
     # Both completions ended with end-of-turn (STOP): nothing was truncated.
     assert metrics["rollout/truncated_fraction"] == 0.0
     assert metrics["rollout/mean_length"] == 3.0  # (4 + 2) / 2
+    assert (metrics["rollout/min_length"], metrics["rollout/max_length"]) == (2.0, 4.0)
 
 
 def test_truncated_fraction_counts_only_length_completions():
@@ -88,6 +89,8 @@ def test_truncated_fraction_counts_only_length_completions():
     _, metrics = build_samples([RolloutGroup(task("A"), (1,), rollouts)], AlgorithmConfig())
     assert metrics["rollout/truncated_fraction"] == pytest.approx(2 / 7)  # ABORT is not LENGTH
     assert metrics["rollout/mean_length"] == pytest.approx(4.0)  # (1 + 2 + ... + 7) / 7 = 28 / 7
+    # lengths 1..7: the shortest and the longest completion
+    assert (metrics["rollout/min_length"], metrics["rollout/max_length"]) == (1.0, 7.0)
 
 
 def interleaved_groups() -> list[RolloutGroup]:

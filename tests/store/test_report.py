@@ -47,22 +47,26 @@ def test_plot_run_writes_a_png(tmp_path: Path) -> None:
     metrics_path = _write_run(tmp_path / "run")
     out = plot_run(metrics_path, tmp_path / "plots" / "run.png")
     assert out == tmp_path / "plots" / "run.png"
-    # 12 x 4.5 inches at 120 dpi = 1440 x 540 pixels
-    assert _png_size(out) == (1440, 540)
-    assert out.stat().st_size > 20_000  # two panels of lines, text and a legend, not a blank
+    # the 3 x 3 dashboard: 16 x (3 * 3.5 + 0.5) = 16 x 11 inches at 120 dpi = 1920 x 1320 pixels
+    assert _png_size(out) == (1920, 1320)
+    assert out.stat().st_size > 50_000  # nine panels of lines, text and legends, not a blank
     assert [p.name for p in out.parent.iterdir()] == ["run.png"]  # no temporary file left
+
+
+def _panels(fig) -> dict:
+    return {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
 
 
 def test_figure_draws_only_the_logged_metrics(tmp_path: Path) -> None:
     rows = read_metrics(_write_run(tmp_path))
-    fig = build_run_figure(rows, "demo")
-    reward_ax, eval_ax = fig.axes
+    panels = _panels(build_run_figure(rows, "demo"))
+    reward_ax, eval_ax = panels["Training reward"], panels["Accuracy"]
     (reward_line,) = reward_ax.get_lines()
     assert list(reward_line.get_xdata()) == list(range(1, 11))
     assert list(reward_line.get_ydata()) == pytest.approx([0.1 * s for s in range(1, 11)])
-    # eval/greedy_accuracy was never logged: no line, no crash
+    # eval/greedy_accuracy was never logged: no line, no crash; the labels give first -> last
     labels = [line.get_label() for line in eval_ax.get_lines()]
-    assert labels == ["pass@1 (sampled)", "pass@k"]
+    assert labels == ["held-out pass@1 (sampled): 20% → 45%", "held-out pass@k: 50% → 70%"]
     assert list(eval_ax.get_lines()[0].get_xdata()) == [0, 5, 10]
     assert list(eval_ax.get_lines()[0].get_ydata()) == pytest.approx([0.2, 0.35, 0.45])
     assert [t.get_text() for t in eval_ax.get_legend().get_texts()] == labels
@@ -73,12 +77,29 @@ def test_plot_survives_missing_and_null_metrics(tmp_path: Path) -> None:
     with MetricsLogger(tmp_path, tensorboard=False) as metrics:
         metrics.log(1, {"loss": 0.5, "reward/mean": math.nan})
         metrics.log(2, {"loss": 0.4, "reward/mean": 0.25})
-    fig = build_run_figure(read_metrics(tmp_path / "metrics.jsonl"), "sparse")
-    reward_ax, eval_ax = fig.axes
+    panels = _panels(build_run_figure(read_metrics(tmp_path / "metrics.jsonl"), "sparse"))
+    reward_ax, eval_ax = panels["Training reward"], panels["Accuracy"]
     assert list(reward_ax.get_lines()[0].get_xdata()) == [2]  # the NaN (null) step is skipped
     assert eval_ax.get_lines() == []
-    assert [t.get_text() for t in eval_ax.texts] == ["no eval accuracy logged"]
-    assert _png_size(plot_run(tmp_path / "metrics.jsonl", tmp_path / "p.png")) == (1440, 540)
+    assert [t.get_text() for t in eval_ax.texts] == [
+        "not logged: reward/accuracy, eval/pass@1, eval/greedy_accuracy, eval/pass@k"
+    ]
+    assert _png_size(plot_run(tmp_path / "metrics.jsonl", tmp_path / "p.png")) == (1920, 1320)
+
+
+def test_the_control_run_is_drawn_from_the_summary(tmp_path: Path) -> None:
+    from treadle.store.report import control_rows
+
+    summary = {"accuracy_after_rl": 0.45, "accuracy_control_sft": 0.3, "k": 2}
+    assert control_rows(summary) == [{"step": 0, "control/pass@1": 0.3}]
+    assert control_rows({"accuracy_after_rl": 0.45}) == []  # no control run, no row
+    rows = read_metrics(_write_run(tmp_path)) + control_rows(summary)
+    eval_ax = _panels(build_run_figure(rows, "demo"))["Accuracy"]
+    (control,) = [ln for ln in eval_ax.get_lines() if ln.get_label().startswith("control")]
+    assert control.get_label() == "control: SFT for the same time, pass@1: 30%"
+    assert list(control.get_ydata()) == [0.3, 0.3]  # a level across the panel
+    out = plot_run(tmp_path / "metrics.jsonl", tmp_path / "p.png", summary=summary)
+    assert _png_size(out) == (1920, 1320)
 
 
 def test_plot_of_an_empty_run(tmp_path: Path) -> None:
@@ -144,7 +165,8 @@ def test_an_asynchronous_run_gets_a_panel_of_staleness_and_busy_fractions(tmp_pa
             metrics.log(step, {"reward/mean": 0.1 * step, "async/staleness_mean": step / 2,
                                "async/staleness_max": 2, "async/engine_busy": 0.9})  # fmt: skip
     fig = build_run_figure(read_metrics(tmp_path / "metrics.jsonl"), "async")
-    _, _, async_ax = fig.axes
+    async_ax = fig.axes[9]  # the tenth panel, after the nine of every run
+    assert async_ax.get_title() == "Asynchronous rollout"
     labels = [line.get_label() for line in async_ax.get_lines()]
     # the trainer's busy fraction was not logged: three lines
     assert labels == [
@@ -153,5 +175,5 @@ def test_an_asynchronous_run_gets_a_panel_of_staleness_and_busy_fractions(tmp_pa
         "engine busy (fraction)",
     ]
     assert list(async_ax.get_lines()[0].get_ydata()) == pytest.approx([0.5, 1.0, 1.5])
-    # 18 x 4.5 inches at 120 dpi
-    assert _png_size(plot_run(tmp_path / "metrics.jsonl", tmp_path / "p.png")) == (2160, 540)
+    # a 4 x 3 grid: 16 x (4 * 3.5 + 0.5) = 16 x 14.5 inches at 120 dpi
+    assert _png_size(plot_run(tmp_path / "metrics.jsonl", tmp_path / "p.png")) == (1920, 1740)

@@ -290,6 +290,17 @@ class RunConfig:
     is due (False: only at ``save_every``; the steps since the last one are then redone)."""
     samples_to_log: int = 16
     """Completions saved per step under samples/."""
+    loggers: list[Literal["tensorboard", "wandb", "mlflow"]] = field(
+        default_factory=lambda: ["tensorboard"]
+    )
+    """Where the RL metrics go besides ``metrics.jsonl`` (always written): ``tensorboard``
+    (``RUN/tensorboard``), ``wandb`` (``pip install 'treadle[wandb]'``; files under
+    ``RUN/wandb``; ``WANDB_MODE=offline`` logs without a network, ``wandb sync`` uploads later),
+    ``mlflow`` (``pip install 'treadle[mlflow]'``; a file store ``RUN/mlruns`` unless
+    ``MLFLOW_TRACKING_URI`` is set)."""
+    project: str = "treadle"
+    """The wandb project and the MLflow experiment the run is logged under (``run.loggers``);
+    the run's name there is ``run.name``."""
     threads: int = bounded(at_least(1), default=2)
     """torch intra-op threads (give each compute process its own cores)."""
 

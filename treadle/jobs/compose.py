@@ -46,6 +46,7 @@ from treadle.store.checkpoint import (
     resume_checkpoint,
 )
 from treadle.store.data import Dataset, TaskSampler, render_demonstration, render_prompt
+from treadle.store.loggers import RunIdentity, open_sinks, require_installed
 from treadle.store.models import (
     build_tiny_model,
     build_tokenizer,
@@ -154,6 +155,7 @@ def check_inputs(cfg: Config, data: Dataset) -> None:
         check_environment_spec(cfg.environment.name, cfg.environment.kwargs)  # before the run dir
     if cfg.environment.agent:
         import_path(cfg.environment.agent, f"environment.agent={cfg.environment.agent!r}")
+    require_installed(cfg.run.loggers)  # wandb, mlflow: installed only on request
 
 
 def check_context(
@@ -293,7 +295,7 @@ def compose(
     critic = build_critic(cfg, start, ckpt, roles.device)
     state: RunState | None = load_trainer_state(ckpt, roles.policy) if ckpt else None
     done = state.step if state else 0
-    metrics = MetricsLogger(run_dir)
+    metrics = open_metrics(cfg, run_dir)
     # As when the checkpoint was saved: its step's one row; with none, nothing (step 0 again).
     metrics.truncate_after(done, rows_at_step=1 if ckpt else 0)
     buffer = RolloutBuffer(run_dir)
@@ -316,6 +318,17 @@ def compose(
         episodes=episode_rollout(cfg, roles.tokenizer),
     )
     return parts, done
+
+
+def open_metrics(cfg: Config, run_dir: Path) -> MetricsLogger:
+    """The RL run's metrics: ``metrics.jsonl`` and each of ``run.loggers`` (a wandb or MLflow
+    run named ``run.name`` in ``run.project``, with the config).
+
+    Raises:
+        UserError: wandb or MLflow could not start the run.
+    """
+    identity = RunIdentity(run_dir, cfg.run.name, cfg.run.project, to_dict(cfg))
+    return MetricsLogger(run_dir, tensorboard=False, sinks=open_sinks(cfg.run.loggers, identity))
 
 
 def close(parts: RLParts) -> None:

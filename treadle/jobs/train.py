@@ -95,7 +95,7 @@ def train(cfg: Config, resume: Path | None = None, console: Console | None = Non
         parts, done = compose(cfg, data, run_dir, start, max_model_len, console, longest)
         summary = _run_parts(parts, data, done, stop, console)
     summary["wall_time_s"] = time.perf_counter() - started
-    plot_run(run_dir / "metrics.jsonl", run_dir / "plot.png")
+    plot_run(run_dir / "metrics.jsonl", run_dir / "plot.png", summary=summary)
     write_summary(run_dir, summary)  # last: a summary marks the run finished
     print_summary(console, summary)
     console.print(f"run directory: {run_dir} (metrics.jsonl, plot.png, final_model/, ...)")

@@ -80,6 +80,8 @@ def build_samples(
     metrics = {
         "rollout/truncated_fraction": truncated / n,
         "rollout/mean_length": sum(len(c.token_ids) for c in completions) / n,
+        "rollout/min_length": float(min((len(c.token_ids) for c in completions), default=0)),
+        "rollout/max_length": float(max((len(c.token_ids) for c in completions), default=0)),
         # -sum_t logp of each completion under the engine: a sampled estimate of its entropy
         "rollout/entropy_proxy": float(sequence_entropy_proxy(engine_logprobs, sampled).sum()) / n,
     }

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, TextIO
+from typing import TextIO
 
 from rich.console import Console
 from rich.progress import (
@@ -39,28 +39,16 @@ from rich.progress import Progress as RichProgress
 
 from treadle.core.errors import UserError
 from treadle.store.atomic import write_text_atomic
-
-if TYPE_CHECKING:
-    from torch.utils.tensorboard import SummaryWriter
+from treadle.store.loggers import MetricsSink, RunIdentity
+from treadle.store.loggers.tensorboard_sink import TENSORBOARD_DIRNAME, TensorBoardSink
 
 logger = logging.getLogger(__name__)
 
 METRICS_FILENAME = "metrics.jsonl"
-TENSORBOARD_DIRNAME = "tensorboard"
 SAMPLES_DIRNAME = "samples"
 
 MetricsRow = dict[str, float | None]
 """One line of ``metrics.jsonl``: ``"step"`` and metric name -> value (None where non-finite)."""
-
-
-def _open_summary_writer(log_dir: Path, purge_step: int | None) -> SummaryWriter:
-    """Open a TensorBoard writer; imported lazily because tensorboard takes a second to import.
-
-    ``purge_step`` hides events at steps >= it that earlier writers logged (used on resume).
-    """
-    from torch.utils.tensorboard import SummaryWriter
-
-    return SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
 
 
 def _open_append(path: Path) -> TextIO:
@@ -78,26 +66,37 @@ def _open_append(path: Path) -> TextIO:
 
 
 class MetricsLogger:
-    """Appends scalar metrics per step to ``RUN/metrics.jsonl`` and to TensorBoard.
+    """Appends scalar metrics per step to ``RUN/metrics.jsonl``, and to TensorBoard and any
+    other :class:`~treadle.store.loggers.MetricsSink` (wandb, MLflow: ``run.loggers``).
 
     Every :meth:`log` call is flushed and fsynced before it returns, so a crash loses no logged
     step. Opening an existing run appends to its file; call :meth:`truncate_after` when
     resuming from a checkpoint older than the last logged step.
     """
 
-    def __init__(self, run_dir: str | os.PathLike[str], *, tensorboard: bool = True) -> None:
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        *,
+        tensorboard: bool = True,
+        sinks: Sequence[MetricsSink] = (),
+    ) -> None:
         """Open (or create) the metrics files of ``run_dir``.
 
         Args:
             run_dir: the run directory; created if missing.
             tensorboard: also write TensorBoard events under ``RUN/tensorboard/``.
+            sinks: further destinations, each fed every row after ``metrics.jsonl`` (and
+                closed by :meth:`close`).
         """
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / METRICS_FILENAME
         self.tensorboard_dir = self.run_dir / TENSORBOARD_DIRNAME
         self._file: TextIO | None = _open_append(self.metrics_path)
-        self._writer = _open_summary_writer(self.tensorboard_dir, None) if tensorboard else None
+        identity = RunIdentity(self.run_dir, self.run_dir.name, "")
+        self._sinks: list[MetricsSink] = [TensorBoardSink(identity)] if tensorboard else []
+        self._sinks += sinks
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         """Record ``metrics`` at ``step`` (optimizer steps taken; 0 is before training).
@@ -121,10 +120,8 @@ class MetricsLogger:
         self._file.write(json.dumps({"step": step, **row}, allow_nan=False) + "\n")
         self._file.flush()
         os.fsync(self._file.fileno())
-        if self._writer is not None:
-            for name, value in values.items():
-                self._writer.add_scalar(name, value, global_step=step)
-            self._writer.flush()
+        for sink in self._sinks:
+            sink.log(step, values)
 
     def truncate_after(self, step: int, rows_at_step: int | None = None) -> int:
         """Drop every logged line with a step above ``step`` (on resume from an older checkpoint),
@@ -134,8 +131,8 @@ class MetricsLogger:
         keeps one row at ``s`` (a final evaluation logged at ``s`` after the checkpoint is logged
         again, not twice); a run with no checkpoint keeps none (``step=0, rows_at_step=0``).
 
-        ``metrics.jsonl`` is rewritten atomically; the TensorBoard writer is reopened with
-        ``purge_step=step + 1`` so TensorBoard hides the dropped steps too.
+        ``metrics.jsonl`` is rewritten atomically; each sink is rewound to
+        ``purge_step=step + 1`` (TensorBoard hides the dropped steps too).
 
         Returns:
             The number of lines dropped.
@@ -165,10 +162,9 @@ class MetricsLogger:
             kept.append(line)
         write_text_atomic(self.metrics_path, "".join(kept))
         self._file = _open_append(self.metrics_path)
-        if self._writer is not None:
-            self._writer.close()
-            purge = step if rows_at_step == 0 else step + 1
-            self._writer = _open_summary_writer(self.tensorboard_dir, purge)
+        purge = step if rows_at_step == 0 else step + 1
+        for sink in self._sinks:
+            sink.rewind(purge)
         dropped = len(lines) - len(kept)
         logger.info("dropped %d metrics lines after step %d", dropped, step)
         return dropped
@@ -192,9 +188,9 @@ class MetricsLogger:
         if self._file is not None:
             self._file.close()
             self._file = None
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        sinks, self._sinks = self._sinks, []
+        for sink in sinks:
+            sink.close()
 
     def __enter__(self) -> MetricsLogger:
         return self

@@ -9,114 +9,33 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import PercentFormatter
 from rich.console import Console
 from rich.table import Table
 
 from treadle.store.atomic import write_json_atomic
+from treadle.store.dashboard import build_dashboard, series
 from treadle.store.observe import MetricsRow, read_metrics
 
 logger = logging.getLogger(__name__)
 
 SUMMARY_FILENAME = "summary.json"
-TRAIN_REWARD_METRIC = "reward/mean"
-EVAL_METRICS: tuple[tuple[str, str], ...] = (
-    ("eval/pass@1", "pass@1 (sampled)"),
-    ("eval/greedy_accuracy", "greedy accuracy"),
-    ("eval/pass@k", "pass@k"),
-)
-"""Held-out accuracy metrics drawn in the second panel, with their legend labels."""
-
 Summary = Mapping[str, float | str | None]
 """Final results of a run: name -> number or text (see :func:`format_summary_value`)."""
-
-
-def _series(rows: list[MetricsRow], name: str) -> tuple[list[int], list[float]]:
-    """Steps and values of metric ``name`` over the rows that have a finite value for it."""
-    steps: list[int] = []
-    values: list[float] = []
-    for row in rows:
-        value, step = row.get(name), row.get("step")
-        if value is not None and step is not None:
-            steps.append(int(step))
-            values.append(float(value))
-    return steps, values
-
-
-def _mark_empty(ax: Axes, what: str) -> None:
-    ax.text(0.5, 0.5, f"no {what} logged", transform=ax.transAxes, ha="center", va="center")
-
-
-def _draw_reward(ax: Axes, rows: list[MetricsRow]) -> None:
-    steps, values = _series(rows, TRAIN_REWARD_METRIC)
-    if steps:
-        ax.plot(steps, values, color="tab:blue", linewidth=1.5, label=TRAIN_REWARD_METRIC)
-    else:
-        _mark_empty(ax, TRAIN_REWARD_METRIC)
-    ax.set_title("Training reward")
-    ax.set_xlabel("step")
-    ax.set_ylabel("mean reward")
-    ax.grid(True, alpha=0.3)
-
-
-def _draw_eval(ax: Axes, rows: list[MetricsRow]) -> None:
-    drawn = 0
-    for name, label in EVAL_METRICS:
-        steps, values = _series(rows, name)
-        if steps:
-            ax.plot(steps, values, marker="o", markersize=4, linewidth=1.5, label=label)
-            drawn += 1
-    if drawn:
-        ax.legend(loc="best")
-    else:
-        _mark_empty(ax, "eval accuracy")
-    ax.set_ylim(0.0, 1.0)
-    ax.yaxis.set_major_formatter(PercentFormatter(xmax=1.0))
-    ax.set_title("Held-out accuracy")
-    ax.set_xlabel("step")
-    ax.set_ylabel("accuracy")
-    ax.grid(True, alpha=0.3)
-
-
-ASYNC_METRICS: tuple[tuple[str, str], ...] = (
-    ("async/staleness_mean", "staleness, mean (versions)"),
-    ("async/staleness_max", "staleness, max (versions)"),
-    ("async/engine_busy", "engine busy (fraction)"),
-    ("async/trainer_busy", "trainer busy (fraction)"),
-)
-"""The asynchronous rollout's metrics drawn in a third panel, when the run logged them."""
+CONTROL_SUMMARY_KEYS: Mapping[str, str] = {
+    "accuracy_control_sft": "control/pass@1",
+    "greedy_accuracy_control_sft": "control/greedy_accuracy",
+}
+"""The control run's results in the summary -> the names the dashboard draws them by (they
+are not in ``metrics.jsonl``: a wall-time budget makes them differ between identical runs)."""
 
 
 def build_run_figure(rows: list[MetricsRow], title: str) -> Figure:
-    """Build the figure of :func:`plot_run` from metrics rows (12 x 4.5 inches, 18 x 4.5 with
-    the third panel).
-
-    ``fig.axes[0]`` holds the training reward, ``fig.axes[1]`` the held-out accuracy lines,
-    and for an asynchronous run (``rollout.mode`` other than ``sync``) ``fig.axes[2]`` the
-    staleness and the engine's and trainer's busy fractions.
-    """
-    scheduled = any(name in row for row in rows for name, _ in ASYNC_METRICS)
-    fig = Figure(figsize=(18 if scheduled else 12, 4.5), layout="constrained")
-    axes = fig.subplots(1, 3 if scheduled else 2, sharex=True)
-    _draw_reward(axes[0], rows)
-    _draw_eval(axes[1], rows)
-    if scheduled:
-        _draw_async(axes[2], rows)
-    fig.suptitle(title)
-    return fig
-
-
-def _draw_async(ax: Axes, rows: list[MetricsRow]) -> None:
-    for name, label in ASYNC_METRICS:
-        steps, values = _series(rows, name)
-        if steps:
-            ax.plot(steps, values, linewidth=1.5, label=label)
-    ax.legend(loc="best")
-    ax.set_title("Asynchronous rollout")
-    ax.set_xlabel("step")
-    ax.grid(True, alpha=0.3)
+    """Build the figure of :func:`plot_run` from metrics rows: the run's dashboard
+    (:func:`treadle.store.dashboard.build_dashboard`, 16 x 11 inches; 16 x 14.5 for an
+    asynchronous run)."""
+    return build_dashboard(rows, title)
 
 
 def plot_run(
@@ -124,19 +43,23 @@ def plot_run(
     out_png: str | os.PathLike[str],
     *,
     title: str | None = None,
+    summary: Summary | None = None,
 ) -> Path:
-    """Plot a run's training reward and held-out accuracy against step into a PNG.
+    """Plot a run's dashboard against step into a PNG.
 
-    Left panel: ``reward/mean``. Middle panel: ``eval/pass@1``, ``eval/greedy_accuracy`` and
-    ``eval/pass@k``, each a line where logged. An asynchronous run gets a third panel of
-    :data:`ASYNC_METRICS`. A metric that was never logged is simply absent
-    (a panel with none says so). Uses matplotlib's Agg canvas without touching pyplot's global
-    state; the PNG is written atomically.
+    Panels (:data:`treadle.store.dashboard.PANELS`): training reward; accuracy (training per
+    step, the held-out evaluations before, during and after RL, and the control run); loss;
+    KL; entropy; clip fraction; response length (mean, min-max shaded); learning rate; step
+    time stacked by phase; and for an asynchronous run staleness and busy fractions. A panel
+    whose metrics were never logged says so. Uses matplotlib's Agg canvas without touching
+    pyplot's global state; the PNG is written atomically.
 
     Args:
         metrics_path: ``RUN/metrics.jsonl``.
         out_png: where to write the PNG; its directory is created.
         title: figure title; defaults to the run directory's name.
+        summary: the run's summary; its control results (:data:`CONTROL_SUMMARY_KEYS`) are
+            drawn as levels in the accuracy panel.
 
     Returns:
         ``out_png`` as a Path.
@@ -145,12 +68,23 @@ def plot_run(
         UserError: ``metrics_path`` does not exist.
     """
     metrics_path, out_png = Path(metrics_path), Path(out_png)
-    rows = read_metrics(metrics_path)
+    rows = read_metrics(metrics_path) + control_rows(summary or {})
     fig = build_run_figure(
         rows, title if title is not None else f"treadle run {metrics_path.parent.name}"
     )
 
     return _save_figure(fig, out_png)
+
+
+def control_rows(summary: Summary) -> list[MetricsRow]:
+    """The control results of ``summary`` as one row of ``control/*`` metrics at step 0 (the
+    dashboard draws them as levels across the steps), or none when the run had no control."""
+    row = {
+        name: float(value)
+        for key, name in CONTROL_SUMMARY_KEYS.items()
+        if isinstance(value := summary.get(key), int | float)
+    }
+    return [{"step": 0, **row}] if row else []
 
 
 def plot_comparison(runs: Mapping[str, str | os.PathLike[str]], out_png) -> Path:
@@ -165,7 +99,7 @@ def plot_comparison(runs: Mapping[str, str | os.PathLike[str]], out_png) -> Path
     fig = Figure(figsize=(7, 4.5))
     ax = fig.add_subplot()
     for label, path in runs.items():
-        steps, values = _series(read_metrics(Path(path)), "eval/pass@1")
+        steps, values = series(read_metrics(Path(path)), "eval/pass@1")
         ax.plot(steps, values, marker="o", label=label)
     ax.set_xlabel("RL step")
     ax.set_ylabel("held-out pass@1")
