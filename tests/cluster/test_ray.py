@@ -105,7 +105,11 @@ def test_fsdp_group_matches_single_process_training(roles, tmp_path, one_torch_t
     group = AutoModelForCausalLM.from_pretrained(tmp_path / "group", dtype=torch.float32)
     ours = dict(single.model.named_parameters())
     diffs = [(ours[n] - p).abs().max().item() for n, p in group.named_parameters()]
-    assert len(diffs) == len(ours) and max(diffs) <= 1e-5
+    # Adam moves each weight by about lr = 1e-3 per step (3e-3 in 3 steps) whatever its gradient's
+    # size, so a weight whose gradient is near 0 turns the group's other reduction order (~1e-7 in
+    # the gradient) into ~1e-5 in the weight: 1.9e-5 on the seeded samples of this data, <2% of
+    # the 3e-3 moved. 5e-5 bounds that; a wrong shard or a missed step moves weights by ~1e-3.
+    assert len(diffs) == len(ours) and max(diffs) <= 5e-5
     # The trainer group's logprobs are the single process's too.
     assert (
         max_diff(trainers.compute_logprobs(samples[:8]), single.compute_logprobs(samples[:8]))

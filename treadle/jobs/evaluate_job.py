@@ -11,6 +11,7 @@ back. The math is :func:`treadle.rollout.evaluate.evaluate`.
 Output folder (``--output``, default ``RUN/eval/<recipe name>``)::
 
     samples.jsonl   one JSON object per completion (sampled ones, then greedy ones)
+    engine.log      the engine's start-up output (kept off the console)
     summary.json    the figures, the model, the data and the sampling settings
     config.yaml     the resolved config it ran with
 
@@ -45,6 +46,7 @@ from treadle.rollout.engines import build_engine
 from treadle.rollout.environments.rollout import episode_rollout
 from treadle.rollout.evaluate import EvalResult, evaluate
 from treadle.store.atomic import TMP_PREFIX, fsync_tree, replace_dir, write_json_atomic
+from treadle.store.capture import ENGINE_LOG, captured_output
 from treadle.store.data import Dataset, load_all_tasks, load_dataset
 
 FINAL_MODEL = "final_model"
@@ -153,35 +155,51 @@ def run_eval(
     tasks = eval_tasks(cfg)
     spec = engine_spec(cfg, target.model_dir, tasks)
     params = eval_sampling(cfg)
-    console.print(
-        f"evaluating {target.model_dir} on {len(tasks)} prompts ({cfg.eval.split}): "
-        f"{params.n} samples each at temperature {params.temperature:g}"
-        + (" and a greedy one" if cfg.eval.greedy else "")
-    )
+    what = f"{len(tasks)} prompts ({cfg.eval.split}): {params.n} samples each at temperature "
+    what += f"{params.temperature:g}" + (" and a greedy one" if cfg.eval.greedy else "")
+    console.print(f"evaluating {target.model_dir} on {what}")
     started = time.perf_counter()
     seed_everything(cfg.run.seed)
     tokenizer = AutoTokenizer.from_pretrained(target.model_dir)
-    engine = build_engine(cfg.rollout.engine, spec)
-    pool = RewardPool.from_config(cfg.reward)
+    tmp = _fresh_tmp(output)
     try:
-        result = evaluate(
-            engine,
-            tokenizer,
-            pool,
-            tasks,
-            params,
-            greedy=cfg.eval.greedy,
-            episodes=episode_rollout(cfg, tokenizer),
-            ks=cfg.eval.k,
-        )
-    finally:
-        pool.close()
-        engine.close()
-    summary = eval_summary(result, target, cfg, params, time.perf_counter() - started)
-    write_output(output, result, summary, cfg)
+        with captured_output(tmp / ENGINE_LOG):  # vLLM's start-up lines: not the console
+            engine = build_engine(cfg.rollout.engine, spec)
+        pool = RewardPool.from_config(cfg.reward)
+        try:
+            with console.status(f"sampling and scoring {what}"):  # a spinner with the time
+                result = evaluate(
+                    engine,
+                    tokenizer,
+                    pool,
+                    tasks,
+                    params,
+                    greedy=cfg.eval.greedy,
+                    episodes=episode_rollout(cfg, tokenizer),
+                    template_kwargs=cfg.data.chat_template_kwargs,
+                    ks=cfg.eval.k,
+                )
+        finally:
+            pool.close()
+            engine.close()
+        summary = eval_summary(result, target, cfg, params, time.perf_counter() - started)
+        write_output(tmp, output, result, summary, cfg)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     console.print(summary_table(summary))
     console.print(f"per-sample outputs: {output / 'samples.jsonl'}")
     return summary
+
+
+def _fresh_tmp(output: Path) -> Path:
+    """An empty temporary sibling of ``output``, where the evaluation writes until it is
+    complete."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(f"{TMP_PREFIX}{output.name}.{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    return tmp
 
 
 def engine_spec(cfg: Config, model_dir: Path, tasks: tuple[Task, ...]) -> EngineSpec:
@@ -196,7 +214,7 @@ def engine_spec(cfg: Config, model_dir: Path, tasks: tuple[Task, ...]) -> Engine
     max_model_len, longest = check_model(cfg, data, model_dir)
     return EngineSpec(
         model_dir=str(model_dir),
-        dtype=cfg.model.dtype,
+        dtype=cfg.rollout.dtype,
         seed=cfg.run.seed,
         max_model_len=max_model_len,
         kv_cache_gib=engine_kv_gib(cfg, data, model_dir, longest, max_model_len),
@@ -227,24 +245,17 @@ def eval_summary(
     }
 
 
-def write_output(output: Path, result: EvalResult, summary: dict, cfg: Config) -> None:
-    """Write ``samples.jsonl``, ``summary.json`` and ``config.yaml`` into a temporary sibling
-    of ``output``, then rename it to ``output`` (replacing an existing one): never half-written."""
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(f"{TMP_PREFIX}{output.name}.{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        with (tmp / "samples.jsonl").open("w", encoding="utf-8") as f:
-            for s in result.samples:
-                f.write(json.dumps(dataclasses.asdict(s), ensure_ascii=False) + "\n")
-        write_json_atomic(tmp / "summary.json", summary)
-        (tmp / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        fsync_tree(tmp)
-        replace_dir(tmp, output)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+def write_output(tmp: Path, output: Path, result: EvalResult, summary: dict, cfg: Config) -> None:
+    """Write ``samples.jsonl``, ``summary.json`` and ``config.yaml`` into ``tmp`` (a temporary
+    sibling of ``output``, which may hold the engine's log), then rename it to ``output``
+    (replacing an existing one): never half-written."""
+    with (tmp / "samples.jsonl").open("w", encoding="utf-8") as f:
+        for s in result.samples:
+            f.write(json.dumps(dataclasses.asdict(s), ensure_ascii=False) + "\n")
+    write_json_atomic(tmp / "summary.json", summary)
+    (tmp / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    fsync_tree(tmp)
+    replace_dir(tmp, output)
 
 
 def summary_table(summary: dict) -> Table:
