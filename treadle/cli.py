@@ -51,18 +51,11 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--resume", type=Path, metavar="RUN_DIR", help="continue the run in this directory"
     )
-    sft = sub.add_parser("sft", **_about("sft"))
-    sft.add_argument("recipe", help="YAML recipe (every key: treadle config)")
-    sft.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.size=500")
-    dpo = sub.add_parser("dpo", **_about("dpo"))
-    dpo.add_argument("recipe", help="YAML recipe (every key: treadle config)")
-    dpo.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.size=500")
-    check = sub.add_parser("reward-check", **_about("reward-check"))
-    check.add_argument("recipe", help="YAML recipe (every key: treadle config)")
-    check.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.size=500")
-    serve = sub.add_parser("serve-reward", **_about("serve-reward"))
-    serve.add_argument("recipe", help="YAML recipe (every key: treadle config)")
-    serve.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.size=500")
+    for command in ("sft", "dpo", "reward-check", "serve-reward"):  # RECIPE [overrides]
+        recipe_job = sub.add_parser(command, **_about(command))
+        recipe_job.add_argument("recipe", help="YAML recipe (every key: treadle config)")
+        recipe_job.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.size=500")
+    serve = recipe_job  # serve-reward's own options
     serve.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     serve.add_argument("--port", type=int, default=8900)
     inspect = sub.add_parser("inspect", **_about("inspect"))

@@ -15,14 +15,7 @@ def float_param(value: ParamValue, what: str) -> float:
     Raises:
         UserError: not a number (a bool, a list, a non-numeric string), naming ``what``.
     """
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    raise UserError(f"{what} must be a number, got {value!r}")
+    return _number(value, what, float, "a number")
 
 
 def int_param(value: ParamValue, what: str) -> int:
@@ -31,14 +24,20 @@ def int_param(value: ParamValue, what: str) -> int:
     Raises:
         UserError: not an integer (a float such as 2.5, a bool, a list, other text).
     """
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
+    return _number(value, what, int, "an integer")
+
+
+def _number(value: ParamValue, what: str, kind: type, named: str) -> int | float:
+    """``value`` as ``kind`` (int or float): a YAML number of that kind (an int for a float
+    too) or a string that parses as one; a bool is not a number."""
+    if isinstance(value, int | kind) and not isinstance(value, bool):
+        return kind(value)
     if isinstance(value, str):
         try:
-            return int(value)
+            return kind(value)
         except ValueError:
             pass
-    raise UserError(f"{what} must be an integer, got {value!r}")
+    raise UserError(f"{what} must be {named}, got {value!r}")
 
 
 def str_param(value: ParamValue, what: str) -> str:

@@ -229,9 +229,10 @@ def draw_clip(ax: Axes, rows: Sequence[MetricsRow]) -> None:
         Curve("clip/high_fraction", "above 1 + eps", "tab:green", None, ":"),
     ]
     _curves_panel(ax, rows, curves)
+    ax.set_ylim(bottom=0.0, top=max(ax.get_ylim()[1], 0.01))  # a fraction: never below 0%
     ax.yaxis.set_major_formatter(PercentFormatter(xmax=1.0))
     ax.set_title("Clip fraction")
-    ax.set_ylabel("tokens")
+    ax.set_ylabel("share of trained tokens")
 
 
 def draw_length(ax: Axes, rows: Sequence[MetricsRow]) -> None:
