@@ -339,3 +339,13 @@ def test_reward_params_keep_their_yaml_types(tmp_path):
     assert typed == {"memory_mb": 512, "strict": False} and type(typed["memory_mb"]) is int
     with pytest.raises(UserError, match=r"reward\.functions\[0\]\.params\.x"):
         load_config(None, ["reward.functions=[{name: code, params: {x: {nested: 1}}}]"])
+
+
+def test_a_value_no_member_of_a_union_takes_names_the_members():
+    # "data.source=mypkg:" is YAML for {'mypkg': None}; the error said "expected Union".
+    with pytest.raises(UserError) as e:
+        load_config(DEFAULT, ["data.source=mypkg:"])
+    assert str(e.value) == (
+        "config data.source: expected 'reasoning_gym' | 'jsonl' | 'parquet' | 'humaneval' | "
+        "'mbpp' | str, got {'mypkg': None}"
+    )

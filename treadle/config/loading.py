@@ -250,4 +250,10 @@ def _scalar(tp: Any, value: Any, path: str) -> Any:
 
 
 def _name(tp: Any) -> str:
+    """A type as a user reads it: ``'jsonl' | 'parquet' | str``, not ``Union`` (the
+    ``__name__`` of a ``typing.Union``)."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " | ".join(_name(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(map(repr, typing.get_args(tp)))
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
