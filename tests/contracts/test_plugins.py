@@ -157,6 +157,16 @@ ERRORS = {
         "config rollout.engine='userplug.engine:Half': class Half has no method "
         "update_weights(weights, version); an engine (treadle.core.protocols.InferenceEngine)",
     ),
+    "two-colons": (  # it said "cannot import 'userplug.rewards'"... for the wrong reason
+        ["reward.functions=[{name: 'userplug.rewards:quarter:x'}]"],
+        "config reward.functions[0].name='userplug.rewards:quarter:x': expected an import path "
+        "package.module:Name (one colon)",
+    ),
+    "relative-module": (  # it was importlib's "the 'package' argument is required"
+        ["reward.functions=[{name: '.rewards:quarter'}]"],
+        "config reward.functions[0].name='.rewards:quarter': '.rewards' is a relative module; "
+        "give its full dotted name",
+    ),
     "engine-without-a-spec-argument": (  # a traceback once the run directory existed
         ["rollout.engine=userplug.engine:NoSpec"],
         "config rollout.engine='userplug.engine:NoSpec': NoSpec cannot be built as NoSpec(spec) "
