@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.config.test_keys import leaf_keys
+from treadle.cli import _parse
 from treadle.config import Config
 
 DEFAULT = Path(__file__).resolve().parents[1] / "recipes" / "default.yaml"
@@ -93,3 +94,28 @@ def test_each_command_help_says_what_it_reads_and_writes_with_an_example(command
     text = sub.format_help()
     assert "Reads " in text and "\nexamples:\n  treadle " in text
     assert all(s in " ".join(text.split()) or s in text for s in says), text
+
+
+@pytest.mark.parametrize(
+    ("argv", "overrides"),
+    [
+        # argparse gave the overrides list only the words before --output: the rest were
+        # "unrecognized arguments" (exit 2), though the README writes options anywhere.
+        (["eval", "runs/r", "--output", "o", "eval.k=[1,4]"], ["eval.k=[1,4]"]),
+        (["eval", "runs/r", "r.yaml", "a=1", "--overwrite", "b=2"], ["a=1", "b=2"]),
+        (["serve-reward", "r.yaml", "--port", "9000", "reward.workers=0"], ["reward.workers=0"]),
+    ],
+)
+def test_overrides_after_an_option_are_overrides(argv, overrides):
+    assert _parse(argv).overrides == overrides
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["eval", "runs/r", "--output", "o", "extra"], ["inspect", "runs/r", "--step", "1", "a=1"]],
+)
+def test_a_word_that_is_no_override_after_an_option_is_still_refused(argv, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        _parse(argv)
+    assert stopped.value.code == 2
+    assert "unrecognized arguments: " in capsys.readouterr().err

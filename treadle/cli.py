@@ -197,6 +197,24 @@ class _Help(argparse.RawDescriptionHelpFormatter):
         return "\n\n".join(fill(self, p, width, indent) for p in text.split("\n\n"))
 
 
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, with ``key=value`` overrides also taken after an option
+    (``treadle eval RUN --output DIR eval.k=[1,4]``): argparse gives a positional list only the
+    words before the first option, and calls the rest unrecognized.
+
+    Raises:
+        SystemExit: (2) from argparse, for an argument that is not an override either.
+    """
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    overrides = [a for a in extra if "=" in a and not a.startswith("-")]
+    if len(overrides) < len(extra) or (overrides and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if overrides:
+        args.overrides = [*args.overrides, *overrides]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``treadle`` command; returns the process exit status.
 
@@ -204,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     SIGTERM and 130 on SIGINT (Ctrl-C): a run stops after its step, checkpointed. ``argv``
     defaults to ``sys.argv[1:]``.
     """
-    args = _parser().parse_args(argv)
+    args = _parse(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "config":  # pure data: answered without importing torch
         return _config(args.section)

@@ -339,3 +339,43 @@ def test_reward_params_keep_their_yaml_types(tmp_path):
     assert typed == {"memory_mb": 512, "strict": False} and type(typed["memory_mb"]) is int
     with pytest.raises(UserError, match=r"reward\.functions\[0\]\.params\.x"):
         load_config(None, ["reward.functions=[{name: code, params: {x: {nested: 1}}}]"])
+
+
+def test_a_value_no_member_of_a_union_takes_names_the_members():
+    # "data.source=mypkg:" is YAML for {'mypkg': None}; the error said "expected Union".
+    with pytest.raises(UserError) as e:
+        load_config(DEFAULT, ["data.source=mypkg:"])
+    assert str(e.value) == (
+        "config data.source: expected 'reasoning_gym' | 'jsonl' | 'parquet' | 'humaneval' | "
+        "'mbpp' | str, got {'mypkg': None}"
+    )
+
+
+def test_an_override_steps_into_an_entry_of_a_list():
+    # It was "unknown key reward.functions[0]": a reward's params could only be set by giving
+    # the whole list again. The default recipe's list has one entry (reasoning_gym).
+    cfg = load_config(
+        DEFAULT,
+        [
+            "reward.functions[0].params.extract=boxed",
+            "reward.functions[0].weight=2",
+            "rollout.n=4",
+        ],
+    )
+    (fn,) = cfg.reward.functions
+    assert (fn.name, fn.params, fn.weight) == ("reasoning_gym", {"extract": "boxed"}, 2.0)
+    # A list given earlier on the command line, then one of its entries: typed like the rest.
+    cfg = load_config(
+        DEFAULT,
+        [
+            "reward.functions=[{name: format}, {name: math_verify}]",
+            "reward.functions[1].params.strict=true",
+        ],
+    )
+    assert cfg.reward.functions[1].params == {"strict": True}
+    with pytest.raises(UserError) as e:
+        load_config(DEFAULT, ["reward.functions[1].weight=2"])
+    assert str(e.value) == (
+        "override reward.functions[1].weight: functions has 1 entries here, so no [1]; set the "
+        "whole list, e.g. functions='[...]'"
+    )

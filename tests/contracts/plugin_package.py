@@ -89,6 +89,16 @@ FILES = {
                 super().__init__(AutoTokenizer.from_pretrained(spec.model_dir))
 
 
+        class NoSpec(Engine):
+            def __init__(self):  # not Engine(spec)
+                pass
+
+
+        class Failing(Engine):
+            def __init__(self, spec):
+                raise RuntimeError("no accelerator here")
+
+
         class Half:
             policy_version = 0
 

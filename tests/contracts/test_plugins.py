@@ -157,6 +157,21 @@ ERRORS = {
         "config rollout.engine='userplug.engine:Half': class Half has no method "
         "update_weights(weights, version); an engine (treadle.core.protocols.InferenceEngine)",
     ),
+    "two-colons": (  # it said "cannot import 'userplug.rewards'"... for the wrong reason
+        ["reward.functions=[{name: 'userplug.rewards:quarter:x'}]"],
+        "config reward.functions[0].name='userplug.rewards:quarter:x': expected an import path "
+        "package.module:Name (one colon)",
+    ),
+    "relative-module": (  # it was importlib's "the 'package' argument is required"
+        ["reward.functions=[{name: '.rewards:quarter'}]"],
+        "config reward.functions[0].name='.rewards:quarter': '.rewards' is a relative module; "
+        "give its full dotted name",
+    ),
+    "engine-without-a-spec-argument": (  # a traceback once the run directory existed
+        ["rollout.engine=userplug.engine:NoSpec"],
+        "config rollout.engine='userplug.engine:NoSpec': NoSpec cannot be built as NoSpec(spec) "
+        "(too many positional arguments); an engine's constructor takes one EngineSpec",
+    ),
     "engine-that-is-not-a-class": (
         ["rollout.engine=userplug.rewards:quarter"],
         "config rollout.engine='userplug.rewards:quarter': 'quarter' is not a class",
@@ -191,6 +206,19 @@ def test_a_wrong_plugin_is_one_line_and_exit_2(in_project, capsys, command, case
     assert main([command, str(DEFAULT), *SMALL, "run.output_dir=runs", *overrides]) == 2
     assert expected in _one_line(capsys)
     assert not (in_project / "runs").exists()  # refused before the run directory
+
+
+def test_a_plugin_engine_that_fails_to_start_is_one_line(in_project):
+    from treadle.core.protocols import EngineSpec
+    from treadle.rollout.engines import build_engine
+
+    # Its constructor raised through as a traceback (exit 1).
+    with pytest.raises(UserError) as e:
+        build_engine("userplug.engine:Failing", EngineSpec(model_dir=str(in_project)))
+    assert str(e.value) == (
+        "config rollout.engine='userplug.engine:Failing': starting Failing(spec) failed: "
+        "RuntimeError: no accelerator here"
+    )
 
 
 USER_RECIPE = """\

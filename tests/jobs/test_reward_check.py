@@ -185,3 +185,24 @@ def test_math500_reward_check(how, failed, rejected):
     result = check_gold(load_config(RECIPE, minerva_overrides(MATH500, how)))
     assert result.total == 500
     assert (len(result.failures), result.rejected, result.suspect) == (failed, rejected, failed)
+
+
+@pytest.mark.parametrize(
+    "text, skip, said",
+    [
+        ("", False, "gives no task to check; is the file empty?"),
+        ('{"q": 1}\n{"q": 2}\n', True, "2 bad rows skipped, the first: "),
+    ],
+)
+def test_nothing_to_check_is_an_error_not_0_of_0_fail(tmp_path, capsys, text, skip, said):
+    # An empty file, or one whose every row is skipped, checks 0 golds: "0 of 0 fail", exit 0,
+    # read as a pass, so it is refused in one line (exit 2).
+    path = tmp_path / "rows.jsonl"
+    path.write_text(text)
+    overrides = [
+        "data.source=jsonl", f"data.path={path}", f"data.skip_bad_rows={str(skip).lower()}",
+        "data.reasoning=none", "reward.functions=[{name: math_verify}]", "reward.workers=0",
+    ]  # fmt: skip
+    assert main(["reward-check", str(RECIPE), *overrides]) == 2
+    last = capsys.readouterr().err.splitlines()[-1]  # after the skipped rows' logged warning
+    assert last.startswith("treadle: error: treadle reward-check: data (") and said in last

@@ -263,3 +263,19 @@ def test_an_episode_cut_off_before_its_first_turn_is_kept_untrained(renderer):
         assert len(c.token_ids) == 1 and c.sampled_mask == (False,)
     _, dropped = out.without_unfinished()
     assert dropped == 1 and all(e.finished for e in out.episodes[1])
+
+
+def _factory_that_raises(size: int = 3) -> None:
+    raise ValueError(f"size {size} is too small")
+
+
+def test_a_factory_that_raises_is_one_line_naming_the_key(monkeypatch):
+    # A user's factory that raises on its kwargs went up as a traceback (exit 1); only a
+    # TypeError (a bad keyword) was one line. Named by import path, from this test module.
+    spec = f"{__name__}:_factory_that_raises"
+    with pytest.raises(UserError) as e:
+        make(spec, {"size": 2})
+    assert str(e.value) == (
+        f"config environment.name={spec!r}: building it with environment.kwargs failed: "
+        "ValueError: size 2 is too small"
+    )

@@ -19,6 +19,7 @@ from treadle.store.data import (
     DataPosition,
     TaskSampler,
     chain_steps,
+    load_all_tasks,
     load_dataset,
     render_demonstration,
 )
@@ -403,3 +404,39 @@ def test_two_sources_of_one_task_get_distinct_task_ids():
     long = [t.task_id for t in data.train if t.domain == "long"]
     assert len(long) == 20 and all(i.startswith("mix0/chain_sum/") for i in long)
     assert all(not t.task_id.startswith("mix0/") for t in data.train if t.domain == "short")
+
+
+def _rows_with_a_latin1_line(tmp_path: Path) -> Path:
+    # Line 2 is Latin-1 ("caf\xe9"): one bad row; the file's other lines are UTF-8, the first
+    # with a byte-order mark (as Windows editors save), which is not a bad row.
+    path = tmp_path / "mixed.jsonl"
+    rows = [json.dumps({"question": f"q{i}", "answer": str(i)}).encode() for i in range(4)]
+    path.write_bytes(b"\xef\xbb\xbf" + rows[0] + b'\n{"question": "caf\xe9", "answer": "9"}\n' +
+                     b"\n".join(rows[1:]) + b"\n")  # fmt: skip
+    return path
+
+
+def test_a_line_that_is_not_utf8_is_a_bad_row_at_file_and_line(tmp_path):
+    # It stopped the whole load as "not UTF-8 text (... at byte 53)", even with skip_bad_rows.
+    path = _rows_with_a_latin1_line(tmp_path)
+    with pytest.raises(UserError, match=re.escape(f"{path}:2: not UTF-8 text (")):
+        load_dataset(jsonl_cfg(path))
+    data = load_dataset(jsonl_cfg(path, skip_bad_rows=True))
+    # 4 good rows (lines 1, 3, 4, 5): 3 to train on and 1 held out; line 2 skipped.
+    assert [t.answer for t in (*data.train, *data.held_out)] == ["0", "1", "2", "3"]
+    assert len(data.skipped) == 1 and data.skipped[0].startswith(f"{path}:2: not UTF-8 text")
+
+
+def test_the_whole_file_evaluation_set_extracts_and_skips_as_training_does(tmp_path):
+    # eval.split=all read a jsonl file through a function the merge had lost (NameError).
+    rows = [{"question": "a", "answer": "so #### 1,000"}, {"question": "b"}, {"question": "c",
+            "answer": "#### 7"}]  # fmt: skip
+    path = write_jsonl(tmp_path / "g.jsonl", rows)
+    cfg = jsonl_cfg(path, answer_extract="gsm8k", skip_bad_rows=True)
+    tasks = load_all_tasks(cfg)
+    # Row 2 has no answer field: skipped; the ids are those training gives the two kept rows.
+    assert [(t.task_id, t.answer) for t in tasks] == [("g/0", "1000"), ("g/1", "7")]
+    assert [t.task_id for t in (*load_dataset(cfg).train, *load_dataset(cfg).held_out)] == [
+        "g/0",
+        "g/1",
+    ]

@@ -80,6 +80,49 @@ def test_train_checks_the_loggers_before_the_run_directory(tmp_path: Path, monke
     assert list(tmp_path.iterdir()) == []  # no run directory
 
 
+def _no_wandb_credentials(monkeypatch, home: Path) -> None:
+    monkeypatch.setenv("HOME", str(home))
+    for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_DISABLED", "WANDB_IDENTITY_TOKEN_FILE",
+                "WANDB_CONFIG_DIR", "NETRC"):  # fmt: skip
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_wandb_online_without_credentials_is_refused_before_the_run_directory(
+    tmp_path: Path, monkeypatch
+) -> None:
+    # It failed in wandb.init, after the run directory and the whole SFT warm-up (16 s for
+    # one SFT step of a tiny run; the default recipe has 800).
+    pytest.importorskip("wandb", reason="wandb is not installed (pip install 'treadle[wandb]')")
+    from treadle.jobs.train import train
+
+    _no_wandb_credentials(monkeypatch, tmp_path / "home")
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(DEFAULT, ["rollout.engine=hf", "data.size=50", "data.eval_size=10",
+                                "sft.steps=1", "run.loggers=[wandb]"])  # fmt: skip
+    with pytest.raises(UserError, match=re.escape("run.loggers wandb: no wandb credentials")):
+        train(cfg)
+    assert list(tmp_path.iterdir()) == []  # no run directory
+
+
+@pytest.mark.parametrize(
+    "given", ["WANDB_MODE=offline", "WANDB_MODE=disabled", "WANDB_API_KEY=k", "netrc", "settings"]
+)
+def test_wandb_with_credentials_or_offline_goes_on_to_wandb(
+    tmp_path: Path, monkeypatch, given: str
+) -> None:
+    from treadle.store.loggers.wandb_sink import check_can_start
+
+    _no_wandb_credentials(monkeypatch, tmp_path)
+    if "=" in given:
+        monkeypatch.setenv(*given.split("="))
+    elif given == "netrc":
+        (tmp_path / ".netrc").write_text("machine api.wandb.ai login user password k\n")
+    else:  # a wandb settings file (it may say mode = offline): wandb.init reads it
+        (tmp_path / ".config" / "wandb").mkdir(parents=True)
+        (tmp_path / ".config" / "wandb" / "settings").write_text("[default]\nmode = offline\n")
+    check_can_start()  # no error: wandb.init decides
+
+
 # --- wandb, offline -------------------------------------------------------------------------
 
 _BLOCK = 32 * 1024  # the LevelDB log format of wandb's .wandb files: 32 KiB blocks

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
+import re
 import types
 import typing
 from dataclasses import dataclass
@@ -104,13 +105,42 @@ class _Override:
 
 
 def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
-    node = raw
+    """Set ``raw``'s entry at the dotted ``key``; ``name[i]`` steps into entry ``i`` of a list
+    already there (``reward.functions[0].params.bonus=0.5``).
+
+    Raises:
+        UserError: a part is a value, not a section; or ``name[i]`` names no such entry.
+    """
+    node: Any = raw
     *parents, leaf = key.split(".")
-    for part in parents:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
+    for part in [*parents, leaf]:
+        name, index = _indexed(part)
+        if part is leaf and index is None:
+            node[leaf] = value
+            return
+        child = node.get(name) if index is not None else node.setdefault(name, {})
+        if index is not None:
+            if isinstance(child, _Override):  # a list given earlier on the command line
+                child = node[name] = child.resolve(list[Any], f"{key}")
+            if not isinstance(child, list) or index >= len(child):
+                have = len(child) if isinstance(child, list) else 0
+                raise UserError(
+                    f"override {key}: {name} has {have} entries here, so no [{index}]; set the "
+                    f"whole list, e.g. {name}='[...]'"
+                )
+            if part is leaf:
+                child[index] = value
+                return
+            child = child[index]
+        if not isinstance(child, dict):
             raise UserError(f"override {key}: {part} is a value, not a section")
-    node[leaf] = value
+        node = child
+
+
+def _indexed(part: str) -> tuple[str, int | None]:
+    """``functions[2]`` as ``("functions", 2)``; a plain ``name`` as ``(name, None)``."""
+    found = re.fullmatch(r"(\w+)\[(\d+)\]", part)
+    return (found[1], int(found[2])) if found else (part, None)
 
 
 def _build(cls: type, raw: Any, path: str) -> Any:
@@ -250,4 +280,10 @@ def _scalar(tp: Any, value: Any, path: str) -> Any:
 
 
 def _name(tp: Any) -> str:
+    """A type as a user reads it: ``'jsonl' | 'parquet' | str``, not ``Union`` (the
+    ``__name__`` of a ``typing.Union``)."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " | ".join(_name(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(map(repr, typing.get_args(tp)))
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")

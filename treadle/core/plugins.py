@@ -35,12 +35,18 @@ def import_path(path: str, what: str) -> Callable[..., Any]:
         what: The config key and its value, for errors (e.g. ``reward.functions[0].name='m:F'``).
 
     Raises:
-        UserError: not such a path, no such module (or it fails at import: a SyntaxError, an
-            exception at its top level), no such attribute, or not callable. One line each.
+        UserError: not such a path (no colon, or two), a relative module, no such module (or
+            it fails at import: a SyntaxError, an exception at its top level), no such
+            attribute, or not callable. One line each.
     """
     module, sep, attribute = path.partition(":")
-    if not sep or not module or not attribute:
-        raise UserError(f"config {what}: expected an import path package.module:Name")
+    if not sep or not module or not attribute or ":" in attribute:
+        raise UserError(f"config {what}: expected an import path package.module:Name (one colon)")
+    if module.startswith("."):  # importlib would ask for a package to be relative to
+        raise UserError(
+            f"config {what}: {module!r} is a relative module; give its full dotted name, from a "
+            "folder on PYTHONPATH or the current directory"
+        )
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())  # `treadle train` run where the user's code is
     try:

@@ -143,10 +143,15 @@ def run_eval(
     summary (also ``output/summary.json``).
 
     Raises:
-        UserError: ``output`` exists (without ``overwrite``), or bad input (model, data, reward
-            functions), all found before the engine starts.
+        UserError: ``output`` exists (without ``overwrite``) or is a file, or bad input
+            (model, data, reward functions), all found before the engine starts.
     """
     console = console or Console()
+    if output.exists() and not output.is_dir():  # --overwrite replaces an evaluation, not a file
+        raise UserError(
+            f"treadle eval: --output {output} is a file, not a folder; pass --output DIR for a "
+            "folder the evaluation may write"
+        )
     if output.exists() and not overwrite:
         raise UserError(
             f"treadle eval: {output} already exists; pass --overwrite to replace it or "

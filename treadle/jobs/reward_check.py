@@ -24,6 +24,7 @@ from rich.table import Table
 from rich.text import Text
 
 from treadle.config import Config
+from treadle.core.errors import UserError
 from treadle.rewards.pool import RewardPool
 from treadle.store.data import GoldRows, load_gold_rows, render_demonstration
 
@@ -83,10 +84,18 @@ def check_gold(cfg: Config, samples: int = 5) -> RewardCheck:
     reward functions, and check the look of each gold taken out of a longer field.
 
     Raises:
-        UserError: bad data or reward config (as for training).
+        UserError: bad data or reward config (as for training), or no gold answer to check (an
+            empty file, every row skipped, a loader returning no task): "0 of 0 fail" would
+            read as a pass.
     """
     rows = load_gold_rows(cfg.data)
     tasks = list(rows.tasks)
+    if not tasks:
+        where = cfg.data.path or cfg.data.source
+        why = "is the file empty?"
+        if rows.skipped:
+            why = f"{len(rows.skipped)} bad rows skipped, the first: {rows.skipped[0]}"
+        raise UserError(f"treadle reward-check: data ({where}) gives no task to check; {why}")
     completions = [render_demonstration(t, cfg.data.answer_template) for t in tasks]
     # Scored a training step's worth of samples at a time, so that reward.step_timeout_s,
     # sized for one step, applies as it does in training (not to the whole data set at once).

@@ -367,18 +367,11 @@ def read_rows(
             raise UserError(f"{key} {path}: not a readable parquet file: {e}") from None
         return [(row, f"{path} row {i}") for i, row in enumerate(table.to_pylist())]
     rows = []
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise UserError(f"{key} {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    for lineno, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
+    # Line by line, so that a line that is not UTF-8 is one bad row at file:line (skippable).
+    for lineno, raw in enumerate(path.read_bytes().split(b"\n"), start=1):
+        if not raw.strip():
             continue
-        try:
-            row = json.loads(line)
-            why = None if isinstance(row, dict) else "expected a JSON object per line"
-        except json.JSONDecodeError as e:
-            why = f"malformed JSON line ({e.msg})"
+        row, why = _json_object(raw, "utf-8-sig" if lineno == 1 else "utf-8")  # a BOM first
         if why is None:
             rows.append((row, f"{path}:{lineno}"))
         elif bad_rows is None:
@@ -386,6 +379,20 @@ def read_rows(
         else:
             bad_rows.bad(f"{path}:{lineno}", why)
     return rows
+
+
+def _json_object(raw: bytes, encoding: str) -> tuple[dict[str, Any], None] | tuple[None, str]:
+    """One jsonl line as ``(row, None)``, or ``(None, why)`` when it is not a JSON object in
+    UTF-8 text."""
+    try:
+        row = json.loads(raw.decode(encoding))
+    except UnicodeDecodeError as e:
+        return None, f"not UTF-8 text ({e.reason} at byte {e.start} of the line)"
+    except json.JSONDecodeError as e:
+        return None, f"malformed JSON line ({e.msg})"
+    if not isinstance(row, dict):
+        return None, "expected a JSON object per line"
+    return row, None
 
 
 @functools.cache

@@ -49,7 +49,8 @@ def engine_class(name: str, requests: bool = False) -> type:
 
     Raises:
         UserError: one line: an unknown name, a built-in whose package is not installed, a bad
-            import path, not a class, or a class missing a method of the Protocol.
+            import path, not a class, a class missing a method of the Protocol, or one whose
+            constructor cannot take one ``spec``.
     """
     if is_import_path(name):
         what = f"rollout.engine={name!r}"
@@ -64,6 +65,15 @@ def engine_class(name: str, requests: bool = False) -> type:
             " and RequestEngine, for rollout.mode other than sync" if requests else ""
         )
         require_methods(found, methods, what, kind)
+        try:
+            inspect.signature(found).bind(None)  # built as Class(spec)
+        except TypeError as e:
+            raise UserError(
+                f"config {what}: {found.__name__} cannot be built as {found.__name__}(spec) "
+                f"({e}); an engine's constructor takes one EngineSpec"
+            ) from None
+        except ValueError:  # no signature to read (a C extension): found when it is built
+            pass
         return found
     if name not in ENGINES:
         raise UserError(
@@ -84,6 +94,18 @@ def build_engine(name: str, spec: EngineSpec) -> InferenceEngine:
     """Import and start the engine ``name`` (see :func:`engine_class`) over ``spec``.
 
     Raises:
-        UserError: see :func:`engine_class`.
+        UserError: see :func:`engine_class`; or a plug-in's constructor raises (one line; a
+            built-in engine's own errors keep their traceback).
     """
-    return engine_class(name)(spec)
+    cls = engine_class(name)
+    if not is_import_path(name):
+        return cls(spec)
+    try:
+        return cls(spec)
+    except UserError:
+        raise
+    except Exception as e:  # the user's engine fails to start: one line, as a reward's does
+        raise UserError(
+            f"config rollout.engine={name!r}: starting {cls.__name__}(spec) failed: "
+            f"{type(e).__name__}: {e}"
+        ) from None

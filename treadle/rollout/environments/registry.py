@@ -101,15 +101,20 @@ def make(
     synchronous one is wrapped in :class:`Threaded` over ``pool``.
 
     Raises:
-        UserError: see :func:`resolve`; the factory rejects the arguments; what it builds is
-            neither an :class:`Environment` nor a synchronous one; or it is synchronous and no
-            pool is given.
+        UserError: see :func:`resolve`; the factory rejects the arguments or raises; what it
+            builds is neither an :class:`Environment` nor a synchronous one; or it is
+            synchronous and no pool is given.
     """
     factory = resolve(spec)
     try:
         env = factory(**dict(kwargs or {}))
     except TypeError as e:
         raise UserError(f"config environment.kwargs for {spec!r}: {e}") from None
+    except Exception as e:  # the user's factory fails on its kwargs: one line, as for a reward
+        raise UserError(
+            f"config environment.name={spec!r}: building it with environment.kwargs failed: "
+            f"{type(e).__name__}: {e}"
+        ) from None
     require_methods(env, ENVIRONMENT_METHODS, f"environment.name={spec!r}", ENVIRONMENT_KIND)
     methods = tuple(ENVIRONMENT_METHODS)
     if all(inspect.iscoroutinefunction(getattr(env, m)) for m in methods):

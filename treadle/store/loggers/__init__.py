@@ -70,10 +70,12 @@ SINKS: Mapping[str, _Entry] = {
 
 
 def require_installed(names: Collection[str]) -> None:
-    """Check that each of ``names`` (``run.loggers``) can be imported; imports nothing.
+    """Check that each of ``names`` (``run.loggers``) can be imported (imports none of them),
+    and that wandb has credentials or is offline.
 
     Raises:
-        UserError: one is not installed, naming the pip extra that installs it.
+        UserError: one is not installed, naming the pip extra that installs it; wandb online
+            with no credentials.
     """
     for name in names:
         entry = SINKS[name]
@@ -83,6 +85,10 @@ def require_installed(names: Collection[str]) -> None:
                 f"config run.loggers: {name} is not installed; install it with "
                 f"pip install {install}, or remove {name} from run.loggers"
             )
+    if "wandb" in names:  # online with no credentials: refused now, not after the SFT warm-up
+        from treadle.store.loggers.wandb_sink import check_can_start
+
+        check_can_start()
 
 
 def open_sinks(names: Sequence[str], identity: RunIdentity) -> list[MetricsSink]:

@@ -9,6 +9,7 @@ continues the same wandb run.
 
 from __future__ import annotations
 
+import os
 import secrets
 from collections.abc import Mapping
 from pathlib import Path
@@ -22,6 +23,35 @@ STEP_KEY = "step"
 """Every row carries the RL step under this key, the x axis of every metric: wandb's own
 ``_step`` only grows, so the steps a resume logs again (after an older checkpoint) are kept
 and shown at their step instead of being dropped."""
+
+
+_OFFLINE_MODES = ("offline", "disabled", "dryrun")
+
+
+def check_can_start() -> None:
+    """Refuse at start-up (before the run directory and the SFT warm-up) a wandb that can only
+    fail: online, with no credentials anywhere wandb looks. Conservative: any API key,
+    ``~/.netrc``, wandb settings file or identity token lets the run go on to ``wandb.init``,
+    which reports what is still wrong (a wrong key, no network after its own timeout).
+
+    Raises:
+        UserError: ``WANDB_MODE`` is not offline and no credentials exist.
+    """
+    env = os.environ
+    if env.get("WANDB_MODE", "").lower() in _OFFLINE_MODES or env.get("WANDB_DISABLED"):
+        return
+    home = Path.home()
+    config_dir = Path(env.get("WANDB_CONFIG_DIR", home / ".config" / "wandb"))
+    places = [Path(env.get("NETRC", home / ".netrc")), config_dir / "settings"]
+    places.append(Path("wandb") / "settings")  # a project's own settings (e.g. mode = offline)
+    given = ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE")
+    if any(env.get(v) for v in given) or any(p.is_file() for p in places):
+        return
+    raise UserError(
+        "run.loggers wandb: no wandb credentials (no WANDB_API_KEY, no `wandb login`) and "
+        "WANDB_MODE is not offline; set WANDB_MODE=offline to log to RUN/wandb without a "
+        "network, or run `wandb login`"
+    )
 
 
 def _run_id(folder: Path) -> tuple[str, bool]:
