@@ -93,8 +93,9 @@ _ABOUT = {
         "accuracy before RL, every eval.every steps and after RL.\n\n"
         "Reads the RECIPE (YAML, with its base: recipe; every key: treadle config), the "
         "dotted overrides, model.path and data.path. Writes RUN_DIR: config.yaml, "
-        "metrics.jsonl, tensorboard/, samples/, buffer/, checkpoints/, sft_model/, "
-        f"final_model/, summary.json, plot.png. {_RUN} --resume RUN_DIR continues from its "
+        "metrics.jsonl, tensorboard/, samples/, buffer/, checkpoints/, base_model/ (a built "
+        "model), sft_model/, before_rl.json, final_model/, summary.json, plot.png, engine.log "
+        f"(the engine's start-up output). {_RUN} --resume RUN_DIR continues from its "
         "last checkpoint.",
         "treadle train recipes/default.yaml\n"
         "  treadle train recipes/default.yaml trainer.lr=1e-5 rollout.n=4 run.name=lr1e-5\n"
@@ -154,8 +155,9 @@ _ABOUT = {
         "estimator of Chen et al. 2021), greedy accuracy, at eval.temperature with "
         "eval.samples_per_prompt samples per prompt, seeded with run.seed.\n\n"
         "Reads the model (config.json, weights, tokenizer), the RECIPE and data.path. Writes "
-        "the output folder (default RUN_DIR/eval/RECIPE_NAME, or next to a model folder): "
-        "samples.jsonl (one line per completion) and summary.json; an existing one is refused "
+        "the output folder (default RUN_DIR/eval/RECIPE_NAME for a model in a run directory, "
+        "else run.output_dir/eval/MODEL-RECIPE_NAME): samples.jsonl (one line per completion), "
+        "summary.json, config.yaml and engine.log; an existing one is refused "
         "unless --overwrite.",
         "treadle eval runs/default\n"
         "  treadle eval runs/default/final_model recipes/eval/math500.yaml eval.k=[1,4]\n"

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator, PercentFormatter
+from matplotlib.ticker import MaxNLocator, PercentFormatter, ScalarFormatter
 
 from treadle.store.observe import MetricsRow
 
@@ -371,6 +371,8 @@ def build_dashboard(rows: Sequence[MetricsRow], title: str) -> Figure:
         ax.set_xlabel("step")
         ax.tick_params(labelbottom=True)  # sharex hides them on all but the bottom row
         ax.grid(True, alpha=0.3)
+        if isinstance(formatter := ax.yaxis.get_major_formatter(), ScalarFormatter):
+            formatter.set_useOffset(False)  # a flat curve reads as its value, not "+1e-4"
     for ax in grid[len(panels) :]:
         ax.remove()
     if steps:
