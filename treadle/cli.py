@@ -265,18 +265,14 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _run(args: argparse.Namespace) -> int:
-    from rich.console import Console
+def _recipe_and_overrides(args: argparse.Namespace) -> tuple[str | Path, list[str]]:
+    """The recipe a command runs (a resumed run's own ``config.yaml``) and its overrides.
 
-    from treadle.config import load_config
+    Raises:
+        UserError: no recipe, or ``--resume`` not a run directory or given with a recipe.
+    """
     from treadle.core.errors import UserError
 
-    console = Console()
-    if args.command == "inspect":
-        # Piped to a file or a pager, rich would wrap the table at 80 columns.
-        return _inspect(args, console if console.is_terminal else Console(width=160))
-    if args.command == "eval":
-        return _eval(args, console)
     recipe = args.recipe
     overrides = list(args.overrides)
     if args.command == "train" and args.resume is not None:
@@ -292,7 +288,21 @@ def _run(args: argparse.Namespace) -> int:
             overrides = [args.recipe, *overrides]
     if recipe is None:
         raise UserError("train: pass a recipe, e.g. treadle train recipes/default.yaml")
-    cfg = load_config(recipe, overrides)
+    return recipe, overrides
+
+
+def _run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from treadle.config import load_config
+
+    console = Console()
+    if args.command == "inspect":
+        # Piped to a file or a pager, rich would wrap the table at 80 columns.
+        return _inspect(args, console if console.is_terminal else Console(width=160))
+    if args.command == "eval":
+        return _eval(args, console)
+    cfg = load_config(*_recipe_and_overrides(args))
     if args.command == "sft":
         from treadle.jobs.sft import sft_only
 

@@ -32,11 +32,11 @@ from pathlib import Path
 import yaml
 from rich.console import Console
 from rich.table import Table
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from treadle.config import Config, PlacementConfig, load_config, to_dict
 from treadle.core.errors import UserError
-from treadle.core.protocols import EngineSpec, SamplingParams
+from treadle.core.protocols import EngineSpec, InferenceEngine, SamplingParams
 from treadle.core.types import Task
 from treadle.jobs.compose import check_inputs, engine_kv_gib, seed_everything
 from treadle.jobs.loop import eval_sampling
@@ -170,22 +170,10 @@ def run_eval(
     try:
         with captured_output(tmp / ENGINE_LOG):  # vLLM's start-up lines: not the console
             engine = build_engine(cfg.rollout.engine, spec)
-        pool = RewardPool.from_config(cfg.reward)
         try:
             with console.status(f"sampling and scoring {what}"):  # a spinner with the time
-                result = evaluate(
-                    engine,
-                    tokenizer,
-                    pool,
-                    tasks,
-                    params,
-                    greedy=cfg.eval.greedy,
-                    episodes=episode_rollout(cfg, tokenizer),
-                    template_kwargs=cfg.data.chat_template_kwargs,
-                    ks=cfg.eval.k,
-                )
+                result = _sample_and_score(cfg, engine, tokenizer, tasks, params)
         finally:
-            pool.close()
             engine.close()
         summary = eval_summary(result, target, cfg, params, time.perf_counter() - started)
         write_output(tmp, output, result, summary, cfg)
@@ -195,6 +183,29 @@ def run_eval(
     console.print(summary_table(summary))
     console.print(f"per-sample outputs: {output / 'samples.jsonl'}")
     return summary
+
+
+def _sample_and_score(
+    cfg: Config,
+    engine: InferenceEngine,
+    tokenizer: PreTrainedTokenizerBase,
+    tasks: tuple[Task, ...],
+    params: SamplingParams,
+) -> EvalResult:
+    """:func:`~treadle.rollout.evaluate.evaluate` with the recipe's rewards, environment,
+    chat-template variables and ``eval.k``."""
+    with RewardPool.from_config(cfg.reward) as pool:
+        return evaluate(
+            engine,
+            tokenizer,
+            pool,
+            tasks,
+            params,
+            greedy=cfg.eval.greedy,
+            episodes=episode_rollout(cfg, tokenizer),
+            template_kwargs=cfg.data.chat_template_kwargs,
+            ks=cfg.eval.k,
+        )
 
 
 def _fresh_tmp(output: Path) -> Path:

@@ -107,12 +107,10 @@ def evaluate(
     ks: Sequence[int] = (),
 ) -> EvalResult:
     """Sample ``params.n`` completions per held-out task (and a greedy one) and score them;
-    with ``episodes``, each sample is an episode in the environment (``engine`` then serves
-    single requests) and its final answer is scored. ``template_kwargs`` are extra variables of
-    the chat template (``data.chat_template_kwargs``). ``ks``: the k of the unbiased pass@k
-    estimates (each at most ``params.n``); pass@1 and pass@n are always measured. A
-    ``params.seed`` makes the sampled completions repeatable (the same seed, weights and tasks
-    give the same samples in training and in ``treadle eval``).
+    with ``episodes``, each sample is an episode (``engine`` serves single requests) and its
+    final answer is scored. ``template_kwargs``: chat-template variables. ``ks``: the k of the
+    unbiased pass@k (each at most ``params.n``; pass@1 and pass@n always). A ``params.seed``
+    repeats the samples (same seed, weights, tasks: training's and ``treadle eval``'s).
 
     Raises:
         ValueError: ``tasks`` is empty, or a k is not in 1 .. ``params.n``.
