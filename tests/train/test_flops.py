@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -35,20 +33,20 @@ def test_the_peak_comes_from_the_setting_then_the_gpu_table(monkeypatch):
         assert peak_flops(cuda, torch.float32) == fp32, name
 
 
-def test_a_cpu_peak_is_measured_once_in_well_under_a_second(one_torch_thread):
+def test_a_cpu_peak_is_measured_once(one_torch_thread):
     measured_peak_flops.cache_clear()
     torch.manual_seed(3)
     expected_draw = torch.rand(1)
     torch.manual_seed(3)
-    t0 = time.perf_counter()
     peak = peak_flops(torch.device("cpu"), torch.float32)
-    took = time.perf_counter() - t0
     assert torch.rand(1) == expected_draw  # the run's random state is untouched
     # one thread of any CPU of this decade: between 1 GFLOP/s and 1 TFLOP/s in fp32
-    assert 1e9 < peak < 1e12 and took < 1.0
-    t0 = time.perf_counter()
-    assert peak_flops(torch.device("cpu"), torch.float32) == peak  # cached
-    assert time.perf_counter() - t0 < 0.01
+    assert 1e9 < peak < 1e12
+    # cached: the second call measures nothing (a cache hit, not a wall-time bound, which a
+    # loaded machine can miss)
+    assert peak_flops(torch.device("cpu"), torch.float32) == peak
+    info = measured_peak_flops.cache_info()
+    assert (info.misses, info.hits) == (1, 1)
 
 
 def test_the_backend_logs_mfu_of_its_update(tiny_qwen2, one_torch_thread):
