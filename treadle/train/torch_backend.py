@@ -106,6 +106,7 @@ class TorchBackend:
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self._tokens_computed = 0  # by the optimizer steps of one train_step (a shared prefix once)
         self._peak_flops = 0.0  # of this device in the trainer's dtype, for perf/mfu
+        self._n_params = sum(p.numel() for p in model.parameters())  # N of perf/mfu's 6 N T
         if trainable:
             # measured here on a CPU (once per process), not within a step's timed update
             dtype = torch.bfloat16 if cfg.bf16_autocast else torch.float32
@@ -288,8 +289,7 @@ class TorchBackend:
         tokens forward and backward in ``seconds``, against this device's peak in the trainer's
         dtype (bf16 under ``bf16_autocast``, else fp32) or ``cfg.peak_tflops``
         (:mod:`treadle.train.flops`)."""
-        n_params = sum(p.numel() for p in self.model.parameters())
-        mfu = model_flops_utilisation(n_params, tokens, seconds, self._peak_flops)
+        mfu = model_flops_utilisation(self._n_params, tokens, seconds, self._peak_flops)
         return {"perf/mfu": Metric(mfu, Reduction.STEP)}
 
     def optimizer_step(
