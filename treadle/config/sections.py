@@ -217,6 +217,11 @@ class RolloutConfig:
 class TrainerConfig:
     """The ``trainer`` section: the policy's optimizer and how a batch is split into updates."""
 
+    backend: Literal["torch", "deepspeed", "megatron"] = "torch"
+    """Training backend (:mod:`treadle.train.backends`): ``torch`` (PyTorch in this process;
+    FSDP2 across Ray trainer ranks), ``deepspeed`` (ZeRO, ``trainer.deepspeed``) or
+    ``megatron`` (megatron-core tensor/pipeline parallelism, ``trainer.megatron``)."""
+
     lr: float = bounded(positive(), finite(), default=1e-4)
     """Peak learning rate of the policy's AdamW optimizer (after warm-up)."""
     weight_decay: float = bounded(at_least(0.0), default=0.0)

@@ -55,6 +55,7 @@ from treadle.store.models import (
     require_model_folder,
 )
 from treadle.store.observe import MetricsLogger
+from treadle.train.backends import build_backend
 from treadle.train.torch_backend import TorchBackend
 from treadle.train.weight_sync import InProcessSync
 
@@ -222,7 +223,7 @@ def build_roles(
         with captured_output(run_dir / ENGINE_LOG):  # vLLM's ~20 start-up lines: not the console
             engine = build_engine(cfg.rollout.engine, spec)
         engine.policy_version = version
-        policy = TorchBackend(
+        policy = build_backend(
             model, cfg.trainer, cfg.run.steps * cfg.trainer.mini_batches, cfg.rollout.temperature
         )
         return Roles(policy, engine, InProcessSync(policy, engine), tokenizer, model.device)
@@ -240,7 +241,7 @@ def build_reference(cfg: Config, start: Path, device: torch.device) -> TorchBack
         return None
     ref_model, _ = load_model(start, "float32")
     ref_model.to(device)
-    return TorchBackend(ref_model, cfg.trainer, 1, cfg.rollout.temperature, trainable=False)
+    return build_backend(ref_model, cfg.trainer, 1, cfg.rollout.temperature, trainable=False)
 
 
 def build_critic(cfg: Config, start: Path, ckpt: Path | None, device) -> TorchBackend | None:
@@ -250,7 +251,7 @@ def build_critic(cfg: Config, start: Path, ckpt: Path | None, device) -> TorchBa
         return None
     critic_model = load_critic(ckpt / CRITIC_DIRNAME if ckpt else start).to(device)
     trainer = dataclasses.replace(cfg.trainer, lr=cfg.algorithm.critic.lr)
-    critic = TorchBackend(
+    critic = build_backend(
         critic_model, trainer, cfg.run.steps * cfg.trainer.mini_batches, head="value"
     )
     if ckpt:

@@ -42,6 +42,7 @@ from treadle.store.atomic import save_model_atomic, write_json_atomic
 from treadle.store.data import Dataset, load_dataset, read_rows, render_demonstration, render_prompt
 from treadle.store.models import IM_END, end_of_turn_ids, load_model, require_model_folder
 from treadle.store.observe import MetricsLogger, Progress
+from treadle.train.backends import build_backend
 from treadle.train.packing import pack, plan_micro_batches
 from treadle.train.torch_backend import TorchBackend
 
@@ -296,7 +297,7 @@ def dpo_step(
         seq = segment_sum(torch.where(mb.loss_mask, lp, 0.0), mb.segments)  # [2k] c, r, c, r...
         idx = torch.tensor(pair_index, device=policy.device)
         loss, _ = dpo_loss(seq[0::2], seq[1::2], ref_chosen[idx], ref_rejected[idx], beta)
-        (loss.sum() / len(batch)).backward()
+        policy.backward(loss.sum() / len(batch))
         chosen[pair_index] = seq[0::2].detach().cpu()
         rejected[pair_index] = seq[1::2].detach().cpu()
     grad_norm, lr = policy.apply_gradients()
@@ -368,8 +369,8 @@ def run_dpo(cfg: Config, console: Console | None = None) -> Path:
     train = pair_samples(pairs.train, tokenizer, max_len, kwargs)
     held_out = pair_samples(pairs.held_out, tokenizer, max_len, kwargs)
     trainer = dataclasses.replace(cfg.trainer, lr=cfg.dpo.lr)
-    policy = TorchBackend(model.to(device), trainer, total_steps=cfg.dpo.steps)
-    reference = TorchBackend(ref_model.to(device), cfg.trainer, 1, trainable=False)
+    policy = build_backend(model.to(device), trainer, total_steps=cfg.dpo.steps)
+    reference = build_backend(ref_model.to(device), cfg.trainer, 1, trainable=False)
     before, after = _train_and_evaluate(cfg, policy, reference, train, held_out, run_dir, console)
     folder = save_model_atomic(policy.model, tokenizer, run_dir / "dpo_model")
     summary = _summary(cfg, len(train), len(held_out), before, after, started)

@@ -162,8 +162,8 @@ def replay_step(run_dir: Path, step: int) -> Replay:
             that can be replayed).
     """
     from treadle.store.models import load_model
+    from treadle.train.backends import build_backend
     from treadle.train.objectives import PolicyObjective
-    from treadle.train.torch_backend import TorchBackend
 
     cfg, buffer = open_run(run_dir)
     stored = _read(buffer, run_dir, step)
@@ -183,7 +183,7 @@ def replay_step(run_dir: Path, step: int) -> Replay:
         )
     torch.set_num_threads(cfg.run.threads)
     model, _ = load_model(start, "float32")
-    policy = TorchBackend(
+    policy = build_backend(
         model, cfg.trainer, cfg.run.steps * cfg.trainer.mini_batches, cfg.rollout.temperature
     )
     if step > 1:

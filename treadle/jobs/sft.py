@@ -28,6 +28,7 @@ from treadle.store.atomic import save_model_atomic
 from treadle.store.data import Dataset, load_dataset, render_demonstration, render_prompt
 from treadle.store.models import load_model
 from treadle.store.observe import MetricsLogger, Progress
+from treadle.train.backends import build_backend
 from treadle.train.objectives import SFTObjective
 from treadle.train.torch_backend import TorchBackend
 
@@ -190,7 +191,7 @@ def sft_backend(cfg: Config, model: PreTrainedModel, steps: int) -> TorchBackend
         lr_schedule="cosine",
         mini_batches=1,
     )
-    return TorchBackend(model, trainer, total_steps=steps)
+    return build_backend(model, trainer, total_steps=steps)
 
 
 def warm_up(cfg: Config, data: Dataset, start: Path, run_dir: Path, console: Console) -> Path:

@@ -326,10 +326,10 @@ class TorchBackend:
         for i, mb in enumerate(micro):
             out = self.forward(mb, objective.entropy_grad, loss_tokens_only=i < real)
             if i >= real:  # padding: joins the collectives, adds nothing
-                (out.logprobs if out.logprobs is not None else out.values).sum().mul(0.0).backward()
+                self.backward((out.logprobs if out.logprobs is not None else out.values).sum() * 0)
                 continue
             loss, metrics = objective(out, mb, step)
-            (loss * loss_scale).backward()
+            self.backward(loss * loss_scale)
             loss_sum += loss.item()
             if mismatch:
                 metrics |= mismatch_metrics(out.logprobs, mb.behavior_logprobs, mb.loss_mask)
@@ -342,6 +342,11 @@ class TorchBackend:
             "perf/micro_batches": Metric(float(len(micro)), Reduction.SUM),
             **accumulate(shares),  # token-weighted means, maxima over the micro-batches
         }
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate the gradients of a micro-batch's scalar ``loss`` (a backend that owns its
+        backward pass, e.g. DeepSpeed's engine, overrides this and :meth:`apply_gradients`)."""
+        loss.backward()
 
     def apply_gradients(self) -> tuple[float, float]:
         """Clip the accumulated gradients to ``cfg.grad_clip`` (0: no clipping), take one

@@ -1,0 +1,37 @@
+"""The training backend a trainer runs on (``trainer.backend``): one factory, so every job (RL's
+policy, reference and critic, SFT, DPO, ``treadle inspect``) builds the same kind.
+
+Each backend is a :class:`~treadle.train.torch_backend.TorchBackend` (the same objectives,
+packing and micro-batch planning) whose optimizer, backward pass, gradient step, weights and
+checkpoints are its own.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from transformers import PreTrainedModel
+
+from treadle.config import TrainerConfig
+from treadle.core.errors import UserError
+from treadle.train.torch_backend import TorchBackend
+
+
+def build_backend(
+    model: PreTrainedModel,
+    cfg: TrainerConfig,
+    total_steps: int,
+    temperature: float = 1.0,
+    trainable: bool = True,
+    head: Literal["lm", "value"] = "lm",
+) -> TorchBackend:
+    """The ``cfg.backend`` trainer over ``model`` (arguments as :class:`TorchBackend`'s).
+
+    Raises:
+        UserError: ``trainer.backend`` names a backend this installation cannot run.
+    """
+    if cfg.backend == "torch":
+        return TorchBackend(model, cfg, total_steps, temperature, trainable, head)
+    raise UserError(
+        f"config trainer.backend={cfg.backend}: not available; use trainer.backend=torch"
+    )
