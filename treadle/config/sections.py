@@ -214,6 +214,18 @@ class RolloutConfig:
 
 
 @dataclass
+class MegatronConfig:
+    """The ``trainer.megatron`` section: megatron-core's model parallelism
+    (``trainer.backend: megatron``, :mod:`treadle.train.megatron_backend`)."""
+
+    tensor_parallel: int = bounded(at_least(1), default=1)
+    """Tensor-parallel ranks (trainer processes) each layer's matrices are split over; it must
+    divide the KV heads, the MLP width and the vocabulary. 1: one process, no split."""
+    pipeline_parallel: int = bounded(at_least(1), default=1)
+    """Pipeline-parallel stages the layers are split into (only 1 is implemented)."""
+
+
+@dataclass
 class TrainerConfig:
     """The ``trainer`` section: the policy's optimizer and how a batch is split into updates."""
 
@@ -244,6 +256,8 @@ class TrainerConfig:
     peak_tflops: float = bounded(at_least(0.0), default=0.0)
     """Peak TFLOP/s of the trainer's device that ``perf/mfu`` divides by; 0: a known GPU's from
     a table by name, else measured once (a matmul in the trainer's dtype, about 0.2 s)."""
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    """megatron-core's parallelism (read when ``backend`` is ``megatron``)."""
 
 
 @dataclass
