@@ -32,6 +32,10 @@ def build_backend(
     """
     if cfg.backend == "torch":
         return TorchBackend(model, cfg, total_steps, temperature, trainable, head)
+    if cfg.backend == "megatron":
+        from treadle.train.megatron_backend import MegatronBackend
+
+        return MegatronBackend(model, cfg, total_steps, temperature, trainable, head)
     raise UserError(
         f"config trainer.backend={cfg.backend}: not available; use trainer.backend=torch"
     )
