@@ -1,5 +1,6 @@
 """The TrainingBackend contract, for every implementation: the single-process TorchBackend (as a
-policy, a frozen reference and a critic) and the Ray FSDP2 TrainerGroup (2 ranks over gloo).
+policy, a frozen reference and a critic), the megatron-core backend (tensor parallel 1) and the
+Ray FSDP2 TrainerGroup (2 ranks over gloo).
 
 What the loop and the checkpoints rely on: logprobs (and a critic's values) are the model's own,
 a step changes the weights and reports typed metrics, the named weights are what
@@ -10,6 +11,7 @@ fresh trainer over the saved weights to the same next step.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,7 +62,12 @@ def critic_folder(folder, tmp_path_factory) -> Path:
     return path
 
 
-TRAINABLE = ["torch", "torch critic", pytest.param("trainer group", marks=pytest.mark.slow)]
+TRAINABLE = [
+    "torch",
+    "torch critic",
+    "megatron",
+    pytest.param("trainer group", marks=pytest.mark.slow),
+]
 EVERY = ["torch reference", *TRAINABLE]
 
 
@@ -77,6 +84,12 @@ def impl(request, folder) -> Impl:
         return Impl(
             "torch critic", critic, value, request.getfixturevalue("critic_folder"), "value"
         )
+    if request.param == "megatron":  # tensor parallel 1 in this process (2: tests/train)
+        from treadle.train.megatron_backend import MegatronBackend
+
+        cfg = dataclasses.replace(TRAINER, backend="megatron")
+        mega = lambda f: MegatronBackend(load_model(f)[0], cfg, 10)  # noqa: E731
+        return Impl("megatron", mega, POLICY, folder)
     from treadle.cluster.trainer_group import TrainerGroup
 
     cfg, placement = request.getfixturevalue("placed")(trainers=2, engines=0)
