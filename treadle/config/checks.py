@@ -34,6 +34,7 @@ def check(cfg: Config) -> None:
     _check_templates(cfg)
     _check_eval(cfg)
     _check_batch(cfg)
+    _check_megatron(cfg)
 
 
 def _check_plugin_names(cfg: Config) -> None:
@@ -258,4 +259,25 @@ def _check_batch(cfg: Config) -> None:
             f"config trainer.mini_batches={cfg.trainer.mini_batches}: a step's batch holds "
             f"{samples} samples (rollout.prompts_per_step x rollout.n), so some optimizer steps "
             f"would get none; set trainer.mini_batches to {samples} or less"
+        )
+
+
+def _check_megatron(cfg: Config) -> None:
+    """What the megatron-core backend runs: one trainer process, a policy (and a reference),
+    no critic."""
+    if cfg.trainer.backend != "megatron":
+        return
+    m = cfg.trainer.megatron
+    if cfg.placement.mode != "single" or m.tensor_parallel > 1 or m.pipeline_parallel > 1:
+        raise UserError(
+            f"config trainer.backend=megatron (placement.mode={cfg.placement.mode}, "
+            f"trainer.megatron.tensor_parallel={m.tensor_parallel}, pipeline_parallel="
+            f"{m.pipeline_parallel}): treadle's runs train it in one process; use "
+            "placement.mode=single with trainer.megatron.tensor_parallel=1 and "
+            "pipeline_parallel=1 (the Ray trainer group hosts FSDP2 ranks only)"
+        )
+    if cfg.algorithm.advantage == "gae":
+        raise UserError(
+            "config trainer.backend=megatron: a critic (algorithm.advantage=gae) is not "
+            "implemented; use trainer.backend=torch"
         )
