@@ -85,6 +85,7 @@ def impl(request, folder) -> Impl:
             "torch critic", critic, value, request.getfixturevalue("critic_folder"), "value"
         )
     if request.param == "megatron":  # tensor parallel 1 in this process (2: tests/train)
+        pytest.importorskip("megatron.core", reason="megatron-core is not installed")
         from treadle.train.megatron_backend import MegatronBackend
 
         cfg = dataclasses.replace(TRAINER, backend="megatron")

@@ -30,6 +30,8 @@ from treadle.train.objectives import PolicyObjective
 from treadle.train.packing import pack
 from treadle.train.torch_backend import TorchBackend
 
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (treadle[megatron])")
+
 TOL = 1e-5
 # lr 1e-3, clipping at 0.02 (the first step's gradient norm is 0.041: clipping runs)
 TORCH = TrainerConfig(lr=1e-3, micro_batch_tokens=24, grad_clip=0.02)
