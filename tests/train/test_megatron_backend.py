@@ -153,12 +153,27 @@ def test_an_engine_synced_from_it_gives_the_trainers_logprobs(folder, one_torch_
     assert (flat(before) - flat(trainer)).abs().max() > 1e-3  # the step moved them
 
 
+def test_a_frozen_reference_scores_without_an_optimizer(folder, one_torch_thread):
+    samples = batch()
+    ref = MegatronBackend(load_model(folder)[0], MEGA, 1, trainable=False)
+    assert not any(p.requires_grad for p in ref.model.parameters())
+    want = TorchBackend(load_model(folder)[0], TORCH, 1, trainable=False)
+    assert (
+        flat(ref.compute_logprobs(samples)) - flat(want.compute_logprobs(samples))
+    ).abs().max() < TOL
+    with pytest.raises(RuntimeError, match="frozen"):
+        ref.optimizer_state()
+
+
 def test_refusals_name_the_key(folder):
     model = load_model(folder)[0]
     with pytest.raises(UserError, match=r"trainer\.megatron\.pipeline_parallel=2"):
         MegatronBackend(model, dataclasses.replace(MEGA, megatron=MegatronConfig(1, 2)), 1)
     with pytest.raises(UserError, match="critic"):
         MegatronBackend(model, MEGA, 1, head="value")
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match=r"trainer\.bf16_autocast=false"):
+            MegatronBackend(model, dataclasses.replace(MEGA, bf16_autocast=True), 1)
     with pytest.raises(UserError, match=r"trainer\.megatron\.tensor_parallel=2"):
         MegatronBackend(model, MEGA_TP2, 1)  # this process is one rank of tensor parallel 1
 

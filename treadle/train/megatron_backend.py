@@ -199,8 +199,8 @@ class MegatronBackend(TorchBackend):
     same samples.
 
     Raises:
-        UserError: a critic (``head="value"``), an unconverted model, or a parallel layout the
-            process group cannot hold (:func:`init_model_parallel`).
+        UserError: a critic (``head="value"``), an unconverted model, bf16 autocast on a CPU,
+            or a parallel layout the process group cannot hold (:func:`init_model_parallel`).
     """
 
     def __init__(
@@ -218,6 +218,12 @@ class MegatronBackend(TorchBackend):
                 "use trainer.backend=torch"
             )
         _check_supported(model.config)
+        if cfg.bf16_autocast and not torch.cuda.is_available():
+            raise UserError(
+                "config trainer.bf16_autocast=true with trainer.backend=megatron: megatron-core's "
+                "linear layers autocast for CUDA only (on a CPU their backward mixes bf16 and "
+                "fp32); set trainer.bf16_autocast=false"
+            )
         init_model_parallel(cfg.megatron.tensor_parallel, cfg.megatron.pipeline_parallel)
         from megatron.core import parallel_state
 
