@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from contracts.test_training_backend import batch
 from integration.tiny import build_tiny_folder
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from treadle.config import AlgorithmConfig, TinyModelConfig, TrainerConfig
 from treadle.config.sections import MegatronConfig
@@ -125,6 +125,33 @@ def test_tp1_matches_the_torch_backend(folder, one_torch_thread):
     check_against_torch(got, want)
     unchanged = [n for n in before if torch.equal(before[n], got["weights"][n])]
     assert not unchanged  # every parameter moved
+
+
+def test_an_untied_llama_matches_the_torch_backend(one_torch_thread):
+    """No q/k/v biases, a separate output layer, another RoPE base: the other family."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+    )
+    model = LlamaForCausalLM(config)
+    samples = batch()
+    want_backend = TorchBackend(copy.deepcopy(model), TORCH, 10)
+    want = {"logprobs": want_backend.compute_logprobs(samples)} | step(want_backend, samples)
+    backend = MegatronBackend(model, MEGA, 10)
+    assert "output_layer.weight" in dict(backend.model.named_parameters())
+    got = {"logprobs": backend.compute_logprobs(samples)} | step(backend, samples)
+    assert (flat(got["logprobs"]) - flat(want["logprobs"])).abs().max() < TOL
+    assert abs(got["loss"] - want["loss"]) < TOL
+    for name, g in want["grads"].items():
+        assert (got["grads"][name] - g).abs().max() <= TOL * g.abs().max(), name
+    assert diff(got["weights"], want["weights"], want["weights"]) < TOL
 
 
 def test_packed_micro_batches_equal_one_sample_each(folder, one_torch_thread):
