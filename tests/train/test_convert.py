@@ -195,3 +195,17 @@ def test_gather_writes_into_out_and_casts():
     assert got is out and torch.equal(out, t.to(torch.bfloat16))
     with pytest.raises(ValueError, match="out of shape"):
         gather([(shard(t, lay), lay) for lay in layouts], out=torch.empty(7))
+
+
+def test_a_piece_region_is_where_its_real_elements_sit_in_the_flat_tensor():
+    # [5, 2] at world 2 along dim 0: rank 1 holds rows 3..4 = flat elements 6..9
+    assert Layout("dim_shard", (5, 2), 1, 2).region() == (6, 4)
+    # 5 elements at world 2, ZeRO-3: rank 1's slice [3, 6) holds 2 real elements (5 is padding)
+    assert Layout("flat_partition", (5,), 1, 2).region() == (3, 2)
+    # 5 rows at world 4: rank 3's chunk is empty
+    assert Layout("dim_shard", (5,), 3, 4).region() == (5, 0)
+    assert Layout("dim_shard", (2, 4), 0, 2, dim=1).region() is None
+    t = torch.arange(10.0).view(5, 2)
+    lay = Layout("dim_shard", (5, 2), 1, 2)
+    offset, count = lay.region()
+    assert torch.equal(t.view(-1)[offset : offset + count], shard(t, lay).reshape(-1))

@@ -105,6 +105,22 @@ class Layout:
             return (stop - start,)
         return (*self.shape[: self.dim], stop - start, *self.shape[self.dim + 1 :])
 
+    def region(self) -> tuple[int, int] | None:
+        """``(offset, count)``: where this piece's real (unpadded) elements lie in the full
+        tensor's flattened view, when they are one contiguous range there (``full``, a
+        ``flat_partition``, a ``dim_shard`` along dim 0); None for a ``dim_shard`` along a
+        later dimension. What lets a transport move a piece straight into the full tensor."""
+        if self.kind == "full":
+            return 0, self.numel
+        start, stop = self.span()
+        if self.kind == "flat_partition":
+            return min(start, self.numel), max(0, min(stop, self.numel) - start)
+        if self.dim != 0:
+            return None
+        rest = self.numel // self.shape[0] if self.shape[0] else 0
+        rows = max(0, min(stop, self.shape[0]) - start)
+        return min(start, self.shape[0]) * rest, rows * rest
+
 
 def full(shape: Iterable[int]) -> Layout:
     """The layout of a whole parameter of ``shape``."""
