@@ -168,14 +168,14 @@ def main() -> None:
             row = measure(name, args.reps, Path(tmp))
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
-    header = ["model", "params", "GB", *columns, "collective / gloo"]
+    header = ["model", "params", "GB", *columns, "shared_memory / gloo", "collective / gloo"]
     lines = []
     for row in rows:
         gb = row["bytes"] / 1e9
         cells = [f"{row[c]:.3f} s ({gb / row[c]:.2f})" for c in columns]
-        ratio = row["gloo_broadcast"] / row["collective"]
+        ratios = [f"{row['gloo_broadcast'] / row[t]:.2f}" for t in ("shared_memory", "collective")]
         lines.append(
-            [row["model"], f"{row['parameters'] / 1e6:.0f}M", f"{gb:.2f}", *cells, f"{ratio:.2f}"]
+            [row["model"], f"{row['parameters'] / 1e6:.0f}M", f"{gb:.2f}", *cells, *ratios]
         )
     md = f"seconds (GB/s); medians of {args.reps} after a warm-up\n\n" + report.table(header, lines)
     out = {"reps": args.reps, "rows": rows}

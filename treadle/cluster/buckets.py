@@ -132,16 +132,19 @@ class Bucketer:
         return [bucket]
 
 
-def plan_buckets(layout: list[tuple[str, tuple[int, ...], str]], bucket_bytes: int) -> list[Bucket]:
-    """The empty buckets (names, shapes, offsets, an uninitialised flat buffer) a receiver
-    fills, for the sender's ``layout`` of ``(name, shape, dtype)``."""
+def plan_buckets(
+    layout: list[tuple[str, tuple[int, ...], str]], bucket_bytes: int, device: str = "cpu"
+) -> list[Bucket]:
+    """The empty buckets (names, shapes, offsets, an uninitialised flat buffer on ``device``;
+    ``meta``: sizes only) a receiver fills, for the sender's ``layout`` of
+    ``(name, shape, dtype)``."""
     bucketer, buckets = Bucketer(bucket_bytes), []
     for name, shape, dtype in layout:
         meta = torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
         buckets += bucketer.add(name, meta)
     buckets += bucketer.flush()
     for b in buckets:
-        b.flat = torch.empty(b.flat.numel(), dtype=b.flat.dtype)
+        b.flat = torch.empty(b.flat.numel(), dtype=b.flat.dtype, device=device)
     return buckets
 
 

@@ -68,6 +68,7 @@ class EngineWorker:
         self.engine = build_engine(engine, spec)
         self.engine.policy_version = version
         self._sync_group = None
+        self._planned: tuple[tuple, list[Bucket]] | None = None  # receive buffers, reused
 
     def pid(self) -> int:
         """This worker's process id (a liveness probe)."""
@@ -132,9 +133,14 @@ class EngineWorker:
         self._sync_group = new_sync_group(host, port, rank, world, prefix, backend)
 
     def receive_broadcast(self, layout, bucket_bytes: int, version: int) -> Received:
-        """Collective transport: receive every bucket rank 0 broadcasts, then load them."""
+        """Collective transport: receive every bucket rank 0 broadcasts, then load them. The
+        buckets' buffers are allocated at the first sync of a layout and reused after (the
+        engine copies the weights in)."""
+        key = (tuple((n, tuple(s), d) for n, s, d in layout), bucket_bytes)
+        if self._planned is None or self._planned[0] != key:
+            self._planned = key, plan_buckets(layout, bucket_bytes)
         named = []
-        for bucket in plan_buckets(layout, bucket_bytes):
+        for bucket in self._planned[1]:
             broadcast(self._sync_group, bucket.flat)
             named += bucket.tensors()
         return self._apply(named, version)

@@ -17,12 +17,13 @@ from collections.abc import Iterator
 import torch
 
 from treadle.cluster.buckets import (
-    Bucketer,
+    Bucket,
     broadcast,
     fingerprint,
     fingerprint_term,
     new_sync_group,
 )
+from treadle.cluster.shard_gather import Piece, ShardGatherer, local_stream
 from treadle.config import TrainerConfig
 from treadle.core.batch import StepTotals
 from treadle.core.metrics import Metric
@@ -86,6 +87,7 @@ class TrainerWorker:
         fully_shard(model, mesh=mesh)
         self.backend = TorchBackend(model, cfg, total_steps, temperature)
         self._sync_group = None
+        self._gatherers: dict[tuple[str, int], ShardGatherer] = {}  # by (dtype, bucket bytes)
 
     def packing(self) -> str:
         """How this rank's backend packs micro-batches (the driver plans with it)."""
@@ -131,27 +133,40 @@ class TrainerWorker:
         """``(name, global shape, dtype)`` of every weight the engine gets, in send order."""
         return [(n, tuple(t.shape), dtype) for n, t in self.backend.model.state_dict().items()]
 
+    def weight_stream(self) -> list[Piece]:
+        """This rank's pieces of every weight, in send order: the
+        :mod:`treadle.train.convert` stream (Hugging Face names; dim-0 shards of FSDP2)."""
+        return local_stream(self.backend.model.state_dict(), self.rank, self.world)
+
+    def _buckets(self, dtype: str, bucket_bytes: int, shared: bool) -> Iterator[Bucket | None]:
+        """The engine's buckets of the whole model, cast to ``dtype``, filled on rank 0 (None
+        elsewhere), one gather of the trainer ranks' shards per bucket, in buffers this rank keeps
+        for the next sync (``shared``: one per bucket, all valid together; else one reused)."""
+        key = (dtype, bucket_bytes)
+        if key not in self._gatherers:
+            self._gatherers[key] = ShardGatherer(self.rank, self.world, dtype, bucket_bytes)
+        return self._gatherers[key].buckets(self.weight_stream(), shared=shared)
+
     def full_weights(self, dtype: str) -> Iterator[tuple[str, torch.Tensor]]:
-        """Each weight gathered whole from the shards (an all-gather per tensor), cast to
-        ``dtype`` and on the CPU."""
-        target = getattr(torch, dtype)
-        for name, tensor in self.backend.model.state_dict().items():
-            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-            yield name, full.detach().to("cpu", target)
+        """Rank 0: each weight gathered whole, cast to ``dtype``, on the CPU, as views of fresh
+        buckets (other ranks yield nothing but take part in the gathers; every rank calls)."""
+        gatherer = ShardGatherer(self.rank, self.world, dtype, 64 * 2**20)  # rare: not kept
+        for bucket in gatherer.buckets(self.weight_stream(), shared=True):
+            if bucket is not None:
+                yield from bucket.tensors()
 
     def gather_buckets(self, dtype: str, bucket_bytes: int):
         """The whole model as flat numpy buckets (rank 0; others return None): what the shared
         memory transport puts in Ray's object store. Returns ``(buckets, checksum)``."""
-        bucketer, total = Bucketer(bucket_bytes), 0.0
-        out = []
-        for i, (name, full) in enumerate(self.full_weights(dtype)):
-            if self.rank == 0:
-                total += fingerprint_term(i, full)
-                out += bucketer.add(name, full)
-        if self.rank != 0:
-            return None
-        out += bucketer.flush()
-        return [b.to_numpy() for b in out], total
+        out, total, index = [], 0.0, 0
+        for bucket in self._buckets(dtype, bucket_bytes, shared=True):
+            if bucket is None:
+                continue
+            for _, tensor in bucket.tensors():
+                total += fingerprint_term(index, tensor)
+                index += 1
+            out.append(bucket.to_numpy())  # Ray copies it into the object store on return
+        return (out, total) if self.rank == 0 else None
 
     def save_safetensors(self, path: str, dtype: str) -> float | None:
         """Rank 0 writes every weight to one safetensors file (atomically) and returns its
@@ -176,13 +191,14 @@ class TrainerWorker:
 
     def save_pretrained(self, folder: str) -> None:
         """Rank 0 writes the whole model in Hugging Face format (every rank must call)."""
-        state = dict(self.full_weights("float32"))
+        # clones: views of one bucket share a storage, which safetensors refuses
+        state = {k: v.clone() for k, v in self.full_weights("float32")}
         if self.rank == 0:
             self.backend.model.save_pretrained(folder, state_dict=state)
 
     def named_weights(self, dtype: str) -> list[tuple[str, torch.Tensor]] | None:
         """Every weight gathered whole, on rank 0 (others return None; every rank calls)."""
-        weights = list(self.full_weights(dtype))
+        weights = [(k, v.clone()) for k, v in self.full_weights(dtype)]
         return weights if self.rank == 0 else None
 
     def optimizer_state(self) -> OptimizerState | None:
@@ -232,21 +248,20 @@ class TrainerWorker:
             self._sync_group = new_sync_group(host, port, 0, world, prefix, backend)
 
     def broadcast_weights(self, dtype: str, bucket_bytes: int) -> float | None:
-        """Gather each weight (all ranks) and broadcast it in buckets to the engines (rank 0).
-        Rank 0 returns the checksum of what it sent."""
-        bucketer, total, failure = Bucketer(bucket_bytes), 0.0, None
-        for i, (name, full) in enumerate(self.full_weights(dtype)):
-            if self.rank != 0:
+        """Gather each bucket (all ranks, one gather) and broadcast it to the engines (rank
+        0). Rank 0 returns the checksum of what it sent."""
+        total, index, failure = 0.0, 0, None
+        for bucket in self._buckets(dtype, bucket_bytes, shared=False):
+            if bucket is None:
                 continue
-            total += fingerprint_term(i, full)
-            for bucket in bucketer.add(name, full):
-                # An engine that dies mid-broadcast must not stop rank 0 from joining the other
-                # ranks' remaining all-gathers (they would wait for it forever): note, go on.
-                failure = failure or _try_broadcast(self._sync_group, bucket.flat)
+            for _, tensor in bucket.tensors():
+                total += fingerprint_term(index, tensor)
+                index += 1
+            # An engine that dies mid-broadcast must not stop rank 0 from joining the other
+            # ranks' remaining gathers (they would wait for it forever): note, go on.
+            failure = failure or _try_broadcast(self._sync_group, bucket.flat)
         if self.rank != 0:
             return None
-        for bucket in bucketer.flush():
-            failure = failure or _try_broadcast(self._sync_group, bucket.flat)
         if failure is not None:
             self._sync_group = None
             raise RuntimeError(f"weight broadcast to the engines failed: {failure}")
