@@ -20,6 +20,11 @@ Models: Qwen2-shape, random weights, bf16 (0.5B = Qwen2.5-0.5B, 1.5B = Qwen2.5-1
 - e. Colocated sync: seconds and GB/s for the engine to load the trainer's bf16 weights in
   process (``update_weights``), against a device ``copy_`` of the same bytes.
 
+Then issue 17's checks (:mod:`gpu_sections`) on the first size, each in a child process:
+vLLM sleep/wake for colocation, SGLang if it imports, and one update each through the
+DeepSpeed ZeRO-3, Megatron-core and LoRA backends; a missing one prints ``skipped: <why>``.
+``--only issue6`` or ``--only issue17`` runs one part (issue 17's alone: about 5 minutes).
+
 Each section checks the time budget first and is skipped (saying so) past it, so the command
 ends well inside the device's 10-minute limit. Results: a markdown table on stdout and
 ``bench/gpu_h200.json`` (also ``$OUT/gpu_h200.json`` when ``OUT`` is set).
@@ -41,6 +46,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]  # treadle need not be installed there
 
+import gpu_sections  # noqa: E402
 import report  # noqa: E402
 import torch  # noqa: E402
 from rollout_throughput import hf_generate, prompts_for  # noqa: E402
@@ -180,42 +186,26 @@ def update(name, device, args) -> dict:
     return row
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU")
-    p.add_argument("--sizes", default=None, help="default 0.5B,1.5B (dry run: 0.5M,3M)")
-    p.add_argument("--budget-s", type=float, default=420.0, help="stop starting sections after")
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--micro-batch-tokens", type=int, default=16384)
-    report.add_append_flag(p)
-    args = p.parse_args()
-    clock = Clock(args.budget_s)
-    device = torch.device("cpu" if args.dry_run or not torch.cuda.is_available() else "cuda")
-    if device.type == "cpu" and not args.dry_run:
-        sys.exit("no CUDA device: run with --dry-run for the CPU rehearsal")
-    sizes = (args.sizes or ("0.5M,3M" if args.dry_run else "0.5B,1.5B")).split(",")
-    if args.dry_run:
-        args.micro_batch_tokens, args.new_tokens, args.reps = 4096, 16, 2
-    peak = matmul_peak(torch.bfloat16, 2048 if args.dry_run else 8192, 10, device.type)
-    print(f"{device}: bf16 matmul peak {peak / 1e12:.1f} TFLOP/s", flush=True)
-    rows, skipped = [], []
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in sizes:
-            row: dict = {"model": name}
-            for section in ("rollout", "update"):
-                if clock.left() < 30:
-                    skipped.append(f"{name} {section}")
-                    continue
-                t0 = time.perf_counter()
-                if section == "rollout":
-                    folder = Path(tmp) / name
-                    row["parameters"] = save_model(name, folder)
-                    row |= rollout(name, folder, device, args)
-                else:
-                    row |= update(name, device, args)
-                print(f"{name} {section}: {time.perf_counter() - t0:.0f} s", flush=True)
-            rows.append(row)
+def issue17_rows(name: str, tmp: Path, args, clock: Clock) -> list[dict]:
+    """Issue 17's checks (:func:`gpu_sections.run_all`) on the model ``name``, saved once."""
+    folder = tmp / name
+    if not (folder / "config.json").exists():
+        save_model(name, folder)
+    return gpu_sections.run_all(folder, name, VOCAB[name], args.dry_run, clock.left)
+
+
+def _figures(row: dict) -> str:
+    """A row's figures, ``key=value`` with 3 significant digits, for the table."""
+    skip = ("section", "status", "overrides")
+    return ", ".join(
+        f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+        for k, v in row.items()
+        if k not in skip
+    )
+
+
+def tables(rows: list[dict], issue17: list[dict], skipped: list[str], peak: float, args) -> str:
+    """The markdown of the results: issue 6's table, issue 17's checks, what was skipped."""
     ref = peak if args.dry_run else H200_BF16_PEAK
     header = [
         "model", "engine", "rollout tok/s: treadle / generate (ratio)", "update tok/s",
@@ -240,10 +230,58 @@ def main() -> None:
                 f"{100 * r['packed_real_share']:.0f}% / {100 * r['padded_real_share']:.0f}%",
             ]
         lines.append([r["model"], r.get("engine", "-"), rollout_cell, *update_cells, sync_cell])
-    md = report.table(header, lines)
+    md = report.table(header, lines) if rows else ""
+    if issue17:
+        md += "\n\n" + report.table(
+            ["issue 17 check", "status", "figures"],
+            [[r["section"], r["status"], _figures(r)] for r in issue17],
+        )
     if skipped:
         md += f"\n\nSkipped past the {args.budget_s:.0f} s budget: {', '.join(skipped)}"
+    return md
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU")
+    p.add_argument("--sizes", default=None, help="default 0.5B,1.5B (dry run: 0.5M,3M)")
+    p.add_argument("--budget-s", type=float, default=420.0, help="stop starting sections after")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--micro-batch-tokens", type=int, default=16384)
+    p.add_argument("--only", choices=("issue6", "issue17"), default=None, help="one part only")
+    report.add_append_flag(p)
+    args = p.parse_args()
+    clock = Clock(args.budget_s)
+    device = torch.device("cpu" if args.dry_run or not torch.cuda.is_available() else "cuda")
+    if device.type == "cpu" and not args.dry_run:
+        sys.exit("no CUDA device: run with --dry-run for the CPU rehearsal")
+    sizes = (args.sizes or ("0.5M,3M" if args.dry_run else "0.5B,1.5B")).split(",")
+    if args.dry_run:
+        args.micro_batch_tokens, args.new_tokens, args.reps = 4096, 16, 2
+    peak = matmul_peak(torch.bfloat16, 2048 if args.dry_run else 8192, 10, device.type)
+    print(f"{device}: bf16 matmul peak {peak / 1e12:.1f} TFLOP/s", flush=True)
+    rows, skipped = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in sizes if args.only != "issue17" else ():
+            row: dict = {"model": name}
+            for section in ("rollout", "update"):
+                if clock.left() < 30:
+                    skipped.append(f"{name} {section}")
+                    continue
+                t0 = time.perf_counter()
+                if section == "rollout":
+                    folder = Path(tmp) / name
+                    row["parameters"] = save_model(name, folder)
+                    row |= rollout(name, folder, device, args)
+                else:
+                    row |= update(name, device, args)
+                print(f"{name} {section}: {time.perf_counter() - t0:.0f} s", flush=True)
+            rows.append(row)
+        issue17 = [] if args.only == "issue6" else issue17_rows(sizes[0], Path(tmp), args, clock)
+    md = tables(rows, issue17, skipped, peak, args)
     results = {"args": vars(args), "device": str(device), "peak": peak, "rows": rows}
+    results["issue17"] = issue17
     if device.type == "cuda":
         title, path = "GPU (H200)", Path(__file__).with_suffix(".json")
     else:  # a rehearsal, not a result: kept out of the committed figures

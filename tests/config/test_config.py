@@ -109,9 +109,10 @@ def test_near_miss_types_are_rejected(override, expected):
 
 def test_literal_violation_lists_the_choices():
     with pytest.raises(UserError) as e:
-        load_config(DEFAULT, ["rollout.engine=sglang"])
+        load_config(DEFAULT, ["rollout.engine=tensorrt"])
     msg = str(e.value)
     assert "rollout.engine" in msg and "'vllm'" in msg and "'hf'" in msg and "'sglang'" in msg
+    assert "'tensorrt'" in msg
 
 
 def test_the_mismatch_alarm_section_loads_and_refuses_an_unknown_action():

@@ -27,6 +27,7 @@ def check(cfg: Config) -> None:
     _check_plugin_names(cfg)
     _check_placement(cfg)
     _check_rollout_mode(cfg)
+    _check_engine(cfg)
     _check_environment(cfg)
     _check_model(cfg)
     _check_sources(cfg)
@@ -106,6 +107,32 @@ def _check_rollout_mode(cfg: Config) -> None:
         raise UserError(
             f"config rollout.mode={r.mode}: ReMax's greedy baseline is generated with the "
             "batch's policy; use rollout.mode=sync with algorithm.advantage=remax"
+        )
+
+
+def _check_engine(cfg: Config) -> None:
+    """What the built-in engines support beyond the Protocol: single requests (SGLang's adapter
+    serves batches only) and tensor parallelism (a plug-in engine reads
+    ``spec.tensor_parallel`` itself)."""
+    tp, engine = cfg.rollout.tensor_parallel, cfg.rollout.engine
+    if engine == "sglang" and (cfg.rollout.mode != "sync" or cfg.environment.enabled):
+        raise UserError(
+            f"config rollout.engine=sglang: serves whole batches only, so rollout.mode=sync "
+            "without an environment; use rollout.engine=vllm for rollout.mode="
+            f"{cfg.rollout.mode} or environments"
+        )
+    if tp == 1:
+        return
+    if engine == "hf":
+        raise UserError(
+            f"config rollout.tensor_parallel={tp}: the hf engine runs one process; set "
+            "rollout.engine=vllm (or sglang on GPUs) or rollout.tensor_parallel=1"
+        )
+    if cfg.placement.mode != "single":
+        raise UserError(
+            f"config rollout.tensor_parallel={tp}: Ray engine workers run one engine rank each "
+            f"so far; use placement.mode=single (not {cfg.placement.mode}) or "
+            "rollout.tensor_parallel=1"
         )
 
 

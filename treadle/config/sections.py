@@ -17,7 +17,7 @@ def routes_to(domains: Collection[str], domain: str) -> bool:
     return not domains or domain in domains
 
 
-EngineName = Literal["vllm", "hf"]
+EngineName = Literal["vllm", "sglang", "hf"]
 """The inference engines treadle ships."""
 
 ParamScalar = bool | int | float | str
@@ -161,8 +161,9 @@ class RolloutConfig:
     """The ``rollout`` section: the inference engine and how it samples completions."""
 
     engine: EngineName | str = "vllm"
-    """``vllm`` or ``hf``, or your own engine class's import path ``package.module:Class`` (an
-    ``InferenceEngine`` built as ``Class(spec)``; see :mod:`treadle.rollout.engines`)."""
+    """``vllm``, ``sglang`` (GPU only: SGLang does not install on CPU) or ``hf``, or your own
+    engine class's import path ``package.module:Class`` (an ``InferenceEngine`` built as
+    ``Class(spec)``; see :mod:`treadle.rollout.engines`)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the inference engine's weights and compute (vLLM's ``dtype``, verl's
     ``actor_rollout_ref.rollout.dtype``), and of its KV cache. The trainer (RL, SFT, DPO) keeps
@@ -205,6 +206,14 @@ class RolloutConfig:
     oversample: int = bounded(at_least(0), default=0)
     """``one_step_off``/``async``: extra groups in flight beyond the batch; at a weight sync the
     stragglers are aborted (dropped, or continued with ``partial``)."""
+    tensor_parallel: int = bounded(at_least(1), default=1)
+    """Tensor-parallel ranks of the engine (vLLM's ``tensor_parallel_size``, SGLang's
+    ``tp_size``), for ``vllm`` and ``sglang`` with ``placement.mode=single``. vLLM runs its ranks
+    as worker processes (its ``mp`` executor; on CPU over gloo and shared memory, each rank bound
+    to its own cores); the attention and KV heads must divide by it. A weight sync sends the
+    full Hugging Face tensors and each rank loads its own slice. ``kv_cache_gib`` is per rank.
+    With N > 1 vLLM samples in its worker processes, so a seeded batch (evaluation's
+    ``run.seed``) is not reproducible from call to call (checked on CPU)."""
 
     @property
     def staleness_bound(self) -> int:

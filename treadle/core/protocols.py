@@ -61,7 +61,11 @@ class EngineSpec:
     max_model_len: int = 512
     """Most tokens of prompt + completion."""
     kv_cache_gib: float = 1.0
-    """KV-cache memory the engine reserves (GiB)."""
+    """KV-cache memory the engine reserves (GiB; per tensor-parallel rank)."""
+    tensor_parallel: int = 1
+    """Tensor-parallel ranks of one engine (``rollout.tensor_parallel``): each rank holds a
+    1/N slice of every attention and MLP weight and the engine all-reduces between them; an
+    engine that cannot shard refuses N > 1."""
 
 
 class InferenceEngine(Protocol):

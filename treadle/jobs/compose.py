@@ -27,6 +27,7 @@ from treadle.core.protocols import EngineSpec, InferenceEngine, TrainingBackend,
 from treadle.jobs.loop import RLParts
 from treadle.rewards.pool import RewardPool, check_reward_functions
 from treadle.rollout.engines import build_engine, engine_class
+from treadle.rollout.engines.sglang_engine import load_sglang
 from treadle.rollout.engines.sizing import kv_cache_gib
 from treadle.rollout.environments.registry import check as check_environment_spec
 from treadle.rollout.environments.rollout import (
@@ -152,6 +153,8 @@ def check_inputs(cfg: Config, data: Dataset) -> None:
             "rollout.engine vllm: the vllm package is not installed; install treadle[vllm] "
             "(scripts/install.sh does) or set rollout.engine=hf"
         )
+    elif cfg.rollout.engine == "sglang":
+        load_sglang()  # one line with the fix where SGLang does not load (this CPU)
     if cfg.environment.name:
         check_environment_spec(cfg.environment.name, cfg.environment.kwargs)  # before the run dir
     if cfg.environment.agent:
@@ -284,6 +287,7 @@ def compose(
         # Room for the model's whole context, capped to bound the KV cache it reserves.
         max_model_len=max_model_len,
         kv_cache_gib=engine_kv_gib(cfg, data, start, longest_prompt, max_model_len),
+        tensor_parallel=cfg.rollout.tensor_parallel,
     )
     version = read_checkpoint_state(ckpt).step if ckpt else 0
     if version > cfg.run.steps:  # before any part starts or anything of the run is truncated

