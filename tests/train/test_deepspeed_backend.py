@@ -271,3 +271,14 @@ def test_the_factory_builds_deepspeed_for_a_trainable_model_only(folder, one_tor
     assert type(build_backend(load_model(folder)[0], cfg, 10)) is DeepSpeedBackend
     frozen = build_backend(load_model(folder)[0], cfg, 10, trainable=False)
     assert type(frozen) is TorchBackend and frozen.optimizer is None
+
+
+def test_a_process_group_started_by_someone_else_is_used(folder, monkeypatch, one_torch_thread):
+    """An in-process vLLM engine starts a world-1 group before the trainer when a run resumes
+    or skips SFT; DeepSpeed then needs LOCAL_RANK, which only the trainer's own start set."""
+    from treadle.train.deepspeed_backend import init_single_process_group
+
+    init_single_process_group()
+    monkeypatch.delenv("LOCAL_RANK")
+    backend = deepspeed_backend(folder, 2)
+    assert torch.isfinite(torch.tensor(float(backend.train_step(batch(), POLICY)["loss"])))

@@ -80,13 +80,17 @@ def import_deepspeed():
 
 def init_single_process_group() -> None:
     """A world-1 process group (gloo; nccl with CUDA) on a free 127.0.0.1 port, unless one is
-    initialised already (a rank of a larger group, which sets ``LOCAL_RANK`` itself).
+    initialised already: a rank of a larger group (which sets ``LOCAL_RANK`` itself), or the
+    world-1 group an in-process vLLM engine started first (resumed runs, ``sft.steps=0``), which
+    ZeRO then uses.
 
     Sets ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` (DeepSpeed's
     engine asserts ``LOCAL_RANK`` is set)."""
     import torch.distributed as dist
 
     if dist.is_initialized():
+        if dist.get_world_size() == 1:
+            os.environ.setdefault("LOCAL_RANK", "0")
         return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
