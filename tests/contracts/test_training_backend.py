@@ -1,6 +1,7 @@
 """The TrainingBackend contract, for every implementation: the single-process TorchBackend (as a
-policy, a frozen reference and a critic), the megatron-core backend (tensor parallel 1) and the
-Ray FSDP2 TrainerGroup (2 ranks over gloo).
+policy, a frozen reference and a critic), the megatron-core backend (tensor parallel 1),
+the Ray FSDP2 TrainerGroup (2 ranks over gloo) and DeepSpeed (ZeRO-2 as a policy, ZeRO-3
+as a critic, in this process).
 
 What the loop and the checkpoints rely on: logprobs (and a critic's values) are the model's own,
 a step changes the weights and reports typed metrics, the named weights are what
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,8 @@ TRAINABLE = [
     "torch critic",
     "megatron",
     pytest.param("trainer group", marks=pytest.mark.slow),
+    "deepspeed zero-2",
+    "deepspeed zero-3 critic",
 ]
 EVERY = ["torch reference", *TRAINABLE]
 
@@ -91,11 +94,31 @@ def impl(request, folder) -> Impl:
         cfg = dataclasses.replace(TRAINER, backend="megatron")
         mega = lambda f: MegatronBackend(load_model(f)[0], cfg, 10)  # noqa: E731
         return Impl("megatron", mega, POLICY, folder)
+    if request.param.startswith("deepspeed"):
+        return deepspeed_impl(request)
     from treadle.cluster.trainer_group import TrainerGroup
 
     cfg, placement = request.getfixturevalue("placed")(trainers=2, engines=0)
     group = lambda f: TrainerGroup(cfg, placement, f, TRAINER, 10, 1.0)  # noqa: E731
     return Impl("trainer group", group, POLICY, folder, close=lambda g: g.close())
+
+
+def deepspeed_impl(request) -> Impl:
+    """DeepSpeed ZeRO-2 as a policy, ZeRO-3 (every tensor partitioned) as a critic, world 1."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (scripts/install.sh)")
+    from treadle.config import DeepSpeedConfig
+    from treadle.train.deepspeed_backend import DeepSpeedBackend
+
+    stage = 3 if "zero-3" in request.param else 2
+    cfg = replace(TRAINER, deepspeed=DeepSpeedConfig(zero_stage=stage))
+    extra = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+    if "critic" in request.param:
+        critic = lambda f: DeepSpeedBackend(load_critic(f), cfg, 10, head="value", ds_extra=extra)  # noqa: E731
+        value = ValueObjective(value_clip=0.2)
+        folder = request.getfixturevalue("critic_folder")
+        return Impl(request.param, critic, value, folder, "value")
+    policy = lambda f: DeepSpeedBackend(load_model(f)[0], cfg, 10, ds_extra=extra)  # noqa: E731
+    return Impl(request.param, policy, POLICY, request.getfixturevalue("folder"))
 
 
 def batch(n: int = 6) -> list[TrainSample]:

@@ -25,6 +25,7 @@ from treadle.config.environment import EnvironmentConfig
 from treadle.config.loading import load_config, to_dict
 from treadle.config.sections import (
     Config,
+    DeepSpeedConfig,
     DPOConfig,
     EvalConfig,
     ModelConfig,
@@ -49,6 +50,7 @@ __all__ = [
     "DPOConfig",
     "DataConfig",
     "DataSource",
+    "DeepSpeedConfig",
     "EnvironmentConfig",
     "EvalConfig",
     "KLConfig",

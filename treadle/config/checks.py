@@ -79,6 +79,11 @@ def _check_placement(cfg: Config) -> None:
             f"config placement.mode={p.mode}: trainer.bf16_autocast is not supported by the "
             "FSDP2 trainer group yet; set it to false"
         )
+    if cfg.trainer.backend == "deepspeed":
+        raise UserError(
+            f"config trainer.backend=deepspeed: runs in one process only, not the Ray trainer "
+            f"group of placement.mode={p.mode}; use placement.mode=single or trainer.backend=torch"
+        )
 
 
 def _check_rollout_mode(cfg: Config) -> None:

@@ -235,6 +235,20 @@ class MegatronConfig:
 
 
 @dataclass
+class DeepSpeedConfig:
+    """The ``trainer.deepspeed`` section: DeepSpeed ZeRO (``trainer.backend=deepspeed``,
+    :mod:`treadle.train.deepspeed_backend`)."""
+
+    zero_stage: Literal[1, 2, 3] = 2
+    """ZeRO stage: 1 partitions the optimizer state across ranks, 2 also the gradients, 3 also
+    the weights (gathered layer by layer for each forward and backward)."""
+    offload_optimizer: bool = False
+    """Keep the optimizer state (fp32 master weights, Adam's moments) and its step in CPU memory
+    (ZeRO-Offload) instead of the accelerator's; needs a CUDA device (on a CPU-only machine the
+    state is in CPU memory already, and this is refused)."""
+
+
+@dataclass
 class TrainerConfig:
     """The ``trainer`` section: the policy's optimizer and how a batch is split into updates."""
 
@@ -267,6 +281,8 @@ class TrainerConfig:
     a table by name, else measured once (a matmul in the trainer's dtype, about 0.2 s)."""
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     """megatron-core's parallelism (read when ``backend`` is ``megatron``)."""
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    """DeepSpeed's settings (read with ``trainer.backend=deepspeed``)."""
 
 
 @dataclass

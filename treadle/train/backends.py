@@ -27,15 +27,23 @@ def build_backend(
 ) -> TorchBackend:
     """The ``cfg.backend`` trainer over ``model`` (arguments as :class:`TorchBackend`'s).
 
+    ``deepspeed``: a trainable model gets a ZeRO engine
+    (:class:`~treadle.train.deepspeed_backend.DeepSpeedBackend`); a frozen reference
+    (``trainable=False``) has no optimizer to partition and stays a plain :class:`TorchBackend`.
+
     Raises:
         UserError: ``trainer.backend`` names a backend this installation cannot run.
     """
-    if cfg.backend == "torch":
+    if cfg.backend == "torch" or (cfg.backend == "deepspeed" and not trainable):
         return TorchBackend(model, cfg, total_steps, temperature, trainable, head)
     if cfg.backend == "megatron":
         from treadle.train.megatron_backend import MegatronBackend
 
         return MegatronBackend(model, cfg, total_steps, temperature, trainable, head)
+    if cfg.backend == "deepspeed":
+        from treadle.train.deepspeed_backend import DeepSpeedBackend  # imports deepspeed (~6 s)
+
+        return DeepSpeedBackend(model, cfg, total_steps, temperature, head)
     raise UserError(
         f"config trainer.backend={cfg.backend}: not available; use trainer.backend=torch"
     )
