@@ -16,6 +16,11 @@ gloo backend cannot reduce with a custom divide factor). All ranks run the same 
 micro-batches (the largest count, padded with a fully masked filler sample), because every
 forward and backward of a sharded model is a collective. The ranks' metrics are merged by their
 declared reductions (:func:`treadle.core.metrics.merge_ranks`).
+
+The KL reference and PPO's critic live on the same ranks (:meth:`TrainerGroup.add_model`), each
+sharded like the policy, as verl colocates the actor, the reference and the critic on its
+workers: no processes or placement bundles of their own, and the ranks run one role's
+collectives at a time because the loop calls one role at a time.
 """
 
 from __future__ import annotations

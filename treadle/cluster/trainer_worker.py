@@ -1,8 +1,9 @@
 """One rank of the trainer group: a Ray actor owning its FSDP2 shard of the policy and its
-optimizer, training with the same :class:`~treadle.train.torch_backend.TorchBackend` as one
-process does (on a model whose decoder layers and root are wrapped by ``fully_shard``), and the
-sending end of the weight transports. The driver side is
-:class:`~treadle.cluster.trainer_group.TrainerGroup`.
+optimizer (and of a KL reference and a critic when the run has them:
+:meth:`TrainerWorker.add_model`), training with the same
+:class:`~treadle.train.torch_backend.TorchBackend` as one process does (on a model whose decoder
+layers and root are wrapped by ``fully_shard``), and the sending end of the weight transports.
+The driver side is :class:`~treadle.cluster.trainer_group.TrainerGroup`.
 
 Methods marked "every rank calls" are collectives: the driver calls them on all ranks at once.
 """
