@@ -46,9 +46,10 @@ def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
     """Checkpoint every decoder layer of ``model`` (active in training mode only).
 
     Raises:
-        UserError: the model's class does not support gradient checkpointing.
+        UserError: the model's class does not support transformers' gradient checkpointing.
     """
-    if not model.supports_gradient_checkpointing:
+    # not a transformers model (a backend's own, e.g. Megatron's, which has its own recompute)
+    if not getattr(model, "supports_gradient_checkpointing", False):
         raise UserError(
             f"config trainer.gradient_checkpointing: {type(model).__name__} does not support "
             "gradient checkpointing; set trainer.gradient_checkpointing=false"
