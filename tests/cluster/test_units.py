@@ -139,7 +139,8 @@ def test_placement_config_is_checked():
         load_config(
             None, ["placement.mode=colocated", "placement.trainers=1", "placement.engines=2"]
         )
-    with pytest.raises(UserError, match="reference model or a critic"):
-        load_config(None, ["placement.mode=disaggregated", "algorithm.kl.coef=0.1"])
+    # The group hosts a KL reference, a critic and bf16 autocast now: accepted.
+    ray_mode = ["placement.mode=disaggregated", "trainer.bf16_autocast=true"]
+    load_config(None, [*ray_mode, "algorithm.kl.coef=0.1", "algorithm.advantage=gae"])
     with pytest.raises(UserError, match=r"placement\.trainers"):
         load_config(None, ["placement.mode=disaggregated", "placement.trainers=0"])

@@ -1,7 +1,8 @@
 """The TrainingBackend contract, for every implementation: the single-process TorchBackend (as a
 policy, a frozen reference and a critic), the megatron-core backend (tensor parallel 1),
-the Ray FSDP2 TrainerGroup (2 ranks over gloo) and DeepSpeed (ZeRO-2 as a policy, ZeRO-3
-as a critic, in this process).
+the Ray FSDP2 TrainerGroup (2 ranks over gloo; the policy, and a reference and a critic
+hosted on the policy's ranks) and DeepSpeed (ZeRO-2 as a policy, ZeRO-3 as a critic, in
+this process).
 
 What the loop and the checkpoints rely on: logprobs (and a critic's values) are the model's own,
 a step changes the weights and reports typed metrics, the named weights are what
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -63,15 +65,39 @@ def critic_folder(folder, tmp_path_factory) -> Path:
     return path
 
 
+GROUPS = ["trainer group", "trainer group critic"]
 TRAINABLE = [
     "torch",
     "torch critic",
     "megatron",
-    pytest.param("trainer group", marks=pytest.mark.slow),
+    *(pytest.param(g, marks=pytest.mark.slow) for g in GROUPS),
     "deepspeed zero-2",
     "deepspeed zero-3 critic",
 ]
-EVERY = ["torch reference", *TRAINABLE]
+FROZEN = ["torch reference", pytest.param("trainer group reference", marks=pytest.mark.slow)]
+EVERY = [*FROZEN, *TRAINABLE]
+
+
+@pytest.fixture(scope="module")
+def ranks(folder, ray_cluster):
+    """``add(role, folder, trainer, trainable, head)``: a model added to the ranks of one 2-rank
+    group (started once: a group's start-up is most of its tests' time), each under a role name
+    of its own, so every test gets fresh weights and optimizer."""
+    from treadle.cluster.placement import place
+    from treadle.cluster.trainer_group import TrainerGroup
+    from treadle.config import PlacementConfig
+
+    cfg = PlacementConfig(mode="disaggregated", trainers=2, engines=0, threads=1)
+    placement = place(cfg)
+    group = TrainerGroup(cfg, placement, folder, TRAINER, 10, 1.0)
+    names = itertools.count()
+
+    def add(role: str, folder: Path, trainer: TrainerConfig, trainable: bool, head: str):
+        return group.add_model(f"{role}{next(names)}", folder, trainer, 10, trainable, head)
+
+    yield add
+    group.close()
+    placement.remove()
 
 
 @pytest.fixture
@@ -98,9 +124,17 @@ def impl(request, folder) -> Impl:
         return deepspeed_impl(request)
     from treadle.cluster.trainer_group import TrainerGroup
 
-    cfg, placement = request.getfixturevalue("placed")(trainers=2, engines=0)
-    group = lambda f: TrainerGroup(cfg, placement, f, TRAINER, 10, 1.0)  # noqa: E731
-    return Impl("trainer group", group, POLICY, folder, close=lambda g: g.close())
+    if request.param == "trainer group":
+        cfg, placement = request.getfixturevalue("placed")(trainers=2, engines=0)
+        group = lambda f: TrainerGroup(cfg, placement, f, TRAINER, 10, 1.0)  # noqa: E731
+        return Impl("trainer group", group, POLICY, folder, close=lambda g: g.close())
+    add = request.getfixturevalue("ranks")
+    if request.param == "trainer group reference":
+        frozen = lambda f: add("reference", f, TRAINER, False, "lm")  # noqa: E731
+        return Impl(request.param, frozen, None, folder)
+    critic = lambda f: add("critic", f, TRAINER, True, "value")  # noqa: E731
+    value = ValueObjective(value_clip=0.2)
+    return Impl(request.param, critic, value, request.getfixturevalue("critic_folder"), "value")
 
 
 def deepspeed_impl(request) -> Impl:
@@ -186,13 +220,16 @@ def test_outputs_are_the_models_own(impl, one_torch_thread):
         impl.close(backend)
 
 
-@pytest.mark.parametrize("impl", ["torch reference"], indirect=True)
+@pytest.mark.parametrize("impl", FROZEN, indirect=True)
 def test_a_frozen_reference_neither_trains_nor_has_optimizer_state(impl):
     backend = impl.build(impl.folder)
-    with pytest.raises(AssertionError, match="frozen"):
-        backend.train_step(batch(), POLICY)
-    with pytest.raises(RuntimeError, match="frozen"):
-        backend.optimizer_state()
+    try:
+        with pytest.raises(AssertionError, match="frozen"):
+            backend.train_step(batch(), POLICY)
+        with pytest.raises(RuntimeError, match="frozen"):
+            backend.optimizer_state()
+    finally:
+        impl.close(backend)
 
 
 @pytest.mark.parametrize("impl", TRAINABLE, indirect=True)
@@ -248,3 +285,36 @@ def test_saved_weights_and_optimizer_state_resume_to_the_same_next_step(
         assert max_diff(outputs(resumed, impl.head, probe), expected) < 1e-6
     finally:
         impl.close(resumed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("option", ["gradient_checkpointing", "bf16_autocast"])
+def test_trainer_group_options_step_as_one_process(option, folder, ranks, one_torch_thread):
+    """A policy on the 2 FSDP2 ranks with gradient checkpointing (fp32) or bf16 autocast gives
+    the single-process backend's losses with the same option; its master weights stay fp32."""
+    trainer = dataclasses.replace(TRAINER, **{option: True})
+    group = ranks("policy", folder, trainer, True, "lm")
+    single = TorchBackend(load_model(folder)[0], trainer, 10)
+    fp32 = TorchBackend(load_model(folder)[0], TRAINER, 10)  # neither option
+    losses = [
+        [float(b.train_step(batch(), POLICY)["loss"]) for _ in range(2)]
+        for b in (group, single, fp32)
+    ]
+    state = group.optimizer_state().optimizer["state"]
+    (g0, g1), (s0, s1), (f0, _) = losses
+    if option == "gradient_checkpointing":
+        # The same fp32 math as without it: the group's packing and reduction order only
+        # (~1e-7), and the step between moves the loss by far more than that.
+        assert g0 == pytest.approx(s0, abs=1e-6) == pytest.approx(f0, abs=1e-6)
+        assert g1 == pytest.approx(s1, abs=1e-5) and abs(s1 - s0) > 1e-3
+    else:
+        # bf16 rounds each matmul input to 8 significant bits (unit roundoff u = 2^-9); the
+        # group runs the same casts on other packings of the rows, whose fp32 accumulation
+        # order differs, so its loss may differ from one process's by a few roundings of the
+        # loss (bound: 4u |loss|), while bf16 itself moves it from fp32's by more (else this
+        # could not tell bf16 compute from fp32).
+        u = 2.0**-9
+        assert abs(g0 - s0) <= 4 * u * abs(s0) and abs(g1 - s1) <= 4 * u * abs(s1)
+        assert abs(s0 - f0) > abs(g0 - s0)
+    moments = [t for v in state.values() for t in v.values() if torch.is_tensor(t) and t.ndim]
+    assert moments and all(t.dtype == torch.float32 for t in moments)  # Adam's, as its weights

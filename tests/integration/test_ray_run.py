@@ -133,3 +133,26 @@ def test_async_disaggregated_run_survives_a_killed_engine_worker(
     assert len(buffer) == 4 * 16
     trained = [r["task_id"] for s in range(1, 5) for r in buffer.read_step(s).rows]
     assert len(set(trained)) == 16  # 16 prompts, none trained twice
+
+
+def test_kl_reference_and_ppo_critic_live_on_the_trainer_ranks(tmp_path, one_torch_thread):
+    # PPO with a critic (gae) and a KL term to the frozen reference, both hosted on the 2 FSDP2
+    # trainer ranks beside the policy; then resumed for a third step, the critic's weights and
+    # optimizer state coming back from the checkpoint (one run covers both: a Ray run's start-up
+    # is most of its time).
+    overrides = [*RAY_RUN, f"run.output_dir={tmp_path}", "run.name=k", "run.steps=2"]
+    overrides += ["placement.mode=disaggregated", "placement.trainers=2", "placement.engines=1"]
+    overrides += ["algorithm.advantage=gae", "algorithm.kl.coef=0.1"]
+    train(load_config(None, overrides), console=Console(file=io.StringIO()))
+    run = tmp_path / "k"
+    ckpt = run / "checkpoints" / "step_000002"
+    assert (ckpt / "critic" / "model.safetensors").exists() and (ckpt / "critic_state.pt").exists()
+    more = load_config(run / "config.yaml", ["run.steps=3"])
+    assert train(more, resume=run, console=Console(file=io.StringIO()))["rl_steps"] == 3
+    rows = {s: r[0] for s, r in step_rows(run).items()}
+    assert sorted(rows) == [1, 2, 3]
+    # Step 1's policy is the reference itself: KL(policy || reference) is 0 up to the fp32
+    # rounding of two forward passes; after an update it is not.
+    assert abs(rows[1]["kl/k3"]) < 1e-6 and rows[2]["kl/k3"] > 1e-9
+    for row in rows.values():
+        assert is_finite_number(row["critic/loss"]) and row["critic/grad_norm"] > 0

@@ -60,6 +60,34 @@ def build_ray_roles(cfg, spec, version: int, run_dir: Path):
     return trainers, engines, sync
 
 
+def build_ray_models(cfg, trainers, start: Path, ckpt: Path | None):
+    """The KL reference (``algorithm.kl.coef > 0``) and PPO's critic (``algorithm.advantage=gae``)
+    on the trainer group's ranks, each sharded like the policy (verl's colocated actor,
+    reference and critic): ``(reference or None, critic or None)``, as
+    :func:`treadle.jobs.compose.build_reference` and ``build_critic`` give in one process. The
+    critic starts from the checkpoint being resumed (its weights and optimizer state), else
+    from ``start`` with a value head seeded by ``run.seed``.
+
+    Raises:
+        UserError: the checkpoint's critic state does not fit.
+    """
+    import dataclasses
+
+    from treadle.store.checkpoint import CRITIC_DIRNAME, load_critic_state
+
+    reference = critic = None
+    if cfg.algorithm.kl.coef > 0:
+        reference = trainers.add_model("reference", start, cfg.trainer, 1, False, "lm")
+    if cfg.algorithm.advantage == "gae":
+        trainer = dataclasses.replace(cfg.trainer, lr=cfg.algorithm.critic.lr)
+        folder = ckpt / CRITIC_DIRNAME if ckpt else start
+        steps = cfg.run.steps * cfg.trainer.mini_batches
+        critic = trainers.add_model("critic", folder, trainer, steps, True, "value", cfg.run.seed)
+        if ckpt:
+            load_critic_state(ckpt, critic)
+    return reference, critic
+
+
 def check_environment(cfg) -> None:
     """What the machine must offer ``cfg.placement`` (checked before a run directory exists).
 

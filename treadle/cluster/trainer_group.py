@@ -16,14 +16,21 @@ gloo backend cannot reduce with a custom divide factor). All ranks run the same 
 micro-batches (the largest count, padded with a fully masked filler sample), because every
 forward and backward of a sharded model is a collective. The ranks' metrics are merged by their
 declared reductions (:func:`treadle.core.metrics.merge_ranks`).
+
+The KL reference and PPO's critic live on the same ranks (:meth:`TrainerGroup.add_model`), each
+sharded like the policy, as verl colocates the actor, the reference and the critic on its
+workers: no processes or placement bundles of their own, and the ranks run one role's
+collectives at a time because the loop calls one role at a time.
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -88,8 +95,10 @@ class TrainerGroup:
     ) -> None:
         import ray
 
-        self.cfg, self.trainer_cfg = cfg, trainer
+        self.cfg, self.trainer_cfg, self.temperature = cfg, trainer, temperature
         self.backend = resolve_backend(cfg)
+        self.role, self.trainable, self.head = "policy", True, "lm"
+        """The model on the ranks this object drives (:meth:`add_model` gives the others)."""
         host = ray.util.get_node_ip_address()
         init_method = f"tcp://{host}:{free_port()}"
         actor = ray.remote(TrainerWorker)
@@ -111,6 +120,38 @@ class TrainerGroup:
         # Every rank probed the same model the same way; the driver plans micro-batches with it.
         self.packing = ray.get(self.workers[0].packing.remote())
 
+    def add_model(
+        self,
+        role: str,
+        model_dir: str | Path,
+        trainer: TrainerConfig,
+        total_steps: int,
+        trainable: bool,
+        head: Literal["lm", "value"],
+        seed: int = 0,
+    ) -> TrainerGroup:
+        """Host another model on the policy's ranks, sharded the same way, as verl colocates the
+        actor, the reference and the critic on its workers: the frozen KL reference
+        (``trainable=False``) or PPO's critic (``head="value"``, with its own optimizer from
+        ``trainer``). Returns the :class:`TrainerGroup` that drives it (its ranks are the
+        policy's: closing the policy's group stops it).
+
+        Args:
+            role: its name on the ranks (``"reference"``, ``"critic"``).
+            model_dir: the weights (a policy folder; for a critic, a saved critic or a policy,
+                which gets a fresh value head seeded by ``seed``, the same on every rank).
+        """
+        refs = [
+            w.add_model.remote(
+                role, str(model_dir), trainer, total_steps, self.temperature, trainable, head, seed
+            )
+            for w in self.workers
+        ]
+        member = copy.copy(self)
+        member.role, member.trainable, member.head = role, trainable, head
+        member.trainer_cfg, member.packing = trainer, self.get(refs)[0]
+        return member
+
     def _split(self, samples: Sequence[TrainSample]) -> tuple[list[list[int]], int]:
         """Each rank's sample indices and the micro-batch count every rank runs."""
         parts = balance([len(s) for s in samples], len(self.workers))
@@ -122,6 +163,7 @@ class TrainerGroup:
         """As :meth:`TorchBackend.train_step`, sharded: the same optimizer steps, the same
         step-wide denominators; metrics merged over ranks (token-weighted means add up, maxima
         stay maxima, grad norm and LR are global)."""
+        assert self.trainable, "frozen backend"
 
         start = time.perf_counter()
         chunks = mini_batches(samples, self.trainer_cfg)
@@ -139,7 +181,7 @@ class TrainerGroup:
             filler = filler_of(samples[0])
             results = self.get(
                 [
-                    w.train.remote(steps, objective, filler)
+                    w.train.remote(steps, objective, filler, self.role)
                     for w, steps in zip(self.workers, per_rank, strict=True)
                 ]
             )
@@ -149,13 +191,24 @@ class TrainerGroup:
     def compute_logprobs(self, samples: Sequence[TrainSample]) -> list[list[float]]:
         """As :meth:`TorchBackend.compute_logprobs`, each rank computing a share of the samples
         (balanced by tokens)."""
+        assert self.head == "lm", "compute_logprobs needs head='lm'"
+        return self._compute(samples)
+
+    def compute_values(self, samples: Sequence[TrainSample]) -> list[list[float]]:
+        """As :meth:`TorchBackend.compute_values` (a critic's group), each rank computing a
+        share of the samples."""
+        assert self.head == "value", "compute_values needs head='value'"
+        return self._compute(samples)
+
+    def _compute(self, samples: Sequence[TrainSample]) -> list[list[float]]:
+        """The model's logprobs or values ``[L]`` per sample, in order, split over the ranks."""
         if not samples:
             return []
         parts, micro = self._split(samples)
         filler = filler_of(samples[0])
         outs = self.get(
             [
-                w.compute_logprobs.remote([samples[i] for i in idx], micro, filler)
+                w.compute.remote([samples[i] for i in idx], micro, filler, self.role)
                 for w, idx in zip(self.workers, parts, strict=True)
             ]
         )
@@ -165,28 +218,28 @@ class TrainerGroup:
                 result[i] = v
         return result
 
-    def compute_values(self, samples: Sequence[TrainSample]) -> list[list[float]]:
-        """Not in Ray mode yet: the group hosts no critic (the config refuses a critic there).
-
-        Raises:
-            NotImplementedError: always.
-        """
-        raise NotImplementedError("the trainer group hosts no critic yet (placement.mode=single)")
-
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every weight gathered whole from the shards to the driver, in fp32 (the transports
         send the engines their weights without this detour)."""
-        (weights, *_) = self.get([w.named_weights.remote("float32") for w in self.workers])
+        (weights, *_) = self.get(
+            [w.named_weights.remote("float32", self.role) for w in self.workers]
+        )
         yield from weights
 
     def save_pretrained(self, folder: Path) -> None:
         """Rank 0 writes the whole model (gathered) in Hugging Face format."""
-        self.get([w.save_pretrained.remote(str(folder)) for w in self.workers])
+        self.get([w.save_pretrained.remote(str(folder), self.role) for w in self.workers])
 
     def optimizer_state(self) -> OptimizerState:
         """The full optimizer state gathered from every rank, and the LR schedule's (the same on
-        every rank), as one process would hold them (keyed by parameter name)."""
-        return self.get([w.optimizer_state.remote() for w in self.workers])[0]
+        every rank), as one process would hold them (keyed by parameter name).
+
+        Raises:
+            RuntimeError: a frozen model (the reference) has no optimizer.
+        """
+        if not self.trainable:
+            raise RuntimeError("a frozen backend has no optimizer state")
+        return self.get([w.optimizer_state.remote(self.role) for w in self.workers])[0]
 
     def load_optimizer_state(self, state: OptimizerState) -> None:
         """Every rank loads its shard of ``state`` (saved by one process or by a group).
@@ -194,7 +247,7 @@ class TrainerGroup:
         Raises:
             KeyError, ValueError: the state does not fit this model or optimizer.
         """
-        self.get([w.load_optimizer_state.remote(state) for w in self.workers])
+        self.get([w.load_optimizer_state.remote(state, self.role) for w in self.workers])
 
     def gather_buckets(self, dtype: str, bucket_bytes: int):
         """Every rank joins the shard gathers; returns the Ray object reference of rank 0's
@@ -220,8 +273,12 @@ class TrainerGroup:
             ) from error
 
     def close(self) -> None:
-        """Kill every trainer actor (no graceful shutdown) and forget them."""
+        """Kill every trainer actor (no graceful shutdown) and forget them; a model added to
+        the policy's ranks (:meth:`add_model`) stops with the policy's group."""
         import ray
+
+        if self.role != "policy":
+            return
 
         for w in self.workers:
             ray.kill(w)

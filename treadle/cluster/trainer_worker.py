@@ -1,8 +1,9 @@
 """One rank of the trainer group: a Ray actor owning its FSDP2 shard of the policy and its
-optimizer, training with the same :class:`~treadle.train.torch_backend.TorchBackend` as one
-process does (on a model whose decoder layers and root are wrapped by ``fully_shard``), and the
-sending end of the weight transports. The driver side is
-:class:`~treadle.cluster.trainer_group.TrainerGroup`.
+optimizer (and of a KL reference and a critic when the run has them:
+:meth:`TrainerWorker.add_model`), training with the same
+:class:`~treadle.train.torch_backend.TorchBackend` as one process does (on a model whose decoder
+layers and root are wrapped by ``fully_shard``), and the sending end of the weight transports.
+The driver side is :class:`~treadle.cluster.trainer_group.TrainerGroup`.
 
 Methods marked "every rank calls" are collectives: the driver calls them on all ranks at once.
 """
@@ -13,6 +14,7 @@ import datetime
 import json
 import os
 from collections.abc import Iterator
+from typing import Literal
 
 import torch
 
@@ -60,7 +62,6 @@ class TrainerWorker:
     ) -> None:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
 
         from treadle.store.models import load_model
         from treadle.train.torch_backend import TorchBackend
@@ -81,17 +82,53 @@ class TrainerWorker:
             device = torch.device("cpu")
         model, _ = load_model(model_dir, "float32")
         model.to(device)
-        mesh = init_device_mesh(device.type, (world,))
-        for layer in decoder_layers(model):  # one FSDP unit per decoder layer, then the root
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        self.device, self.mesh = device, init_device_mesh(device.type, (world,))
+        shard(model, self.mesh)
+        # bf16 compute (trainer.bf16_autocast) is the backend's autocast, as in one process:
+        # the shards, their gradients and the optimizer stay fp32 (see add_model's note).
         self.backend = TorchBackend(model, cfg, total_steps, temperature)
+        self.models: dict[str, TorchBackend] = {"policy": self.backend}
+        """The models this rank hosts by role: the policy, and any :meth:`add_model` added."""
         self._sync_group = None
         self._gatherers: dict[tuple[str, int], ShardGatherer] = {}  # by (dtype, bucket bytes)
 
     def packing(self) -> str:
         """How this rank's backend packs micro-batches (the driver plans with it)."""
         return self.backend.packing
+
+    def add_model(
+        self,
+        role: str,
+        model_dir: str,
+        cfg: TrainerConfig,
+        total_steps: int,
+        temperature: float,
+        trainable: bool,
+        head: Literal["lm", "value"],
+        seed: int,
+    ) -> str:
+        """Host another model on this rank, sharded over the same ranks as the policy (verl's
+        colocated actor, reference and critic): the frozen KL reference (``trainable=False``)
+        or PPO's critic (``head="value"``, its own optimizer); returns its packing. Every rank
+        calls (the packing probe all-gathers).
+
+        A critic loaded from a policy folder gets a fresh value head, initialised from ``seed``
+        so that every rank starts from the same one. Mixed precision is the backend's autocast
+        here as for the policy, not FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)``: one
+        process and the group then cast the same operations (norms and the log-softmax stay
+        fp32), so their losses agree to bf16 rounding, at the cost of fp32 all-gathers.
+        """
+        from treadle.store.models import load_critic, load_model
+        from treadle.train.torch_backend import TorchBackend
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = load_critic(model_dir) if head == "value" else load_model(model_dir)[0]
+        model.to(self.device)
+        shard(model, self.mesh)
+        backend = TorchBackend(model, cfg, total_steps, temperature, trainable, head)
+        self.models[role] = backend
+        return backend.packing
 
     def pid(self) -> int:
         """This rank's process id (a liveness probe)."""
@@ -102,13 +139,15 @@ class TrainerWorker:
         steps: list[tuple[list[TrainSample], StepTotals, int]],
         objective: Objective,
         filler: TrainSample,
+        role: str = "policy",
     ) -> list[dict[str, Metric]]:
-        """This rank's part of each optimizer step: ``(samples, step totals, micro-batches)``;
-        the engine mismatch is measured in the first step, before any update (as in one
-        process)."""
-        self.backend.model.train()
+        """This rank's part of each optimizer step of the ``role`` model: ``(samples, step
+        totals, micro-batches)``; the engine mismatch is measured in the first step, before any
+        update (as in one process)."""
+        backend = self.models[role]
+        backend.model.train()
         return [
-            self.backend.optimizer_step(
+            backend.optimizer_step(
                 samples,
                 objective,
                 totals,
@@ -120,12 +159,33 @@ class TrainerWorker:
             for k, (samples, totals, micro) in enumerate(steps)
         ]
 
-    def compute_logprobs(
-        self, samples: list[TrainSample], micro_batches: int, filler: TrainSample
+    def compute(
+        self,
+        samples: list[TrainSample],
+        micro_batches: int,
+        filler: TrainSample,
+        role: str = "policy",
     ) -> list[list[float]]:
-        """Logprobs ``[L]`` of this rank's samples, in ``micro_batches`` forwards (every rank
-        runs the same number: padded with ``filler``)."""
-        return self.backend.compute(samples, False, micro_batches, filler)
+        """The ``role`` model's logprobs ``[L]`` (nats), or a critic's values, of this rank's
+        samples in ``micro_batches`` forwards (every rank runs the same number: padded with
+        ``filler``). A frozen model's parameters return to their shards afterwards (no backward
+        pass will)."""
+        from treadle.train.torch_backend import _reshard
+
+        backend = self.models[role]
+        out = backend.compute(samples, backend.head == "value", micro_batches, filler)
+        if backend.optimizer is None:
+            _reshard(backend.model)
+        return out
+
+    def _gathered(self, role: str, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
+        """The ``role`` model's state dict gathered whole (an all-gather per tensor: every rank
+        calls), cast to ``dtype``, on the CPU."""
+        out = []
+        for name, tensor in self.models[role].model.state_dict().items():
+            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+            out.append((name, full.detach().to("cpu", dtype)))
+        return out
 
     # --- full weights (collective: every rank calls, in the same order) -------------------------
 
@@ -189,19 +249,31 @@ class TrainerWorker:
 
         return ray.util.get_node_ip_address()
 
-    def save_pretrained(self, folder: str) -> None:
-        """Rank 0 writes the whole model in Hugging Face format (every rank must call)."""
+    def save_pretrained(self, folder: str, role: str = "policy") -> None:
+        """Rank 0 writes the whole ``role`` model in Hugging Face format (every rank must
+        call)."""
+        weights = (
+            self.full_weights("float32")
+            if role == "policy"
+            else self._gathered(role, torch.float32)
+        )
         # clones: views of one bucket share a storage, which safetensors refuses
-        state = {k: v.clone() for k, v in self.full_weights("float32")}
+        state = {k: v.clone() for k, v in weights}
         if self.rank == 0:
-            self.backend.model.save_pretrained(folder, state_dict=state)
+            self.models[role].model.save_pretrained(folder, state_dict=state)
 
-    def named_weights(self, dtype: str) -> list[tuple[str, torch.Tensor]] | None:
-        """Every weight gathered whole, on rank 0 (others return None; every rank calls)."""
-        weights = [(k, v.clone()) for k, v in self.full_weights(dtype)]
+    def named_weights(
+        self, dtype: str, role: str = "policy"
+    ) -> list[tuple[str, torch.Tensor]] | None:
+        """Every weight of the ``role`` model gathered whole, on rank 0 (others return None;
+        every rank calls)."""
+        if role == "policy":
+            weights = [(k, v.clone()) for k, v in self.full_weights(dtype)]
+        else:
+            weights = self._gathered(role, getattr(torch, dtype))
         return weights if self.rank == 0 else None
 
-    def optimizer_state(self) -> OptimizerState | None:
+    def optimizer_state(self, role: str = "policy") -> OptimizerState | None:
         """The full (unsharded) optimizer state and the LR schedule's, on rank 0 (others return
         None; every rank calls: the optimizer state is gathered)."""
         from torch.distributed.checkpoint.state_dict import (
@@ -210,13 +282,13 @@ class TrainerWorker:
         )
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model, optimizer = self.backend.model, self.backend.optimizer
-        state = get_optimizer_state_dict(model, optimizer, options=options)
+        backend = self.models[role]
+        state = get_optimizer_state_dict(backend.model, backend.optimizer, options=options)
         if self.rank != 0:
             return None
-        return OptimizerState(state, self.backend.scheduler.state_dict())
+        return OptimizerState(state, backend.scheduler.state_dict())
 
-    def load_optimizer_state(self, state: OptimizerState) -> None:
+    def load_optimizer_state(self, state: OptimizerState, role: str = "policy") -> None:
         """Load a full optimizer state (keyed by parameter index, as one process saves it, or
         by name, as FSDP does) into this rank's shard, and the LR schedule's state.
 
@@ -229,16 +301,17 @@ class TrainerWorker:
         )
 
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
-        names = [n for n, _ in self.backend.model.named_parameters()]
+        backend = self.models[role]
+        names = [n for n, _ in backend.model.named_parameters()]
         set_optimizer_state_dict(
-            self.backend.model,
-            self.backend.optimizer,
+            backend.model,
+            backend.optimizer,
             optim_state_dict=keyed_by_name(state.optimizer, names),
             options=options,
         )
         if state.scheduler is None:
             raise ValueError("the state was saved without an lr scheduler")
-        self.backend.scheduler.load_state_dict(state.scheduler)
+        backend.scheduler.load_state_dict(state.scheduler)
 
     # --- the collective weight-sync group (rank 0 and the engines) ------------------------------
 
@@ -288,6 +361,16 @@ def _try_broadcast(group, tensor: torch.Tensor) -> str | None:
         return None
     except Exception as error:  # gloo: connection reset by a dead peer
         return f"{type(error).__name__}: {error}"
+
+
+def shard(model: torch.nn.Module, mesh) -> None:
+    """FSDP2 over ``mesh``: one unit per decoder layer, then the root (the embeddings, the final
+    norm and the output layer or value head)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:

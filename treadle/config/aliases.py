@@ -94,6 +94,8 @@ ALIASES: dict[str, Alias] = {
     "torch_dtype": Alias(
         "trainer.bf16_autocast", _TRL, "the trainer keeps fp32 weights; the engine's: rollout.dtype"
     ),
+    "gradient_checkpointing": Alias("trainer.gradient_checkpointing", _TRL),
+    "enable_gradient_checkpointing": Alias("trainer.gradient_checkpointing", _VERL),
     "gpu_memory_utilization": Alias("rollout.kv_cache_gib", _VERL, "treadle sizes it in GiB"),
     "vllm_gpu_memory_utilization": Alias("rollout.kv_cache_gib", _TRL, "treadle sizes it in GiB"),
     "mask_truncated_completions": Alias("algorithm.overlong_filter", _TRL),

@@ -68,17 +68,6 @@ def _check_placement(cfg: Config) -> None:
             f"config placement.engines: colocated puts each engine in a trainer's bundle, so at "
             f"most placement.trainers ({p.trainers}) engines, got {p.engines}"
         )
-    if cfg.algorithm.kl.coef > 0 or cfg.algorithm.advantage == "gae":
-        raise UserError(
-            f"config placement.mode={p.mode}: the Ray trainer group does not host a reference "
-            "model or a critic yet; use placement.mode=single for KL (algorithm.kl.coef > 0) or "
-            "PPO with a critic (algorithm.advantage=gae)"
-        )
-    if cfg.trainer.bf16_autocast:
-        raise UserError(
-            f"config placement.mode={p.mode}: trainer.bf16_autocast is not supported by the "
-            "FSDP2 trainer group yet; set it to false"
-        )
     if cfg.trainer.backend == "deepspeed":
         raise UserError(
             f"config trainer.backend=deepspeed: runs in one process only, not the Ray trainer "

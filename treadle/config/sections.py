@@ -274,6 +274,10 @@ class TrainerConfig:
     """Token budget of one packed micro-batch (no padding is computed)."""
     bf16_autocast: bool = False
     """Autocast forward/backward to bf16 (helps on GPUs and bf16 CPUs); weights stay fp32."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them
+    (:mod:`treadle.train.checkpointing`): activation memory of about one hidden state per layer,
+    for about one more forward pass of compute. Policy and critic, one process or FSDP2 ranks."""
     mini_batches: int = bounded(at_least(1), default=1)
     """Optimizer steps per RL step (the batch is split; later ones are off-policy, clipped)."""
     peak_tflops: float = bounded(at_least(0.0), default=0.0)

@@ -296,8 +296,13 @@ def compose(
             f"run.steps={version} or more (treadle train --resume {run_dir} run.steps={version})"
         )
     roles = build_roles(cfg, weights, spec, version, run_dir, console)
-    reference = build_reference(cfg, start, roles.device)
-    critic = build_critic(cfg, start, ckpt, roles.device)
+    if cfg.placement.mode == "single":
+        reference = build_reference(cfg, start, roles.device)
+        critic = build_critic(cfg, start, ckpt, roles.device)
+    else:  # on the trainer group's ranks
+        from treadle.cluster import build_ray_models
+
+        reference, critic = build_ray_models(cfg, roles.policy, start, ckpt)
     state: RunState | None = load_trainer_state(ckpt, roles.policy) if ckpt else None
     done = state.step if state else 0
     metrics = open_metrics(cfg, run_dir)

@@ -24,6 +24,7 @@ from treadle.core.batch import MicroBatch, StepTotals, TokenOutputs
 from treadle.core.metrics import Metric, Reduction, accumulate, mean_over_steps
 from treadle.core.protocols import Objective, OptimizerState
 from treadle.core.types import TrainSample
+from treadle.train.checkpointing import enable_gradient_checkpointing
 from treadle.train.flops import model_flops_utilisation, peak_flops
 from treadle.train.packed_attention import (
     PackedAttentionUnavailable,
@@ -117,6 +118,8 @@ class TorchBackend:
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(
                 self.optimizer, lr_lambda(cfg.lr_schedule, cfg.warmup_steps, total_steps)
             )
+            if cfg.gradient_checkpointing:
+                enable_gradient_checkpointing(model)
         else:
             model.requires_grad_(False)
         # After the optimizer holds the parameters (the probe's forward gathers a sharded
