@@ -101,7 +101,8 @@ LORA_DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up
 class LoraConfig:
     """``model.lora``: low-rank adapters (LoRA, arXiv:2106.09685) through PEFT. Each targeted
     linear ``W`` becomes ``W + (alpha / r) B A`` with ``A`` ``[r, in]``, ``B`` ``[out, r]`` (B
-    starts at 0); only ``A`` and ``B`` train, in SFT, RL and DPO alike."""
+    starts at 0); only ``A`` and ``B`` train: the RL policy's and DPO's (the SFT warm-up's
+    with ``sft``)."""
 
     r: int = bounded(at_least(0), default=0)
     """Adapter rank; 0: LoRA off (full fine-tuning)."""
@@ -116,6 +117,12 @@ class LoraConfig:
     """What the engine gets each sync: ``merged`` full weights (``W + scale B A``, Hugging Face
     names; any engine), or ``adapter``: the adapter tensors only, served over the base model by
     vLLM's LoRA support (``rollout.engine=vllm``)."""
+    sft: bool = False
+    """Also train adapters in the SFT warm-up (``sft.steps``) and its control run; they are
+    merged into ``sft_model``, RL's starting (and KL reference) policy, which gets fresh
+    adapters. False: the warm-up trains every weight (TRL's and verl's SFT trainers take their
+    own LoRA setting apart from their RL trainers'; and a built tiny model's random weights
+    are not a base an adapter can adapt)."""
 
 
 @dataclass

@@ -62,6 +62,10 @@ class EngineSpec:
     """Most tokens of prompt + completion."""
     kv_cache_gib: float = 1.0
     """KV-cache memory the engine reserves (GiB)."""
+    lora_adapter_config: str = ""
+    """A LoRA adapter's ``adapter_config.json`` text (PEFT): the engine serves ``model_dir``
+    plus the adapter each :meth:`InferenceEngine.update_weights` sends (its ``lora_A``/``lora_B``
+    tensors, PEFT's file names). Empty: updates are the full weights."""
 
 
 class InferenceEngine(Protocol):

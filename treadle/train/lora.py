@@ -177,6 +177,12 @@ class MergedExport:
         self.model.save_pretrained(Path(folder) / ADAPTER_DIRNAME)
 
 
+def exported(model: torch.nn.Module):
+    """What to save of a trained ``model`` as a Hugging Face folder: a PEFT model merged
+    (:class:`MergedExport`), any other model as it is."""
+    return MergedExport(model) if is_lora(model) else model
+
+
 def engine_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """What an engine loads as the model's full weights: its state dict, merged
     (:func:`merged_weights`) when it is a PEFT model."""
