@@ -10,6 +10,7 @@ fresh trainer over the saved weights to the same next step.
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,13 +18,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 from integration.tiny import build_tiny_folder
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-from treadle.config import AlgorithmConfig, TrainerConfig
+from treadle.config import AlgorithmConfig, LoraConfig, TrainerConfig
 from treadle.core.metrics import Metric
 from treadle.core.protocols import Objective, TrainingBackend
 from treadle.core.types import TrainSample
 from treadle.store.models import load_critic, load_model
+from treadle.train import lora
 from treadle.train.objectives import PolicyObjective, ValueObjective
 from treadle.train.torch_backend import TorchBackend
 
@@ -60,14 +63,36 @@ def critic_folder(folder, tmp_path_factory) -> Path:
     return path
 
 
-TRAINABLE = ["torch", "torch critic", pytest.param("trainer group", marks=pytest.mark.slow)]
+TRAINABLE = [
+    "torch",
+    "torch critic",
+    "torch lora",
+    pytest.param("trainer group", marks=pytest.mark.slow),
+]
 EVERY = ["torch reference", *TRAINABLE]
+FULL_WEIGHTS = [i for i in EVERY if i != "torch lora"]
+"""Those whose save_pretrained writes the full model (a LoRA backend writes its adapter)."""
+
+
+def lora_policy(f: Path) -> TorchBackend:
+    """A rank-4 LoRA policy over the model in ``f``, or over the base model the adapter folder
+    ``f`` names (a checkpoint's ``model/``) with that adapter."""
+    adapter = f if (f / "adapter_config.json").is_file() else None
+    base = (
+        json.loads((f / "adapter_config.json").read_text())["base_model_name_or_path"]
+        if adapter
+        else f
+    )
+    model = lora.apply_lora(load_model(base)[0], LoraConfig(r=4), adapter)
+    return TorchBackend(model, TRAINER, 10)
 
 
 @pytest.fixture
 def impl(request, folder) -> Impl:
     if request.param == "torch":
         return Impl("torch", lambda f: TorchBackend(load_model(f)[0], TRAINER, 10), POLICY, folder)
+    if request.param == "torch lora":
+        return Impl("torch lora", lora_policy, POLICY, folder)
     if request.param == "torch reference":
         frozen = lambda f: TorchBackend(load_model(f)[0], TRAINER, 1, trainable=False)  # noqa: E731
         return Impl("torch reference", frozen, None, folder)
@@ -175,7 +200,7 @@ def test_a_step_changes_the_weights_and_reports_typed_metrics(impl, one_torch_th
         impl.close(backend)
 
 
-@pytest.mark.parametrize("impl", EVERY, indirect=True)
+@pytest.mark.parametrize("impl", FULL_WEIGHTS, indirect=True)
 def test_named_weights_are_what_save_pretrained_writes(impl, tmp_path, one_torch_thread):
     backend = impl.build(impl.folder)
     try:
@@ -211,3 +236,18 @@ def test_saved_weights_and_optimizer_state_resume_to_the_same_next_step(
         assert max_diff(outputs(resumed, impl.head, probe), expected) < 1e-6
     finally:
         impl.close(resumed)
+
+
+@pytest.mark.parametrize("impl", ["torch lora"], indirect=True)
+def test_a_lora_backend_saves_its_adapter_and_syncs_merged_weights(impl, tmp_path):
+    """What a LoRA checkpoint holds: the adapter tensors only (PEFT's file), naming the base;
+    named_weights are the base model's names (merged), no lora_ tensors."""
+    backend = impl.build(impl.folder)
+    backend.train_step(batch(), impl.objective)
+    backend.save_pretrained(tmp_path / "saved")
+    saved = load_file(tmp_path / "saved" / "adapter_model.safetensors")
+    expected = dict(lora.adapter_weights(backend.model.state_dict()))
+    assert saved.keys() == expected.keys()
+    assert all(torch.equal(saved[n], expected[n]) for n in saved)
+    base = AutoModelForCausalLM.from_pretrained(impl.folder, dtype=torch.float32).state_dict()
+    assert dict(backend.named_weights()).keys() == base.keys()
