@@ -4,6 +4,8 @@ the base model, merged weights equal PEFT's merge, and the adapter sync is small
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -186,3 +188,35 @@ def test_adapter_sync_ten_times_smaller_qwen25_05b_shape_at_r16():
     assert adapter == 35_192_832
     assert full == 2_520_669_696
     assert full / adapter > 70
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["model.lora.dropout=1"], "model.lora.dropout: must be below 1"),
+        (["model.lora.alpha=0"], "model.lora.alpha: must be positive"),
+        (["model.lora.r=-1"], "model.lora.r: must be at least 0"),
+        (["model.lora.r=8", "model.lora.target_modules=all"], "model.lora.target_modules='all'"),
+        (
+            ["model.lora.r=8", "model.lora.sync=adapter", "rollout.engine=hf"],
+            "model.lora.sync=adapter: only rollout.engine=vllm",
+        ),
+        (
+            ["model.lora.r=8", "placement.mode=colocated"],
+            "model.lora.r=8: LoRA runs with placement.mode=single only",
+        ),
+    ],
+)
+def test_bad_lora_settings_are_refused_by_their_key(overrides, message):
+    from treadle.config import load_config
+
+    with pytest.raises(UserError, match=f"^config {re.escape(message)}"):
+        load_config(None, overrides)
+
+
+def test_lora_off_by_default_and_all_linear_accepted():
+    from treadle.config import load_config
+
+    assert load_config(None, []).model.lora.r == 0
+    cfg = load_config(None, ["model.lora.r=8", "model.lora.target_modules=all-linear"])
+    assert cfg.model.lora.target_modules == "all-linear"
