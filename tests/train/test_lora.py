@@ -220,3 +220,14 @@ def test_lora_off_by_default_and_all_linear_accepted():
     assert load_config(None, []).model.lora.r == 0
     cfg = load_config(None, ["model.lora.r=8", "model.lora.target_modules=all-linear"])
     assert cfg.model.lora.target_modules == "all-linear"
+
+
+def test_the_lora_recipe_is_the_default_run_with_rank_8_adapters():
+    from pathlib import Path
+
+    from treadle.config import load_config
+
+    recipes = Path(__file__).resolve().parents[2] / "recipes"
+    cfg, default = load_config(recipes / "lora.yaml"), load_config(recipes / "default.yaml")
+    assert (cfg.model.lora.r, cfg.model.lora.alpha, cfg.trainer.lr) == (8, 16.0, 1e-3)
+    assert cfg.sft == default.sft and cfg.data == default.data
