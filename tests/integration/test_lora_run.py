@@ -17,6 +17,7 @@ from treadle.config import load_config
 from treadle.jobs.train import train
 
 from .runs import TINY_RUN, step_rows
+from .tiny import skip_without_vllm
 
 LORA = [*TINY_RUN, "model.lora.r=4", "algorithm.kl.coef=0.1", "trainer.lr=1e-2"]
 
@@ -82,3 +83,21 @@ def test_eval_reads_the_lora_runs_final_model(runs):
     _, straight, _ = runs
     assert main(["eval", str(straight)]) == 0
     assert (straight / "eval" / "held_out" / "summary.json").is_file()
+
+
+@pytest.mark.slow
+def test_adapter_sync_run_with_vllm_sends_only_the_adapter(tmp_path):
+    skip_without_vllm()
+    overrides = [
+        *LORA,
+        "rollout.engine=vllm",
+        "model.lora.sync=adapter",
+        f"run.output_dir={tmp_path}",
+        "run.name=adapter",
+        "run.steps=2",
+    ]
+    summary = train(load_config(None, overrides), console=Console(file=io.StringIO()))
+    assert summary["rl_steps"] == 2 and 0 <= summary["accuracy_after_rl"] <= 1
+    rows = step_rows(tmp_path / "adapter")
+    # the 4096 adapter parameters (see above) x 4 bytes (fp32) each sync
+    assert [rows[s][0]["sync/bytes"] for s in (1, 2)] == [16_384, 16_384]
