@@ -232,3 +232,24 @@ def test_the_lora_recipe_is_the_default_run_with_rank_8_adapters():
     cfg, default = load_config(recipes / "lora.yaml"), load_config(recipes / "default.yaml")
     assert (cfg.model.lora.r, cfg.model.lora.alpha, cfg.trainer.lr) == (8, 16.0, 1e-3)
     assert cfg.sft == default.sft and cfg.data == default.data
+
+
+def test_sft_with_lora_sft_trains_adapters_and_exports_the_merged_model(tiny_qwen2, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from treadle.config import load_config
+    from treadle.jobs.sft import sft_backend
+
+    cfg = load_config(None, ["model.lora.r=4", "model.lora.sft=true"])
+    backend = sft_backend(cfg, tiny_qwen2(0), 2)
+    assert lora.is_lora(backend.model)
+    backend.train_step(SAMPLES, SFTObjective())
+    lora.exported(backend.model).save_pretrained(tmp_path / "sft_model")
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "sft_model").state_dict()
+    merged = dict(backend.named_weights())
+    assert saved.keys() == merged.keys()
+    assert all(torch.equal(saved[n], merged[n]) for n in saved)
+    assert (tmp_path / "sft_model" / "adapter" / "adapter_config.json").is_file()
+    # without model.lora.sft the warm-up trains every weight
+    plain = sft_backend(load_config(None, ["model.lora.r=4"]), tiny_qwen2(0), 2)
+    assert not lora.is_lora(plain.model)
