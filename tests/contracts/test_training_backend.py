@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -22,13 +23,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 from integration.tiny import build_tiny_folder
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-from treadle.config import AlgorithmConfig, TrainerConfig
+from treadle.config import AlgorithmConfig, LoraConfig, TrainerConfig
 from treadle.core.metrics import Metric
 from treadle.core.protocols import Objective, TrainingBackend
 from treadle.core.types import TrainSample
 from treadle.store.models import load_critic, load_model
+from treadle.train import lora
 from treadle.train.objectives import PolicyObjective, ValueObjective
 from treadle.train.torch_backend import TorchBackend
 
@@ -69,6 +72,7 @@ GROUPS = ["trainer group", "trainer group critic"]
 TRAINABLE = [
     "torch",
     "torch critic",
+    "torch lora",
     "megatron",
     *(pytest.param(g, marks=pytest.mark.slow) for g in GROUPS),
     "deepspeed zero-2",
@@ -76,6 +80,8 @@ TRAINABLE = [
 ]
 FROZEN = ["torch reference", pytest.param("trainer group reference", marks=pytest.mark.slow)]
 EVERY = [*FROZEN, *TRAINABLE]
+FULL_WEIGHTS = [i for i in EVERY if i != "torch lora"]
+"""Those whose save_pretrained writes the full model (a LoRA backend writes its adapter)."""
 
 
 @pytest.fixture(scope="module")
@@ -100,10 +106,25 @@ def ranks(folder, ray_cluster):
     placement.remove()
 
 
+def lora_policy(f: Path) -> TorchBackend:
+    """A rank-4 LoRA policy over the model in ``f``, or over the base model the adapter folder
+    ``f`` names (a checkpoint's ``model/``) with that adapter."""
+    adapter = f if (f / "adapter_config.json").is_file() else None
+    base = (
+        json.loads((f / "adapter_config.json").read_text())["base_model_name_or_path"]
+        if adapter
+        else f
+    )
+    model = lora.apply_lora(load_model(base)[0], LoraConfig(r=4), adapter)
+    return TorchBackend(model, TRAINER, 10)
+
+
 @pytest.fixture
 def impl(request, folder) -> Impl:
     if request.param == "torch":
         return Impl("torch", lambda f: TorchBackend(load_model(f)[0], TRAINER, 10), POLICY, folder)
+    if request.param == "torch lora":
+        return Impl("torch lora", lora_policy, POLICY, folder)
     if request.param == "torch reference":
         frozen = lambda f: TorchBackend(load_model(f)[0], TRAINER, 1, trainable=False)  # noqa: E731
         return Impl("torch reference", frozen, None, folder)
@@ -249,7 +270,7 @@ def test_a_step_changes_the_weights_and_reports_typed_metrics(impl, one_torch_th
         impl.close(backend)
 
 
-@pytest.mark.parametrize("impl", EVERY, indirect=True)
+@pytest.mark.parametrize("impl", FULL_WEIGHTS, indirect=True)
 def test_named_weights_are_what_save_pretrained_writes(impl, tmp_path, one_torch_thread):
     backend = impl.build(impl.folder)
     try:
@@ -318,3 +339,18 @@ def test_trainer_group_options_step_as_one_process(option, folder, ranks, one_to
         assert abs(s0 - f0) > abs(g0 - s0)
     moments = [t for v in state.values() for t in v.values() if torch.is_tensor(t) and t.ndim]
     assert moments and all(t.dtype == torch.float32 for t in moments)  # Adam's, as its weights
+
+
+@pytest.mark.parametrize("impl", ["torch lora"], indirect=True)
+def test_a_lora_backend_saves_its_adapter_and_syncs_merged_weights(impl, tmp_path):
+    """What a LoRA checkpoint holds: the adapter tensors only (PEFT's file), naming the base;
+    named_weights are the base model's names (merged), no lora_ tensors."""
+    backend = impl.build(impl.folder)
+    backend.train_step(batch(), impl.objective)
+    backend.save_pretrained(tmp_path / "saved")
+    saved = load_file(tmp_path / "saved" / "adapter_model.safetensors")
+    expected = dict(lora.adapter_weights(backend.model.state_dict()))
+    assert saved.keys() == expected.keys()
+    assert all(torch.equal(saved[n], expected[n]) for n in saved)
+    base = AutoModelForCausalLM.from_pretrained(impl.folder, dtype=torch.float32).state_dict()
+    assert dict(backend.named_weights()).keys() == base.keys()

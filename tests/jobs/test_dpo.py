@@ -254,3 +254,41 @@ def test_bad_pairs_exit_2_with_one_line_and_no_run_dir(
     assert err.count("\n") == 1 and err.startswith("treadle: error: "), err
     assert expected.format(file=file) in err
     assert not runs.exists()
+
+
+def test_lora_dpo_trains_adapters_against_the_adapter_disabled_reference(
+    tiny_folder, pairs_file, tmp_path
+):
+    cfg = load_config(
+        RECIPE,
+        [
+            f"model.path={tiny_folder}",
+            "sft.steps=0",
+            f"dpo.path={pairs_file}",
+            f"run.output_dir={tmp_path / 'runs'}",
+            "run.threads=1",
+            "dpo.steps=8",
+            "dpo.batch_size=6",
+            "dpo.lr=1e-2",
+            "trainer.micro_batch_tokens=64",
+            "model.lora.r=4",
+        ],
+    )
+    folder = run_dpo(cfg)
+    rows = [
+        r for r in read_metrics(tmp_path / "runs" / "dpo" / "dpo" / "metrics.jsonl") if "loss" in r
+    ]
+    # B starts at 0: the policy is its own adapter-disabled reference, so the loss is log 2
+    assert rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    base, tokenizer = load_model(tiny_folder)
+    trained, _ = load_model(folder)  # merged: a plain Hugging Face model
+    assert (folder / "adapter" / "adapter_model.safetensors").is_file()
+    b, t = base.state_dict(), trained.state_dict()
+    assert torch.equal(b["model.embed_tokens.weight"], t["model.embed_tokens.weight"])
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(b[q], t[q])
+    pair = pair_samples(load_pairs(cfg, None).train[:1], tokenizer, 512)
+    ref = sequence_logprobs(TorchBackend(base, cfg.trainer, 1, trainable=False), pair)
+    now = sequence_logprobs(TorchBackend(trained, cfg.trainer, 1, trainable=False), pair)
+    assert ((now.chosen - ref.chosen) - (now.rejected - ref.rejected)).item() > 0.1

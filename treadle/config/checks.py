@@ -36,6 +36,7 @@ def check(cfg: Config) -> None:
     _check_eval(cfg)
     _check_batch(cfg)
     _check_megatron(cfg)
+    _check_lora(cfg)
 
 
 def _check_plugin_names(cfg: Config) -> None:
@@ -301,4 +302,29 @@ def _check_megatron(cfg: Config) -> None:
         raise UserError(
             "config trainer.backend=megatron: a critic (algorithm.advantage=gae) is not "
             "implemented; use trainer.backend=torch"
+        )
+
+
+def _check_lora(cfg: Config) -> None:
+    """LoRA's settings the config alone can refuse (the target modules are checked against the
+    model when it is wrapped, :func:`treadle.train.lora.apply_lora`)."""
+    lora = cfg.model.lora
+    if lora.r == 0:
+        return
+    if isinstance(lora.target_modules, str) and lora.target_modules != "all-linear":
+        raise UserError(
+            f"config model.lora.target_modules={lora.target_modules!r}: a list of module names "
+            "or 'all-linear'"
+        )
+    if not lora.target_modules:
+        raise UserError("config model.lora.target_modules: name at least one linear module")
+    if lora.sync == "adapter" and cfg.rollout.engine != "vllm":
+        raise UserError(
+            f"config model.lora.sync=adapter: only rollout.engine=vllm serves adapters (got "
+            f"{cfg.rollout.engine}); use model.lora.sync=merged"
+        )
+    if cfg.placement.mode != "single":
+        raise UserError(
+            f"config model.lora.r={lora.r}: LoRA runs with placement.mode=single only (got "
+            f"{cfg.placement.mode}); set placement.mode=single or model.lora.r=0"
         )

@@ -9,7 +9,7 @@ from typing import Literal
 from treadle.config.algorithm import AlgorithmConfig
 from treadle.config.data import DataConfig
 from treadle.config.environment import EnvironmentConfig
-from treadle.config.fields import at_least, at_most, bounded, finite, only, positive
+from treadle.config.fields import at_least, at_most, below, bounded, finite, only, positive
 
 
 def routes_to(domains: Collection[str], domain: str) -> bool:
@@ -93,6 +93,38 @@ class TinyModelConfig:
     """Use this local tokenizer folder (e.g. a real Qwen tokenizer) instead of training one."""
 
 
+LORA_DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+"""The attention and MLP projections of the Qwen2/Llama families."""
+
+
+@dataclass
+class LoraConfig:
+    """``model.lora``: low-rank adapters (LoRA, arXiv:2106.09685) through PEFT. Each targeted
+    linear ``W`` becomes ``W + (alpha / r) B A`` with ``A`` ``[r, in]``, ``B`` ``[out, r]`` (B
+    starts at 0); only ``A`` and ``B`` train: the RL policy's and DPO's (the SFT warm-up's
+    with ``sft``)."""
+
+    r: int = bounded(at_least(0), default=0)
+    """Adapter rank; 0: LoRA off (full fine-tuning)."""
+    alpha: float = bounded(positive(), finite(), default=16.0)
+    """LoRA's alpha: the adapter's update is scaled by ``alpha / r``."""
+    target_modules: list[str] | str = field(default_factory=lambda: list(LORA_DEFAULT_TARGETS))
+    """Names (last component) of the linear modules given adapters, or ``"all-linear"`` (every
+    linear but the output layer)."""
+    dropout: float = bounded(at_least(0.0), below(1.0), default=0.0)
+    """Dropout on the adapter's input while training."""
+    sync: Literal["merged", "adapter"] = "merged"
+    """What the engine gets each sync: ``merged`` full weights (``W + scale B A``, Hugging Face
+    names; any engine), or ``adapter``: the adapter tensors only, served over the base model by
+    vLLM's LoRA support (``rollout.engine=vllm``)."""
+    sft: bool = False
+    """Also train adapters in the SFT warm-up (``sft.steps``) and its control run; they are
+    merged into ``sft_model``, RL's starting (and KL reference) policy, which gets fresh
+    adapters. False: the warm-up trains every weight (TRL's and verl's SFT trainers take their
+    own LoRA setting apart from their RL trainers'; and a built tiny model's random weights
+    are not a base an adapter can adapt)."""
+
+
 @dataclass
 class ModelConfig:
     """The ``model`` section: the policy's starting weights (the engine's dtype is
@@ -102,6 +134,8 @@ class ModelConfig:
     """Local Hugging Face model folder (weights + tokenizer). None builds ``tiny``."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     """The model built when ``path`` is None: its size, and its tokenizer."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters instead of full fine-tuning (``lora.r > 0``)."""
 
 
 @dataclass

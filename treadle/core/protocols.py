@@ -66,6 +66,10 @@ class EngineSpec:
     """Tensor-parallel ranks of one engine (``rollout.tensor_parallel``): each rank holds a
     1/N slice of every attention and MLP weight and the engine all-reduces between them; an
     engine that cannot shard refuses N > 1."""
+    lora_adapter_config: str = ""
+    """A LoRA adapter's ``adapter_config.json`` text (PEFT): the engine serves ``model_dir``
+    plus the adapter each :meth:`InferenceEngine.update_weights` sends (its ``lora_A``/``lora_B``
+    tensors, PEFT's file names). Empty: updates are the full weights."""
 
 
 class InferenceEngine(Protocol):

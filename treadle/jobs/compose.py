@@ -56,6 +56,7 @@ from treadle.store.models import (
     require_model_folder,
 )
 from treadle.store.observe import MetricsLogger
+from treadle.train import lora
 from treadle.train.backends import build_backend
 from treadle.train.torch_backend import TorchBackend
 from treadle.train.weight_sync import InProcessSync
@@ -214,22 +215,54 @@ class Roles:
     """Where a reference model and a critic go (this process's device)."""
 
 
+def policy_model(
+    cfg: Config, weights: Path, start: Path
+) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
+    """The policy's fp32 model and tokenizer: the full model in ``weights``, or with LoRA
+    (``model.lora.r > 0``) the model ``start`` with fresh adapters, or with the adapter saved
+    in ``weights`` (a checkpoint's ``model/``) when it is not ``start``."""
+    if cfg.model.lora.r == 0:
+        return load_model(weights, "float32")
+    model, tokenizer = load_model(start, "float32")
+    adapter = weights if weights != start else None
+    return lora.apply_lora(model, cfg.model.lora, adapter), tokenizer
+
+
 def build_roles(
-    cfg: Config, weights: Path, spec: EngineSpec, version: int, run_dir: Path, console: Console
+    cfg: Config,
+    weights: Path,
+    spec: EngineSpec,
+    version: int,
+    run_dir: Path,
+    console: Console,
+    start: Path | None = None,
 ) -> Roles:
     """The policy's trainer over ``weights`` and an engine serving them as policy ``version``:
-    in this process (``placement.mode=single``), or placed with Ray."""
+    in this process (``placement.mode=single``), or placed with Ray. With LoRA the engine
+    starts from ``start`` (the base model) and is synced once when ``weights`` is an adapter."""
     if cfg.placement.mode == "single":
         # The trainer keeps fp32 master weights whatever dtype the engine serves in.
-        model, tokenizer = load_model(weights, "float32")
+        model, tokenizer = policy_model(cfg, weights, start or weights)
         model.to("cuda" if torch.cuda.is_available() else "cpu")
+        adapter_sync = cfg.model.lora.r > 0 and cfg.model.lora.sync == "adapter"
+        if adapter_sync:  # the engine serves base + the adapter each sync sends
+            spec = dataclasses.replace(spec, lora_adapter_config=lora.adapter_config_json(model))
         with captured_output(run_dir / ENGINE_LOG):  # vLLM's ~20 start-up lines: not the console
             engine = build_engine(cfg.rollout.engine, spec)
         engine.policy_version = version
         policy = build_backend(
             model, cfg.trainer, cfg.run.steps * cfg.trainer.mini_batches, cfg.rollout.temperature
         )
-        return Roles(policy, engine, InProcessSync(policy, engine), tokenizer, model.device)
+        sent = (lambda: lora.adapter_weights(model.state_dict())) if adapter_sync else None
+        sync = InProcessSync(policy, engine, sent)
+        if cfg.model.lora.r > 0:
+            trainable, total = lora.trainable_share(model)
+            console.print(
+                f"LoRA: {trainable:,} of {total:,} parameters train ({trainable / total:.2%})"
+            )
+            if start is not None and weights != start:  # the engine has the base: the adapter's
+                sync.sync(version)
+        return Roles(policy, engine, sync, tokenizer, model.device)
     from treadle.cluster import build_ray_roles
 
     console.print(f"placing roles with Ray ({cfg.placement.mode})")
@@ -238,10 +271,15 @@ def build_roles(
     return Roles(policy, engine, weight_sync, tokenizer, torch.device("cpu"))
 
 
-def build_reference(cfg: Config, start: Path, device: torch.device) -> TorchBackend | None:
-    """The frozen starting policy, for a KL term (``algorithm.kl.coef > 0``); else None."""
+def build_reference(
+    cfg: Config, start: Path, device: torch.device, policy: TrainingBackend | None = None
+) -> TorchBackend | lora.AdapterDisabledReference | None:
+    """The frozen starting policy, for a KL term (``algorithm.kl.coef > 0``); else None. With
+    LoRA, the ``policy``'s own model with its adapters disabled (no second copy)."""
     if cfg.algorithm.kl.coef <= 0:
         return None
+    if cfg.model.lora.r > 0:
+        return lora.AdapterDisabledReference(policy)
     ref_model, _ = load_model(start, "float32")
     ref_model.to(device)
     return build_backend(ref_model, cfg.trainer, 1, cfg.rollout.temperature, trainable=False)
@@ -281,7 +319,7 @@ def compose(
     ckpt = resume_checkpoint(run_dir)  # the newest that verifies (a fallback is logged)
     weights = ckpt / "model" if ckpt else start
     spec = EngineSpec(
-        model_dir=str(weights),
+        model_dir=str(start if cfg.model.lora.r > 0 else weights),  # LoRA: base, then a sync
         dtype=cfg.rollout.dtype,
         seed=cfg.run.seed,
         # Room for the model's whole context, capped to bound the KV cache it reserves.
@@ -295,9 +333,9 @@ def compose(
             f"{ckpt}: the run is at step {version}, past run.steps={cfg.run.steps}; resume with "
             f"run.steps={version} or more (treadle train --resume {run_dir} run.steps={version})"
         )
-    roles = build_roles(cfg, weights, spec, version, run_dir, console)
+    roles = build_roles(cfg, weights, spec, version, run_dir, console, start)
     if cfg.placement.mode == "single":
-        reference = build_reference(cfg, start, roles.device)
+        reference = build_reference(cfg, start, roles.device, roles.policy)
         critic = build_critic(cfg, start, ckpt, roles.device)
     else:  # on the trainer group's ranks
         from treadle.cluster import build_ray_models

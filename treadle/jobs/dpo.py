@@ -42,6 +42,7 @@ from treadle.store.atomic import save_model_atomic, write_json_atomic
 from treadle.store.data import Dataset, load_dataset, read_rows, render_demonstration, render_prompt
 from treadle.store.models import IM_END, end_of_turn_ids, load_model, require_model_folder
 from treadle.store.observe import MetricsLogger, Progress
+from treadle.train import lora
 from treadle.train.backends import build_backend
 from treadle.train.packing import pack, plan_micro_batches
 from treadle.train.torch_backend import TorchBackend
@@ -363,16 +364,21 @@ def run_dpo(cfg: Config, console: Console | None = None) -> Path:
         start = warm_up(cfg, data, start, run_dir, console)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tokenizer = load_model(start, "float32")  # fp32 master weights, as in RL
-    ref_model, _ = load_model(start, "float32")
+    if cfg.model.lora.r > 0:  # the reference is the same model with its adapters disabled
+        model = lora.apply_lora(model, cfg.model.lora)
     max_len = model.config.max_position_embeddings
     kwargs = cfg.data.chat_template_kwargs
     train = pair_samples(pairs.train, tokenizer, max_len, kwargs)
     held_out = pair_samples(pairs.held_out, tokenizer, max_len, kwargs)
     trainer = dataclasses.replace(cfg.trainer, lr=cfg.dpo.lr)
     policy = build_backend(model.to(device), trainer, total_steps=cfg.dpo.steps)
-    reference = build_backend(ref_model.to(device), cfg.trainer, 1, trainable=False)
+    if cfg.model.lora.r > 0:
+        reference = lora.AdapterDisabledReference(policy)
+    else:
+        ref_model, _ = load_model(start, "float32")
+        reference = build_backend(ref_model.to(device), cfg.trainer, 1, trainable=False)
     before, after = _train_and_evaluate(cfg, policy, reference, train, held_out, run_dir, console)
-    folder = save_model_atomic(policy.model, tokenizer, run_dir / "dpo_model")
+    folder = save_model_atomic(lora.exported(policy.model), tokenizer, run_dir / "dpo_model")
     summary = _summary(cfg, len(train), len(held_out), before, after, started)
     write_json_atomic(run_dir / "dpo_summary.json", summary)
     _print_summary(console, summary)

@@ -159,13 +159,15 @@ def replay_step(run_dir: Path, step: int) -> Replay:
     Raises:
         UserError: the step is not stored, or there is no checkpoint of ``step - 1`` (not saved
             with ``run.save_every`` or pruned by ``run.keep_last``; the message lists the steps
-            that can be replayed).
+            that can be replayed), or the run trained LoRA adapters.
     """
     from treadle.store.models import load_model
     from treadle.train.backends import build_backend
     from treadle.train.objectives import PolicyObjective
 
     cfg, buffer = open_run(run_dir)
+    if cfg.model.lora.r > 0:  # its checkpoints hold adapters over a base: not replayed yet
+        raise UserError(f"replay {run_dir}: a LoRA run (model.lora.r > 0) cannot be replayed yet")
     stored = _read(buffer, run_dir, step)
     before = run_dir / "checkpoints" / checkpoint_dirname(step - 1)
     if step == 1:

@@ -28,6 +28,7 @@ from treadle.store.atomic import save_model_atomic
 from treadle.store.data import Dataset, load_dataset, render_demonstration, render_prompt
 from treadle.store.models import load_model
 from treadle.store.observe import MetricsLogger, Progress
+from treadle.train import lora
 from treadle.train.backends import build_backend
 from treadle.train.objectives import SFTObjective
 from treadle.train.torch_backend import TorchBackend
@@ -183,7 +184,7 @@ def run_sft(
 
 def sft_backend(cfg: Config, model: PreTrainedModel, steps: int) -> TorchBackend:
     """A backend for ``steps`` SFT steps: ``sft.lr`` with a warmup and cosine decay, one
-    optimizer step per batch."""
+    optimizer step per batch; over LoRA adapters of ``model`` with ``model.lora.sft``."""
     trainer = dataclasses.replace(
         cfg.trainer,
         lr=cfg.sft.lr,
@@ -191,6 +192,8 @@ def sft_backend(cfg: Config, model: PreTrainedModel, steps: int) -> TorchBackend
         lr_schedule="cosine",
         mini_batches=1,
     )
+    if cfg.model.lora.r > 0 and cfg.model.lora.sft:
+        model = lora.apply_lora(model, cfg.model.lora)
     return build_backend(model, trainer, total_steps=steps)
 
 
@@ -221,7 +224,7 @@ def warm_up(cfg: Config, data: Dataset, start: Path, run_dir: Path, console: Con
             on_step=on_step,
         )
     metrics.close()
-    return save_model_atomic(model, tokenizer, folder)
+    return save_model_atomic(lora.exported(backend.model), tokenizer, folder)
 
 
 def sft_only(cfg: Config, console: Console | None = None) -> Path:

@@ -48,8 +48,9 @@ from treadle.jobs.stopping import StopOnSignal, stop_on_signal
 from treadle.rollout.environments.rollout import episode_rollout
 from treadle.rollout.evaluate import EvalResult
 from treadle.store.atomic import save_model_atomic, write_json_atomic
+from treadle.store.checkpoint import latest_checkpoint
 from treadle.store.data import Dataset, load_dataset
-from treadle.store.manifest import DiskFullError, is_disk_full, require_writable
+from treadle.store.manifest import DiskFullError, is_disk_full, require_writable, tree_bytes
 from treadle.store.models import (
     load_model,
     require_chat_template,
@@ -58,6 +59,7 @@ from treadle.store.models import (
 )
 from treadle.store.observe import Progress
 from treadle.store.report import plot_run, print_summary, write_summary
+from treadle.train import lora
 
 
 def train(cfg: Config, resume: Path | None = None, console: Console | None = None) -> dict:
@@ -236,7 +238,9 @@ def evaluate_after_rl(parts: RLParts, console: Console, rl_seconds: float) -> di
     console.print(f"evaluating on {len(parts.held_out)} held-out prompts after RL")
     after = evaluate_policy(parts)
     parts.metrics.log(cfg.run.steps, after.metrics())
-    save_model_atomic(parts.policy, parts.tokenizer, parts.run_dir / "final_model")
+    # LoRA: the merged model users load (its adapter in final_model/adapter)
+    policy = lora.MergedExport(parts.policy.model) if cfg.model.lora.r > 0 else parts.policy
+    save_model_atomic(policy, parts.tokenizer, parts.run_dir / "final_model")
     return {
         "accuracy_after_rl": after.pass_at_1,
         "greedy_accuracy_after_rl": after.greedy_accuracy,
@@ -245,6 +249,19 @@ def evaluate_after_rl(parts: RLParts, console: Console, rl_seconds: float) -> di
         "k": after.k,
         "rl_steps": cfg.run.steps,
         "rl_wall_time_s": rl_seconds,
+        **(lora_figures(parts) if cfg.model.lora.r > 0 else {}),
+    }
+
+
+def lora_figures(parts: RLParts) -> dict:
+    """A LoRA run's trainable parameters (count and share of all) and the bytes of its newest
+    checkpoint (adapter, optimizer state of the adapter, run state)."""
+    trainable, total = lora.trainable_share(parts.policy.model)
+    ckpt = latest_checkpoint(parts.run_dir)
+    return {
+        "lora_trainable_params": trainable,
+        "lora_trainable_share": trainable / total,
+        "lora_checkpoint_bytes": tree_bytes(ckpt) if ckpt else 0,
     }
 
 
@@ -262,15 +279,16 @@ def control_run(parts: RLParts, data: Dataset, run_dir: Path, seconds: float) ->
     t0 = time.perf_counter()
     run_sft(probe, samples, steps=2, batch_size=cfg.sft.batch_size, seed=cfg.run.seed)
     steps = max(1, int(seconds / ((time.perf_counter() - t0) / 2)))
+    backend = sft_backend(cfg, model, steps)
     done = run_sft(
-        sft_backend(cfg, model, steps),
+        backend,
         samples,
         steps=steps,
         batch_size=cfg.sft.batch_size,
         seed=cfg.run.seed + 1,
         max_seconds=seconds,
     )
-    parts.engine.update_weights(model.state_dict().items(), version=-1)
+    parts.engine.update_weights(backend.named_weights(), version=-1)
     result = evaluate_policy(parts)
     return {
         "control_sft_steps": done,

@@ -24,6 +24,7 @@ from treadle.core.batch import MicroBatch, StepTotals, TokenOutputs
 from treadle.core.metrics import Metric, Reduction, accumulate, mean_over_steps
 from treadle.core.protocols import Objective, OptimizerState
 from treadle.core.types import TrainSample
+from treadle.train import lora
 from treadle.train.checkpointing import enable_gradient_checkpointing
 from treadle.train.flops import model_flops_utilisation, peak_flops
 from treadle.train.packed_attention import (
@@ -102,7 +103,9 @@ class TorchBackend:
         self.device = next(model.parameters()).device
         # The output layer only where a loss reads it, when the model's forward takes
         # transformers' ``logits_to_keep``.
-        self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        # (A PEFT model forwards it to the model it wraps, whose signature tells.)
+        hf = model.get_base_model() if lora.is_lora(model) else model
+        self._logits_to_keep = "logits_to_keep" in inspect.signature(hf.forward).parameters
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self._tokens_computed = 0  # by the optimizer steps of one train_step (a shared prefix once)
@@ -112,8 +115,12 @@ class TorchBackend:
             # measured here on a CPU (once per process), not within a step's timed update
             dtype = torch.bfloat16 if cfg.bf16_autocast else torch.float32
             self._peak_flops = peak_flops(self.device, dtype, cfg.peak_tflops)
+            # Only what trains: a LoRA model's frozen base weights get no optimizer state.
             self.optimizer = torch.optim.AdamW(
-                model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
+                [p for p in model.parameters() if p.requires_grad],
+                lr=cfg.lr,
+                betas=cfg.betas,
+                weight_decay=cfg.weight_decay,
             )
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(
                 self.optimizer, lr_lambda(cfg.lr_schedule, cfg.warmup_steps, total_steps)
@@ -364,12 +371,13 @@ class TorchBackend:
         return float(grad_norm), lr
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The model's state dict, detached (tied weights appear under each of their names)."""
-        for name, tensor in self.model.state_dict().items():
-            yield name, tensor.detach()
+        """The model's state dict, detached (tied weights appear under each of their names); a
+        LoRA model's merged into the base model's weights (:func:`lora.engine_weights`)."""
+        yield from lora.engine_weights(self.model)
 
     def save_pretrained(self, folder: Path) -> None:
-        """The model in Hugging Face format (safetensors and config)."""
+        """The model in Hugging Face format (safetensors and config); a LoRA model's adapter
+        only (PEFT format, naming the base model's folder)."""
         self.model.save_pretrained(folder)
 
     def optimizer_state(self) -> OptimizerState:

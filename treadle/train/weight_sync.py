@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
+
+import torch
 
 from treadle.core.errors import StaleWeightsError
 from treadle.core.protocols import InferenceEngine, TrainingBackend
@@ -26,12 +29,20 @@ class InProcessSync:
     Args:
         policy: the trainer.
         engine: an engine in this process.
+        weights: what one sync sends, when not ``policy.named_weights()`` (a LoRA policy's
+            adapter tensors, :func:`treadle.train.lora.adapter_weights`).
     """
 
     name = "in_process"
 
-    def __init__(self, policy: TrainingBackend, engine: InferenceEngine) -> None:
+    def __init__(
+        self,
+        policy: TrainingBackend,
+        engine: InferenceEngine,
+        weights: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None,
+    ) -> None:
         self.policy, self.engine = policy, engine
+        self._weights = weights or policy.named_weights
 
     def sync(self, version: int) -> dict[str, float]:
         """See :meth:`treadle.core.protocols.WeightSync.sync`.
@@ -40,7 +51,7 @@ class InProcessSync:
             StaleWeightsError: the engine does not report ``version`` afterwards.
         """
         start = time.perf_counter()
-        weights = list(self.policy.named_weights())
+        weights = list(self._weights())
         self.engine.update_weights(iter(weights), version=version)
         if self.engine.policy_version != version:
             raise StaleWeightsError(

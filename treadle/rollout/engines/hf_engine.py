@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from treadle.core.errors import UserError
 from treadle.core.protocols import EngineSpec, Finished, Request, SamplingParams, check_new_request
 from treadle.core.types import Completion, FinishReason
 from treadle.rollout.engines.seeding import seeded
@@ -23,6 +24,11 @@ class HFEngine:
     """
 
     def __init__(self, spec: EngineSpec):
+        if spec.lora_adapter_config:
+            raise UserError(
+                "config model.lora.sync=adapter: the hf engine takes full weights only; use "
+                "model.lora.sync=merged or rollout.engine=vllm"
+            )
         self.policy_version = 0
         self._model = AutoModelForCausalLM.from_pretrained(
             spec.model_dir, dtype=getattr(torch, spec.dtype)

@@ -41,6 +41,7 @@ from treadle.core.protocols import EngineSpec, Finished, Request, SamplingParams
 from treadle.core.types import Completion, FinishReason
 from treadle.rollout.engines.seeding import seeded
 from treadle.rollout.engines.sizing import CPU_MAX_SEQUENCES
+from treadle.rollout.engines.vllm_lora import AdapterSlot
 
 
 class _QuietReload(logging.Filter):
@@ -175,6 +176,10 @@ class VLLMEngine:
         kv = {} if torch.cuda.is_available() else {"kv_cache_memory_bytes": _kv_bytes(spec)}
         self.policy_version = 0
         self._ranks = spec.tensor_parallel
+        # LoRA adapter sync: base + the adapter each update sends (None: full-weight updates)
+        self._adapter = AdapterSlot(spec.lora_adapter_config) if spec.lora_adapter_config else None
+        if self._adapter is not None:
+            kv |= self._adapter.engine_kwargs()
         with _parallel(spec) as parallel:
             self._llm = self._start(spec, {**kv, **parallel})
         self._tokenizer = self._llm.get_tokenizer()
@@ -220,7 +225,10 @@ class VLLMEngine:
         sp = _vllm_params(params)
         with seeded(params.seed):
             outputs = self._llm.generate(
-                [{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False
+                [{"prompt_token_ids": list(p)} for p in prompts],
+                sp,
+                use_tqdm=False,
+                lora_request=self._lora(),
             )
         return [[self._completion(o) for o in req.outputs] for req in outputs]
 
@@ -233,7 +241,10 @@ class VLLMEngine:
         check_new_request(request, self._live)
         sp = _vllm_params(request.params, output_kind=RequestOutputKind.DELTA)
         self._llm.llm_engine.add_request(
-            request.request_id, {"prompt_token_ids": list(request.prompt_token_ids)}, sp
+            request.request_id,
+            {"prompt_token_ids": list(request.prompt_token_ids)},
+            sp,
+            lora_request=self._lora(),
         )
         self._live[request.request_id] = _Partial()
 
@@ -296,14 +307,27 @@ class VLLMEngine:
             text=self._tokenizer.decode(ids, skip_special_tokens=True),
         )
 
+    def _lora(self):
+        """The ``LoRARequest`` every request runs with (None: the base model alone)."""
+        return self._adapter.request if self._adapter is not None else None
+
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Reload the model from ``weights`` (Hugging Face names) in place, drop the prefix cache
-        and serve them as ``version``."""
+        and serve them as ``version``. An engine started with a LoRA adapter config takes an
+        adapter's tensors (PEFT names, ``lora_A``/``lora_B``) as the new adapter; full weights
+        replace the base and drop the adapter."""
+        named = dict(weights)
+        if self._adapter is not None and any(".lora_A." in n for n in named):
+            self._adapter.update(self._llm, named)
+            self._llm.reset_prefix_cache()
+            self.policy_version = version
+            return
+        if self._adapter is not None:
+            self._adapter.drop(self._llm)
         # reload_weights runs the model's own loader and then re-processes the weights into
         # kernel format (the CPU backend pre-packs linear weights, so writing into parameters
         # would not reach the kernels; a tied lm_head is refreshed by the same pass). In this
         # process the call is direct: the tensors are not copied or pickled on the way.
-        named = dict(weights)
         if self._tied and "lm_head.weight" not in named and "model.embed_tokens.weight" in named:
             # vLLM re-packs the CPU lm_head only when its own name arrives; a tied model's
             # named_parameters() lists the shared tensor once, as the embedding.
@@ -325,7 +349,10 @@ class VLLMEngine:
         self._check_idle()
         sp = vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
         outputs = self._llm.generate(
-            [{"prompt_token_ids": list(s)} for s in sequences], sp, use_tqdm=False
+            [{"prompt_token_ids": list(s)} for s in sequences],
+            sp,
+            use_tqdm=False,
+            lora_request=self._lora(),
         )
         result = []
         for seq, out in zip(sequences, outputs, strict=True):
@@ -338,8 +365,11 @@ class VLLMEngine:
         return {}
 
     def close(self) -> None:
-        """Release the vLLM engine and stop its tensor-parallel worker processes (idempotent)."""
+        """Release the vLLM engine, stop its tensor-parallel worker processes and remove any
+        adapter folders (idempotent)."""
         if self._llm is not None and self._ranks > 1:
             # The workers would otherwise live until this process exits.
             self._llm.llm_engine.engine_core.shutdown()
         self._llm = None
+        if self._adapter is not None:
+            self._adapter.close()
