@@ -45,6 +45,7 @@ AT_LEAST = {
     "environment.max_observation_tokens": 1, "environment.max_concurrent": 1,
     "environment.tool_threads": 1,
     "rollout.tensor_parallel": 1,
+    "trainer.megatron.tensor_parallel": 1, "trainer.megatron.pipeline_parallel": 1,
     "model.lora.r": 0, "model.lora.dropout": 0.0,
 }  # fmt: skip
 
