@@ -282,3 +282,40 @@ def test_a_process_group_started_by_someone_else_is_used(folder, monkeypatch, on
     monkeypatch.delenv("LOCAL_RANK")
     backend = deepspeed_backend(folder, 2)
     assert torch.isfinite(torch.tensor(float(backend.train_step(batch(), POLICY)["loss"])))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_lora_policy_under_zero_steps_as_under_torch(stage, folder, tmp_path, one_torch_thread):
+    """LoRA (model.lora) under ZeRO: the same step as the torch backend's LoRA policy (loss,
+    adapter gradients, merged weights for the engine within 1e-5), only the adapters in the
+    optimizer, the base weights bit-equal, and the checkpoint the adapter alone (PEFT's)."""
+    from safetensors.torch import load_file
+
+    from treadle.config import LoraConfig
+    from treadle.train import lora
+    from treadle.train.deepspeed_backend import DeepSpeedBackend
+
+    def lora_model():
+        torch.manual_seed(0)  # the same fresh adapters (A random, B = 0) in both backends
+        return lora.apply_lora(load_model(folder)[0], LoraConfig(r=4))
+
+    base = {n: t.clone() for n, t in load_model(folder)[0].state_dict().items()}
+    want = one_step(TorchBackend(lora_model(), TRAINER, 10), batch())
+    backend = DeepSpeedBackend(lora_model(), staged(stage), 10, ds_extra=FULL_ZERO3)
+    got = one_step(backend, batch())
+    assert_same_step(got, want)
+    # 2 layers x 7 projections x (A and B): 28 adapter tensors in the optimizer, nothing else
+    assert len(got["grads"]) == 28
+    assert got["weights"].keys() == base.keys()  # merged, under the base model's names
+    state = dict(backend._state())
+    frozen = {
+        n.replace("base_model.model.", "").replace(".base_layer", ""): t
+        for n, t in state.items()
+        if "lora_" not in n
+    }
+    assert all(torch.equal(frozen[n], base[n]) for n in base)  # the base never trains
+    moved = [n for n in base if not torch.equal(got["weights"][n], base[n])]
+    assert any("q_proj" in n for n in moved) and not any("norm" in n for n in moved)
+    backend.save_pretrained(tmp_path / "saved")
+    saved = load_file(tmp_path / "saved" / "adapter_model.safetensors")
+    assert len(saved) == 28 and all("lora_" in n for n in saved)

@@ -206,6 +206,10 @@ def test_adapter_sync_ten_times_smaller_qwen25_05b_shape_at_r16():
             ["model.lora.r=8", "placement.mode=colocated"],
             "model.lora.r=8: LoRA runs with placement.mode=single only",
         ),
+        (
+            ["model.lora.r=8", "trainer.backend=megatron"],
+            "model.lora.r=8: LoRA runs on trainer.backend=torch or deepspeed, not megatron",
+        ),
     ],
 )
 def test_bad_lora_settings_are_refused_by_their_key(overrides, message):

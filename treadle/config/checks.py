@@ -318,6 +318,11 @@ def _check_lora(cfg: Config) -> None:
         )
     if not lora.target_modules:
         raise UserError("config model.lora.target_modules: name at least one linear module")
+    if cfg.trainer.backend == "megatron":
+        raise UserError(
+            f"config model.lora.r={lora.r}: LoRA runs on trainer.backend=torch or deepspeed, "
+            "not megatron; set model.lora.r=0 or another trainer.backend"
+        )
     if lora.sync == "adapter" and cfg.rollout.engine != "vllm":
         raise UserError(
             f"config model.lora.sync=adapter: only rollout.engine=vllm serves adapters (got "

@@ -59,6 +59,7 @@ from treadle.config import TrainerConfig
 from treadle.core.batch import MicroBatch
 from treadle.core.errors import UserError
 from treadle.core.protocols import OptimizerState
+from treadle.train import lora
 from treadle.train.packed_attention import packed_attention
 from treadle.train.torch_backend import TorchBackend
 
@@ -158,7 +159,10 @@ class DeepSpeedBackend(TorchBackend):
         deepspeed = import_deepspeed()
         self.engine = None  # the packing probe runs on the bare model
         super().__init__(model, cfg, total_steps, temperature, True, head)
-        self._params = list(model.parameters())  # the optimizer state's order (torch's)
+        # the optimizer state's order (torch's AdamW's: the trainable ones, all but a LoRA
+        # model's frozen base weights); every parameter is gathered for the weights
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        self._all = list(model.parameters())
         masters = [p.detach().clone() for p in self._params] if cfg.bf16_autocast else None
         init_single_process_group()
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
@@ -207,29 +211,40 @@ class DeepSpeedBackend(TorchBackend):
         shape = p.ds_shape if hasattr(p, "ds_shape") else p.shape
         return get(p, *key).detach().reshape(shape).cpu().clone()
 
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The full state dict (ZeRO-3's shards gathered; under bf16 the fp32 masters), each a
-        detached copy (tied weights under each of their names). Under ZeRO-3 every rank must
-        call it (it all-gathers)."""
+    def _state(self) -> list[tuple[str, torch.Tensor]]:
+        """The module's full state dict (ZeRO-3's shards gathered; under bf16 the fp32 masters
+        of what trains), each a detached copy (tied weights under each of their names). Under
+        ZeRO-3 every rank must call it (it all-gathers)."""
         from deepspeed import zero
         from deepspeed.utils import safe_get_full_fp32_param
 
         copies: dict[int, torch.Tensor] = {}  # one copy per tensor: tied names share it
         if self.cfg.bf16_autocast:
             copies = {id(p): self._full(safe_get_full_fp32_param, p) for p in self._params}
-        with zero.GatheredParameters(self._params, enabled=self._stage3 and not copies):
+        with zero.GatheredParameters(self._all, enabled=self._stage3):
             weights = [
                 (n, copies.setdefault(id(t), t.detach().clone()))
                 for n, t in self.model.state_dict(keep_vars=True).items()
             ]
-        yield from weights
+        return weights
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """What an engine loads: :meth:`_state`, a LoRA model's merged into its base model's
+        names (:func:`treadle.train.lora.merged_weights`). Under ZeRO-3 every rank must call
+        it."""
+        weights = self._state()
+        if lora.is_lora(self.model):
+            yield from lora.merged_weights(dict(weights), lora.scaling(self.model))
+        else:
+            yield from weights
 
     def save_pretrained(self, folder: Path) -> None:
-        """The full model (fp32 masters under bf16) in Hugging Face format, written by rank 0
-        (every rank must call it under ZeRO-3 or bf16)."""
+        """The full model (fp32 masters under bf16) in Hugging Face format, a LoRA model's
+        adapter only (PEFT format), written by rank 0 (every rank must call it under ZeRO-3 or
+        bf16)."""
         import torch.distributed as dist
 
-        weights = dict(self.named_weights())
+        weights = dict(self._state())  # a LoRA model's PEFT save keeps its adapter's entries
         if dist.get_rank() == 0:
             self.model.save_pretrained(folder, state_dict=weights)
 
