@@ -300,6 +300,17 @@ def build_critic(cfg: Config, start: Path, ckpt: Path | None, device) -> TorchBa
     return critic
 
 
+def reference_and_critic(cfg: Config, roles: Roles, start: Path, ckpt: Path | None):
+    """The KL reference and PPO's critic (each None when unused): beside the policy in this
+    process, or on the trainer group's ranks in a Ray mode."""
+    if cfg.placement.mode == "single":
+        reference = build_reference(cfg, start, roles.device, roles.policy)
+        return reference, build_critic(cfg, start, ckpt, roles.device)
+    from treadle.cluster import build_ray_models
+
+    return build_ray_models(cfg, roles.policy, start, ckpt)
+
+
 def compose(
     cfg: Config,
     data: Dataset,
@@ -334,13 +345,7 @@ def compose(
             f"run.steps={version} or more (treadle train --resume {run_dir} run.steps={version})"
         )
     roles = build_roles(cfg, weights, spec, version, run_dir, console, start)
-    if cfg.placement.mode == "single":
-        reference = build_reference(cfg, start, roles.device, roles.policy)
-        critic = build_critic(cfg, start, ckpt, roles.device)
-    else:  # on the trainer group's ranks
-        from treadle.cluster import build_ray_models
-
-        reference, critic = build_ray_models(cfg, roles.policy, start, ckpt)
+    reference, critic = reference_and_critic(cfg, roles, start, ckpt)
     state: RunState | None = load_trainer_state(ckpt, roles.policy) if ckpt else None
     done = state.step if state else 0
     metrics = open_metrics(cfg, run_dir)
