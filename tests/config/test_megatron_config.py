@@ -32,6 +32,11 @@ def test_a_run_refuses_a_megatron_critic():
         load_config(None, ["trainer.backend=megatron", "algorithm.advantage=gae"])
 
 
+def test_a_run_refuses_gradient_checkpointing_under_megatron():
+    with pytest.raises(UserError, match=r"^config trainer\.gradient_checkpointing=true: not wired"):
+        load_config(None, ["trainer.backend=megatron", "trainer.gradient_checkpointing=true"])
+
+
 def test_a_tensor_parallel_of_zero_names_the_key():
     with pytest.raises(UserError, match=r"trainer\.megatron\.tensor_parallel"):
         load_config(None, ["trainer.megatron.tensor_parallel=0"])

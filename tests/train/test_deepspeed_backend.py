@@ -319,3 +319,23 @@ def test_a_lora_policy_under_zero_steps_as_under_torch(stage, folder, tmp_path, 
     backend.save_pretrained(tmp_path / "saved")
     saved = load_file(tmp_path / "saved" / "adapter_model.safetensors")
     assert len(saved) == 28 and all("lora_" in n for n in saved)
+
+
+def test_the_sft_and_dpo_export_of_zero_3_holds_the_whole_weights(
+    folder, tmp_path, one_torch_thread
+):
+    """What `treadle sft`/`dpo` and the SFT warm-up write (``save_model_atomic`` of
+    ``lora.exported(backend)``) under ZeRO-3: the backend's save, the partitions gathered (the
+    module's own tensors are 0-element placeholders outside a gather)."""
+    from transformers import AutoModelForCausalLM
+
+    from treadle.store.atomic import save_model_atomic
+    from treadle.train import lora
+
+    backend = deepspeed_backend(folder, 3)
+    one_step(backend, batch())
+    assert any(p.numel() == 0 for p in backend.model.parameters())  # partitioned away
+    save_model_atomic(lora.exported(backend), load_model(folder)[1], tmp_path / "sft_model")
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "sft_model").state_dict()
+    weights = dict(backend.named_weights())
+    assert all(torch.equal(saved[n], weights[n]) for n in saved)

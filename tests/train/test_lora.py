@@ -61,6 +61,19 @@ def test_unknown_target_module_is_refused_naming_the_models_linears(tiny_qwen2):
         lora.apply_lora(tiny_qwen2(0), LoraConfig(r=4, target_modules=["qkv_proj"]))
 
 
+def test_an_adapter_on_a_tied_output_layer_is_refused(tiny_qwen2):
+    from conftest import tiny_qwen2_config
+    from transformers import Qwen2ForCausalLM
+
+    untied = tiny_qwen2(0)
+    assert not untied.config.tie_word_embeddings  # an untied lm_head takes an adapter
+    lora.apply_lora(untied, LoraConfig(r=4, target_modules=["q_proj", "lm_head"]))
+    model = Qwen2ForCausalLM(tiny_qwen2_config(tie_word_embeddings=True))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    with pytest.raises(UserError, match=r"model.lora.target_modules: lm_head shares its weight"):
+        lora.apply_lora(model, LoraConfig(r=4, target_modules=["q_proj", "lm_head"]))
+
+
 def test_trainable_share_counts_the_adapters_by_hand(tiny_qwen2):
     model = lora.apply_lora(tiny_qwen2(0), LoraConfig(r=4))
     # per layer, r * (in + out): q 32->32: 4*64=256; k, v 32->16 (1 KV head of 16): 4*48=192
@@ -207,6 +220,10 @@ def test_adapter_sync_ten_times_smaller_qwen25_05b_shape_at_r16():
             "model.lora.r=8: LoRA runs with placement.mode=single only",
         ),
         (
+            ["model.lora.r=8", "trainer.backend=deepspeed", "trainer.deepspeed.zero_stage=3"],
+            "model.lora.r=8: LoRA under ZeRO-3",
+        ),
+        (
             ["model.lora.r=8", "trainer.backend=megatron"],
             "model.lora.r=8: LoRA runs on trainer.backend=torch or deepspeed, not megatron",
         ),
@@ -248,7 +265,7 @@ def test_sft_with_lora_sft_trains_adapters_and_exports_the_merged_model(tiny_qwe
     backend = sft_backend(cfg, tiny_qwen2(0), 2)
     assert lora.is_lora(backend.model)
     backend.train_step(SAMPLES, SFTObjective())
-    lora.exported(backend.model).save_pretrained(tmp_path / "sft_model")
+    lora.exported(backend).save_pretrained(tmp_path / "sft_model")
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "sft_model").state_dict()
     merged = dict(backend.named_weights())
     assert saved.keys() == merged.keys()

@@ -244,3 +244,19 @@ def test_tp2_over_two_processes_matches_the_torch_backend(folder, tmp_path, one_
     engine.update_weights(got["weights"].items(), version=1)
     engine_lp = engine.prompt_logprobs([s.token_ids for s in batch()])
     assert (flat(engine_lp) - flat(got["logprobs_after"])).abs().max() < 1e-4
+
+
+def test_the_sft_and_dpo_export_is_a_hugging_face_model(folder, tmp_path, one_torch_thread):
+    """What `treadle sft`/`dpo` and the SFT warm-up write (``save_model_atomic`` of
+    ``lora.exported(backend)``): the backend's own save, an HF folder whose weights are the
+    trained ones (a GPTModel has no ``save_pretrained`` of its own)."""
+    from treadle.store.atomic import save_model_atomic
+    from treadle.train import lora
+
+    backend = MegatronBackend(load_model(folder)[0], MEGA, 10)
+    step(backend, batch())
+    assert lora.exported(backend) is backend
+    save_model_atomic(lora.exported(backend), load_model(folder)[1], tmp_path / "sft_model")
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "sft_model").state_dict()
+    weights = dict(backend.named_weights())
+    assert all(torch.equal(saved[n], weights[n]) for n in saved)

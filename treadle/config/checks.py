@@ -298,6 +298,11 @@ def _check_megatron(cfg: Config) -> None:
             "placement.mode=single with trainer.megatron.tensor_parallel=1 and "
             "pipeline_parallel=1 (the Ray trainer group hosts FSDP2 ranks only)"
         )
+    if cfg.trainer.gradient_checkpointing:
+        raise UserError(
+            "config trainer.gradient_checkpointing=true: not wired to megatron-core's "
+            "activation recomputation yet; set it to false with trainer.backend=megatron"
+        )
     if cfg.algorithm.advantage == "gae":
         raise UserError(
             "config trainer.backend=megatron: a critic (algorithm.advantage=gae) is not "
@@ -322,6 +327,12 @@ def _check_lora(cfg: Config) -> None:
         raise UserError(
             f"config model.lora.r={lora.r}: LoRA runs on trainer.backend=torch or deepspeed, "
             "not megatron; set model.lora.r=0 or another trainer.backend"
+        )
+    if cfg.trainer.backend == "deepspeed" and cfg.trainer.deepspeed.zero_stage == 3:
+        raise UserError(
+            f"config model.lora.r={lora.r}: LoRA under ZeRO-3 (trainer.deepspeed.zero_stage=3) "
+            "is not supported yet (the adapter sync and export read unpartitioned weights); use "
+            "trainer.deepspeed.zero_stage=1 or 2"
         )
     if lora.sync == "adapter" and cfg.rollout.engine != "vllm":
         raise UserError(

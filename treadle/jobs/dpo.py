@@ -378,7 +378,7 @@ def run_dpo(cfg: Config, console: Console | None = None) -> Path:
         ref_model, _ = load_model(start, "float32")
         reference = build_backend(ref_model.to(device), cfg.trainer, 1, trainable=False)
     before, after = _train_and_evaluate(cfg, policy, reference, train, held_out, run_dir, console)
-    folder = save_model_atomic(lora.exported(policy.model), tokenizer, run_dir / "dpo_model")
+    folder = save_model_atomic(lora.exported(policy), tokenizer, run_dir / "dpo_model")
     summary = _summary(cfg, len(train), len(held_out), before, after, started)
     write_json_atomic(run_dir / "dpo_summary.json", summary)
     _print_summary(console, summary)

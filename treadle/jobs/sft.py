@@ -224,7 +224,7 @@ def warm_up(cfg: Config, data: Dataset, start: Path, run_dir: Path, console: Con
             on_step=on_step,
         )
     metrics.close()
-    return save_model_atomic(lora.exported(backend.model), tokenizer, folder)
+    return save_model_atomic(lora.exported(backend), tokenizer, folder)
 
 
 def sft_only(cfg: Config, console: Console | None = None) -> Path:

@@ -239,7 +239,7 @@ def evaluate_after_rl(parts: RLParts, console: Console, rl_seconds: float) -> di
     after = evaluate_policy(parts)
     parts.metrics.log(cfg.run.steps, after.metrics())
     # LoRA: the merged model users load (its adapter in final_model/adapter)
-    policy = lora.MergedExport(parts.policy.model) if cfg.model.lora.r > 0 else parts.policy
+    policy = lora.exported(parts.policy) if cfg.model.lora.r > 0 else parts.policy
     save_model_atomic(policy, parts.tokenizer, parts.run_dir / "final_model")
     return {
         "accuracy_after_rl": after.pass_at_1,

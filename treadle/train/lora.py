@@ -62,7 +62,8 @@ def apply_lora(
 
     Raises:
         UserError: ``model.lora.target_modules`` names a module the model has no linear of
-            (the model's linear names are listed), or the adapter folder does not load.
+            (the model's linear names are listed) or a tied ``lm_head``, or the adapter folder
+            does not load.
     """
     import peft
 
@@ -73,6 +74,12 @@ def apply_lora(
             raise UserError(
                 f"config model.lora.target_modules: {missing} are not linear modules of this "
                 f"model; its linear modules are {names} (or use 'all-linear')"
+            )
+        if "lm_head" in cfg.target_modules and getattr(model.config, "tie_word_embeddings", False):
+            raise UserError(
+                "config model.lora.target_modules: lm_head shares its weight with the input "
+                "embedding in this model (tie_word_embeddings), so its adapter could not be "
+                "merged into the one tensor engines and exports keep; leave lm_head out"
             )
     if adapter is not None:
         try:
@@ -177,10 +184,12 @@ class MergedExport:
         self.model.save_pretrained(Path(folder) / ADAPTER_DIRNAME)
 
 
-def exported(model: torch.nn.Module):
-    """What to save of a trained ``model`` as a Hugging Face folder: a PEFT model merged
-    (:class:`MergedExport`), any other model as it is."""
-    return MergedExport(model) if is_lora(model) else model
+def exported(backend):
+    """What to save of a trained ``backend`` (a ``TrainingBackend``) as a Hugging Face folder:
+    a PEFT model merged (:class:`MergedExport`), else the backend itself, whose
+    ``save_pretrained`` writes full Hugging Face weights whatever it holds (ZeRO-3's partitions
+    gathered, Megatron's layout converted back)."""
+    return MergedExport(backend.model) if is_lora(backend.model) else backend
 
 
 def engine_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
