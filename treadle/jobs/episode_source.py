@@ -19,8 +19,11 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from treadle.core.metrics import Metric, Reduction
 from treadle.core.protocols import SamplingParams, WeightSync
+from treadle.core.threads import pin_threads
 from treadle.core.types import DataPosition, Task
 from treadle.jobs.sources import Batch, RolloutInputs, collect_rollouts, task_at
 from treadle.store.observe import timed
@@ -67,6 +70,7 @@ class StreamedEpisodes:
         self._dropped_batches = self._dropped_prompts = 0
         self._busy_s = 0.0
         self._t0 = time.perf_counter()
+        self._threads = torch.get_num_threads()  # this thread's, for the engine thread
         self._thread = threading.Thread(target=self._run, name="treadle-episodes", daemon=True)
         self._thread.start()
 
@@ -85,6 +89,7 @@ class StreamedEpisodes:
         return tasks
 
     def _run(self) -> None:
+        pin_threads(self._threads)
         try:
             while True:
                 with self._cond:

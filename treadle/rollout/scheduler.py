@@ -36,8 +36,11 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
+import torch
+
 from treadle.core.metrics import Metric, Reduction
 from treadle.core.protocols import Request, RequestEngine, SamplingParams, WeightSync
+from treadle.core.threads import pin_threads
 from treadle.core.types import Completion, DataPosition, FinishReason, RolloutGroup, Task
 from treadle.rollout.generate import Generated, Scored
 
@@ -158,6 +161,7 @@ class RolloutScheduler:
         self._paused = self._stopped = self._parked = False
         self._error: BaseException | None = None
         self._scorer = ThreadPoolExecutor(1, thread_name_prefix="treadle-score")
+        self._threads = torch.get_num_threads()  # this thread's, for the engine thread
         self._thread = threading.Thread(target=self._run, name="treadle-rollout", daemon=True)
         self._t0 = time.perf_counter()
         self._thread.start()
@@ -165,6 +169,7 @@ class RolloutScheduler:
     # -- the engine thread ------------------------------------------------------------------
 
     def _run(self) -> None:
+        pin_threads(self._threads)
         try:
             while True:
                 with self._cond:
