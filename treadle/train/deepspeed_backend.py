@@ -101,6 +101,20 @@ def init_single_process_group() -> None:
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1)
 
 
+def _forget_destroyed_groups() -> None:
+    """Drop DeepSpeed's cached world and data-parallel groups when their process group has been
+    destroyed since (an in-process vLLM engine's shutdown destroys the world-1 group, and a
+    later backend would broadcast over the dead one: "Group ... is not registered")."""
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    live = dist.distributed_c10d._world.pg_group_ranks
+    for name in ("_WORLD_GROUP", "_DATA_PARALLEL_GROUP"):
+        group = getattr(groups, name)
+        if group is not None and group not in live:
+            setattr(groups, name, None)
+
+
 def ds_config(cfg: TrainerConfig, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """The DeepSpeed config of ``cfg`` (``extra`` merged into it, one level deep per section).
 
@@ -165,6 +179,7 @@ class DeepSpeedBackend(TorchBackend):
         self._all = list(model.parameters())
         masters = [p.detach().clone() for p in self._params] if cfg.bf16_autocast else None
         init_single_process_group()
+        _forget_destroyed_groups()
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=self.optimizer, lr_scheduler=self.scheduler, config=config
         )
