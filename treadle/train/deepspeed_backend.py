@@ -56,11 +56,9 @@ import torch
 from transformers import PreTrainedModel
 
 from treadle.config import TrainerConfig
-from treadle.core.batch import MicroBatch
 from treadle.core.errors import UserError
 from treadle.core.protocols import OptimizerState
 from treadle.train import lora
-from treadle.train.packed_attention import packed_attention
 from treadle.train.torch_backend import TorchBackend
 
 SHM_COMM_OP = "deepspeed_shm_comm"
@@ -191,21 +189,11 @@ class DeepSpeedBackend(TorchBackend):
             for p, master in zip(self._params, masters, strict=True):
                 safe_set_full_fp32_param(p, master.to(self.device))
 
-    def _model_forward(self, mb: MicroBatch, keep: torch.Tensor | None) -> torch.Tensor:
-        """:meth:`TorchBackend._model_forward` through ``engine.forward``, which starts ZeRO's
-        bookkeeping of each micro-batch (without it ZeRO-3 overwrites, instead of adding to,
-        the gradients of the micro-batches before the last)."""
-        if self.engine is None:
-            return super()._model_forward(mb, keep)
-        kwargs = {"input_ids": mb.input_ids, "position_ids": mb.position_ids, "use_cache": False}
-        if keep is not None:
-            kwargs["logits_to_keep"] = keep
-        if self.packing == "shared" and len(mb.seq_lens) > 1:
-            with packed_attention(self.model):
-                return self.engine(
-                    **kwargs, packed_gather=mb.attn_gather, packed_scatter=mb.attn_scatter
-                ).logits
-        return self.engine(**kwargs).logits
+    def _forward_module(self) -> torch.nn.Module:
+        """``engine.forward`` once the engine exists (the packing probe runs on the bare model):
+        it starts ZeRO's bookkeeping of each micro-batch (without it ZeRO-3 overwrites, instead
+        of adding to, the gradients of the micro-batches before the last)."""
+        return self.model if self.engine is None else self.engine
 
     def backward(self, loss: torch.Tensor) -> None:
         """Accumulate a micro-batch's gradients through the engine (no 1/steps scaling: the

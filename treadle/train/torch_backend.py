@@ -176,13 +176,19 @@ class TorchBackend:
         kwargs = {"input_ids": mb.input_ids, "position_ids": mb.position_ids, "use_cache": False}
         if keep is not None:
             kwargs["logits_to_keep"] = keep
+        call = self._forward_module()
         if self.packing == "shared" and len(mb.seq_lens) > 1:
             with packed_attention(self.model):
-                return self.model(
+                return call(
                     **kwargs, packed_gather=mb.attn_gather, packed_scatter=mb.attn_scatter
                 ).logits
         assert not mb.shared, "shared prefixes need the packed attention"
-        return self.model(**kwargs).logits
+        return call(**kwargs).logits
+
+    def _forward_module(self) -> torch.nn.Module:
+        """What a forward pass calls: the model (a backend that wraps it, e.g. DeepSpeed's
+        engine, returns the wrapper)."""
+        return self.model
 
     @torch.no_grad()
     def _probe_packing(self) -> Packing:
