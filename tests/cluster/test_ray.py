@@ -34,6 +34,22 @@ TRAINER = TrainerConfig(lr=1e-3, micro_batch_tokens=96, grad_clip=1.0)
 OBJECTIVE = PolicyObjective.from_config(AlgorithmConfig(), 8)
 
 
+def tiny_model_folder(folder, kv_heads: int = 1):
+    """A tiny Qwen2 policy (2 layers, 64 wide, 2 query heads over ``kv_heads``) of an addition
+    tokenizer saved in ``folder``: ``(folder, tokenizer)``."""
+    tokenizer = build_tokenizer([f"{a} + {b} = {a + b}" for a in range(30) for b in range(30)], 300)
+    tiny = TinyModelConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=256,
+    )
+    save_model_atomic(build_tiny_model(tiny, tokenizer, seed=0), tokenizer, folder)
+    return folder, tokenizer
+
+
 @pytest.fixture(scope="module")
 def roles(tmp_path_factory):
     import ray
@@ -43,17 +59,7 @@ def roles(tmp_path_factory):
     from treadle.cluster.placement import place
     from treadle.cluster.trainer_group import TrainerGroup
 
-    folder = tmp_path_factory.mktemp("ray") / "model"
-    tokenizer = build_tokenizer([f"{a} + {b} = {a + b}" for a in range(30) for b in range(30)], 300)
-    tiny = TinyModelConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=256,
-    )
-    save_model_atomic(build_tiny_model(tiny, tokenizer, seed=0), tokenizer, folder)
+    folder, tokenizer = tiny_model_folder(tmp_path_factory.mktemp("ray") / "model")
     cfg = PlacementConfig(mode="disaggregated", trainers=2, engines=1)
     placement = place(cfg)
     trainers = TrainerGroup(cfg, placement, folder, TRAINER, 20, 1.0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from treadle.config import load_config
@@ -15,16 +17,43 @@ def test_megatron_section_loads_from_overrides():
 
 
 @pytest.mark.parametrize(
-    "override",
+    ("overrides", "fix"),
     [
-        "trainer.megatron.tensor_parallel=2",
-        "trainer.megatron.pipeline_parallel=2",
-        "placement.mode=colocated",
+        # one process holds tensor parallel 1 only: the fix names the Ray group of 2 ranks
+        (
+            ["trainer.megatron.tensor_parallel=2"],
+            r"use placement\.mode=disaggregated \(or colocated\) with placement\.trainers=2$",
+        ),
+        # two Ray ranks are one TP group of 2 (no data parallelism over Megatron ranks)
+        (
+            ["placement.mode=colocated", "placement.trainers=2", "placement.engines=1"],
+            r"use trainer\.megatron\.tensor_parallel=2$",
+        ),
+        (
+            [
+                "placement.mode=disaggregated",
+                "placement.trainers=4",
+                "trainer.megatron.tensor_parallel=2",
+            ],
+            r"\(4 rank\(s\) .*use trainer\.megatron\.tensor_parallel=4$",
+        ),
     ],
 )
-def test_a_run_refuses_what_one_process_cannot_hold(override):
-    with pytest.raises(UserError, match=r"trainer\.backend=megatron .*use placement\.mode=single"):
-        load_config(None, ["trainer.backend=megatron", override])
+def test_a_tensor_parallel_size_other_than_the_ranks_is_refused(overrides, fix):
+    with pytest.raises(UserError, match=r"^config trainer\.megatron\.tensor_parallel=\d: ") as e:
+        load_config(None, ["trainer.backend=megatron", *overrides])
+    assert re.search(fix, str(e.value)) and "\n" not in str(e.value)
+
+
+def test_tensor_parallel_over_the_ray_ranks_loads():
+    overrides = ["trainer.megatron.tensor_parallel=2", "placement.mode=disaggregated"]
+    cfg = load_config(None, ["trainer.backend=megatron", *overrides, "placement.trainers=2"])
+    assert (cfg.placement.trainers, cfg.trainer.megatron.tensor_parallel) == (2, 2)
+
+
+def test_pipeline_parallelism_is_refused():
+    with pytest.raises(UserError, match=r"^config trainer\.megatron\.pipeline_parallel=2: .*=1$"):
+        load_config(None, ["trainer.backend=megatron", "trainer.megatron.pipeline_parallel=2"])
 
 
 def test_a_run_refuses_a_megatron_critic():

@@ -249,10 +249,7 @@ RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "default.yaml"
     ("overrides", "message"),
     [
         (["trainer.deepspeed.zero_stage=5"], r"trainer\.deepspeed\.zero_stage: expected one of"),
-        (
-            ["trainer.backend=deepspeed", "placement.mode=colocated"],
-            r"trainer\.backend=deepspeed: runs in one process only",
-        ),
+        (["trainer.deepspeed.zero_stage=0"], r"trainer\.deepspeed\.zero_stage: expected one of"),
     ],
 )
 def test_bad_deepspeed_config_is_one_line_naming_the_key(overrides, message):

@@ -44,10 +44,10 @@ def test_split_of_each_kind():
     assert split_of("decoder.final_layernorm.weight") == "replicated"
 
 
-def qwen2(tied: bool) -> Qwen2ForCausalLM:
+def qwen2(tied: bool, vocab: int = 64) -> Qwen2ForCausalLM:
     torch.manual_seed(0)
     config = Qwen2Config(
-        vocab_size=64,
+        vocab_size=vocab,
         hidden_size=32,
         intermediate_size=48,
         num_hidden_layers=2,
@@ -115,6 +115,24 @@ def test_tp2_shards_hold_their_heads_and_halves():
     # row-parallel o_proj: rank 1 holds the input columns of heads 2, 3
     o = r1["decoder.layers.0.self_attention.linear_proj.weight"]
     assert torch.equal(o, hf[a + "o_proj.weight"][:, 16:])
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_vocabulary_tp_does_not_divide_is_padded_and_unpadded(tied):
+    model = qwen2(tied, vocab=63)
+    hf = model.state_dict()
+    shape = MegatronShape.from_hf_config(model.config)
+    r0, r1 = to_megatron(hf, shape, 2)
+    names = ["embedding.word_embeddings.weight"] + ([] if tied else ["output_layer.weight"])
+    for name, source in zip(
+        names, ["model.embed_tokens.weight", "lm_head.weight"][: len(names)], strict=True
+    ):
+        # 63 rows padded to 64 (the next multiple of 2): rank 0 rows 0..31, rank 1 rows
+        # 32..62 and one zero row
+        assert r0[name].shape == r1[name].shape == (32, 32)
+        assert torch.equal(r1[name][:31], hf[source][32:]) and not r1[name][31].any()
+    back = to_hf([r0, r1], shape)
+    assert all(torch.equal(back[k], hf[k]) for k in hf) and back["lm_head.weight"].shape[0] == 63
 
 
 def test_refuses_a_tp_that_does_not_divide_the_kv_heads():

@@ -1,5 +1,6 @@
-"""The trainer group: N Ray actors forming one torch.distributed group, training with FSDP2,
-behind the same :class:`~treadle.core.protocols.TrainingBackend` as one process.
+"""The trainer group: N Ray actors forming one torch.distributed group, training with FSDP2
+(``trainer.backend=torch``), DeepSpeed ZeRO or megatron-core tensor parallelism, behind the same
+:class:`~treadle.core.protocols.TrainingBackend` as one process.
 
 Layers: :class:`TrainerGroup` (driver side: splits a step's batch across ranks, merges their
 metrics) -> :class:`~treadle.cluster.trainer_worker.TrainerWorker` (one Ray actor per rank: owns
@@ -16,6 +17,10 @@ gloo backend cannot reduce with a custom divide factor). All ranks run the same 
 micro-batches (the largest count, padded with a fully masked filler sample), because every
 forward and backward of a sharded model is a collective. The ranks' metrics are merged by their
 declared reductions (:func:`treadle.core.metrics.merge_ranks`).
+
+Under ``trainer.backend=megatron`` the ranks are one tensor-parallel group (no data
+parallelism): every rank gets the whole optimizer step's samples, their loss is one loss
+(unscaled), and rank 0's metrics and outputs are the group's (every rank computes the same).
 
 The KL reference and PPO's critic live on the same ranks (:meth:`TrainerGroup.add_model`), each
 sharded like the policy, as verl colocates the actor, the reference and the critic on its
@@ -75,8 +80,9 @@ def filler_of(sample: TrainSample) -> TrainSample:
 
 
 class TrainerGroup:
-    """``placement.trainers`` FSDP2 ranks behind :class:`~treadle.core.protocols.TrainingBackend`,
-    as the loop and the checkpoints drive one process's backend.
+    """``placement.trainers`` ranks (FSDP2, ZeRO or tensor parallel) behind
+    :class:`~treadle.core.protocols.TrainingBackend`, as the loop and the checkpoints drive one
+    process's backend.
 
     Args:
         cfg: the placement section (ranks, threads, backend).
@@ -97,6 +103,9 @@ class TrainerGroup:
 
         self.cfg, self.trainer_cfg, self.temperature = cfg, trainer, temperature
         self.backend = resolve_backend(cfg)
+        self.replicated = trainer.backend == "megatron"
+        """Every rank takes the same samples (tensor parallel), else each a share (data
+        parallel)."""
         self.role, self.trainable, self.head = "policy", True, "lm"
         """The model on the ranks this object drives (:meth:`add_model` gives the others)."""
         host = ray.util.get_node_ip_address()
@@ -154,6 +163,10 @@ class TrainerGroup:
 
     def _split(self, samples: Sequence[TrainSample]) -> tuple[list[list[int]], int]:
         """Each rank's sample indices and the micro-batch count every rank runs."""
+        if self.replicated:
+            every = list(range(len(samples)))
+            budget = self.trainer_cfg.micro_batch_tokens
+            return [every] * len(self.workers), len(plan(samples, budget, self.packing))
         parts = balance([len(s) for s in samples], len(self.workers))
         budget = self.trainer_cfg.micro_batch_tokens
         counts = [len(plan([samples[i] for i in p], budget, self.packing)) for p in parts]
@@ -185,6 +198,8 @@ class TrainerGroup:
                     for w, steps in zip(self.workers, per_rank, strict=True)
                 ]
             )
+        if self.replicated:  # one model over the ranks: each rank's metrics are the group's
+            results = results[:1]
         merged = [merge_ranks([r[k] for r in results]) for k in range(len(chunks))]
         return mean_over_steps(merged) | throughput(samples, time.perf_counter() - start)
 
@@ -212,6 +227,8 @@ class TrainerGroup:
                 for w, idx in zip(self.workers, parts, strict=True)
             ]
         )
+        if self.replicated:  # every rank computed every sample: rank 0's
+            parts, outs = parts[:1], outs[:1]
         result: list[list[float]] = [[] for _ in samples]
         for idx, values in zip(parts, outs, strict=True):
             for i, v in zip(idx, values, strict=True):

@@ -1,9 +1,20 @@
-"""One rank of the trainer group: a Ray actor owning its FSDP2 shard of the policy and its
-optimizer (and of a KL reference and a critic when the run has them:
-:meth:`TrainerWorker.add_model`), training with the same
-:class:`~treadle.train.torch_backend.TorchBackend` as one process does (on a model whose decoder
-layers and root are wrapped by ``fully_shard``), and the sending end of the weight transports.
-The driver side is :class:`~treadle.cluster.trainer_group.TrainerGroup`.
+"""One rank of the trainer group: a Ray actor owning its part of the policy and its optimizer
+(and of a KL reference and a critic when the run has them: :meth:`TrainerWorker.add_model`),
+training with the same backend as one process does, and the sending end of the weight
+transports. The driver side is :class:`~treadle.cluster.trainer_group.TrainerGroup`.
+
+What a rank holds follows ``trainer.backend``:
+
+- ``torch``: an FSDP2 shard (decoder layers and root wrapped by ``fully_shard``) under a
+  :class:`~treadle.train.torch_backend.TorchBackend`;
+- ``deepspeed``: a ZeRO data-parallel rank
+  (:class:`~treadle.train.deepspeed_backend.DeepSpeedBackend` over this group: the optimizer
+  state, and under ZeRO-3 the weights, partitioned over ranks);
+- ``megatron``: a tensor-parallel rank (:class:`~treadle.train.megatron_backend.MegatronBackend`
+  with ``trainer.megatron.tensor_parallel`` = the group size: every rank gets the same samples).
+
+The two data-parallel kinds average gradients over ranks (the loss is scaled by the world
+size); the tensor-parallel one computes one loss over all ranks (scale 1).
 
 Methods marked "every rank calls" are collectives: the driver calls them on all ranks at once.
 """
@@ -14,6 +25,7 @@ import datetime
 import json
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -31,17 +43,20 @@ from treadle.core.batch import StepTotals
 from treadle.core.metrics import Metric
 from treadle.core.protocols import Objective, OptimizerState
 from treadle.core.types import TrainSample
+from treadle.train.convert import Layout
+from treadle.train.torch_backend import TorchBackend
 
 
 class TrainerWorker:
-    """One FSDP2 rank (a Ray actor; plain class so it can be tested without Ray).
+    """One trainer rank (a Ray actor; plain class so it can be tested without Ray): FSDP2,
+    ZeRO or tensor parallel by ``cfg.backend`` (module docstring).
 
     Args:
         rank, world: this rank and the group size.
         init_method: ``tcp://host:port`` of rank 0's rendezvous.
         model_dir: Hugging Face folder of the starting weights (every rank loads them, then
             keeps its shard).
-        cfg: the trainer config (optimizer, micro-batch budget, ...).
+        cfg: the trainer config (backend, optimizer, micro-batch budget, ...).
         total_steps: optimizer steps planned (LR schedule).
         temperature: sampling temperature (logits are divided by it).
         threads: torch intra-op threads of this process.
@@ -64,7 +79,6 @@ class TrainerWorker:
         from torch.distributed.device_mesh import init_device_mesh
 
         from treadle.store.models import load_model
-        from treadle.train.torch_backend import TorchBackend
 
         torch.set_num_threads(threads)
         self.rank, self.world = rank, world
@@ -80,17 +94,38 @@ class TrainerWorker:
             torch.cuda.set_device(device)
         else:
             device = torch.device("cpu")
+        os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed's engine asserts it is set
         model, _ = load_model(model_dir, "float32")
         model.to(device)
-        self.device, self.mesh = device, init_device_mesh(device.type, (world,))
-        shard(model, self.mesh)
+        self.device, self.kind = device, cfg.backend
+        self.mesh = init_device_mesh(device.type, (world,)) if self.kind == "torch" else None
         # bf16 compute (trainer.bf16_autocast) is the backend's autocast, as in one process:
         # the shards, their gradients and the optimizer stay fp32 (see add_model's note).
-        self.backend = TorchBackend(model, cfg, total_steps, temperature)
+        self.backend = self._build(model, cfg, total_steps, temperature, True, "lm")
         self.models: dict[str, TorchBackend] = {"policy": self.backend}
         """The models this rank hosts by role: the policy, and any :meth:`add_model` added."""
         self._sync_group = None
         self._gatherers: dict[tuple[str, int], ShardGatherer] = {}  # by (dtype, bucket bytes)
+        # the engine's weight names and full shapes, in send order (a gather for the
+        # non-FSDP kinds, so taken here, where every rank runs, and kept)
+        self._shapes = [(n, lay.shape) for n, _, lay in self.weight_stream()]
+
+    def _build(self, model, cfg: TrainerConfig, total_steps, temperature, trainable, head):
+        """The backend of ``trainer.backend`` over ``model`` on this rank (module docstring);
+        every rank calls (building is a collective for each kind)."""
+        if self.kind == "torch":
+            shard(model, self.mesh)
+            return TorchBackend(model, cfg, total_steps, temperature, trainable, head)
+        from treadle.train.backends import build_backend
+
+        return build_backend(model, cfg, total_steps, temperature, trainable, head)
+
+    @property
+    def loss_scale(self) -> float:
+        """The factor of each rank's loss: the world size where gradients are averaged over
+        data-parallel ranks (FSDP2, ZeRO), 1 where the ranks share one model (tensor
+        parallel)."""
+        return 1.0 if self.kind == "megatron" else float(self.world)
 
     def packing(self) -> str:
         """How this rank's backend packs micro-batches (the driver plans with it)."""
@@ -119,14 +154,12 @@ class TrainerWorker:
         fp32), so their losses agree to bf16 rounding, at the cost of fp32 all-gathers.
         """
         from treadle.store.models import load_critic, load_model
-        from treadle.train.torch_backend import TorchBackend
 
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = load_critic(model_dir) if head == "value" else load_model(model_dir)[0]
         model.to(self.device)
-        shard(model, self.mesh)
-        backend = TorchBackend(model, cfg, total_steps, temperature, trainable, head)
+        backend = self._build(model, cfg, total_steps, temperature, trainable, head)
         self.models[role] = backend
         return backend.packing
 
@@ -153,7 +186,7 @@ class TrainerWorker:
                 totals,
                 micro,
                 filler,
-                loss_scale=float(self.world),
+                loss_scale=self.loss_scale,
                 mismatch=objective.engine_sampled and k == 0,
             )
             for k, (samples, totals, micro) in enumerate(steps)
@@ -181,8 +214,11 @@ class TrainerWorker:
     def _gathered(self, role: str, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
         """The ``role`` model's state dict gathered whole (an all-gather per tensor: every rank
         calls), cast to ``dtype``, on the CPU."""
+        backend = self.models[role]
+        if self.kind != "torch":  # the backend's own gathered HF weights
+            return [(n, t.detach().to("cpu", dtype)) for n, t in backend.named_weights()]
         out = []
-        for name, tensor in self.models[role].model.state_dict().items():
+        for name, tensor in backend.model.state_dict().items():
             full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
             out.append((name, full.detach().to("cpu", dtype)))
         return out
@@ -190,13 +226,18 @@ class TrainerWorker:
     # --- full weights (collective: every rank calls, in the same order) -------------------------
 
     def layout(self, dtype: str) -> list[tuple[str, tuple[int, ...], str]]:
-        """``(name, global shape, dtype)`` of every weight the engine gets, in send order."""
-        return [(n, tuple(t.shape), dtype) for n, t in self.backend.model.state_dict().items()]
+        """``(name, global shape, dtype)`` of every weight the engine gets, in send order (rank
+        0 alone may be asked: no collective)."""
+        return [(n, tuple(shape), dtype) for n, shape in self._shapes]
 
     def weight_stream(self) -> list[Piece]:
         """This rank's pieces of every weight, in send order: the
-        :mod:`treadle.train.convert` stream (Hugging Face names; dim-0 shards of FSDP2)."""
-        return local_stream(self.backend.model.state_dict(), self.rank, self.world)
+        :mod:`treadle.train.convert` stream (Hugging Face names; dim-0 shards of FSDP2; the
+        full tensors the DeepSpeed and Megatron backends gather over the group, a collective,
+        of which rank 0's are sent)."""
+        if self.kind == "torch":
+            return local_stream(self.backend.model.state_dict(), self.rank, self.world)
+        return [(n, t, Layout("full", tuple(t.shape))) for n, t in self.backend.named_weights()]
 
     def _buckets(self, dtype: str, bucket_bytes: int, shared: bool) -> Iterator[Bucket | None]:
         """The engine's buckets of the whole model, cast to ``dtype``, filled on rank 0 (None
@@ -252,6 +293,9 @@ class TrainerWorker:
     def save_pretrained(self, folder: str, role: str = "policy") -> None:
         """Rank 0 writes the whole ``role`` model in Hugging Face format (every rank must
         call)."""
+        if self.kind != "torch":  # the backend's own export (a collective; rank 0 writes)
+            self.models[role].save_pretrained(Path(folder))
+            return
         weights = (
             self.full_weights("float32")
             if role == "policy"
@@ -281,8 +325,11 @@ class TrainerWorker:
             get_optimizer_state_dict,
         )
 
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         backend = self.models[role]
+        if self.kind != "torch":  # gathered by the backend (a collective)
+            state = backend.optimizer_state()
+            return state if self.rank == 0 else None
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_optimizer_state_dict(backend.model, backend.optimizer, options=options)
         if self.rank != 0:
             return None
@@ -300,8 +347,11 @@ class TrainerWorker:
             set_optimizer_state_dict,
         )
 
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
         backend = self.models[role]
+        if self.kind != "torch":  # each rank takes its part of the full state
+            backend.load_optimizer_state(state)
+            return
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
         names = [n for n, _ in backend.model.named_parameters()]
         set_optimizer_state_dict(
             backend.model,

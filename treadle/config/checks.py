@@ -69,11 +69,6 @@ def _check_placement(cfg: Config) -> None:
             f"config placement.engines: colocated puts each engine in a trainer's bundle, so at "
             f"most placement.trainers ({p.trainers}) engines, got {p.engines}"
         )
-    if cfg.trainer.backend == "deepspeed":
-        raise UserError(
-            f"config trainer.backend=deepspeed: runs in one process only, not the Ray trainer "
-            f"group of placement.mode={p.mode}; use placement.mode=single or trainer.backend=torch"
-        )
 
 
 def _check_rollout_mode(cfg: Config) -> None:
@@ -285,18 +280,30 @@ def _check_batch(cfg: Config) -> None:
 
 
 def _check_megatron(cfg: Config) -> None:
-    """What the megatron-core backend runs: one trainer process, a policy (and a reference),
-    no critic."""
+    """What the megatron-core backend runs: tensor parallel 1 in one process, or over the Ray
+    trainer group's ranks (tensor parallel = ``placement.trainers``, no data parallelism); a
+    policy and a reference, no critic, no pipeline parallelism."""
     if cfg.trainer.backend != "megatron":
         return
     m = cfg.trainer.megatron
-    if cfg.placement.mode != "single" or m.tensor_parallel > 1 or m.pipeline_parallel > 1:
+    if m.pipeline_parallel != 1:
         raise UserError(
-            f"config trainer.backend=megatron (placement.mode={cfg.placement.mode}, "
-            f"trainer.megatron.tensor_parallel={m.tensor_parallel}, pipeline_parallel="
-            f"{m.pipeline_parallel}): treadle's runs train it in one process; use "
-            "placement.mode=single with trainer.megatron.tensor_parallel=1 and "
-            "pipeline_parallel=1 (the Ray trainer group hosts FSDP2 ranks only)"
+            f"config trainer.megatron.pipeline_parallel={m.pipeline_parallel}: pipeline "
+            "parallelism is not implemented; use trainer.megatron.pipeline_parallel=1"
+        )
+    ranks = 1 if cfg.placement.mode == "single" else cfg.placement.trainers
+    if m.tensor_parallel != ranks:
+        fix = (
+            "placement.mode=disaggregated (or colocated) with placement.trainers="
+            f"{m.tensor_parallel}"
+            if cfg.placement.mode == "single"
+            else f"trainer.megatron.tensor_parallel={ranks}"
+        )
+        raise UserError(
+            f"config trainer.megatron.tensor_parallel={m.tensor_parallel}: the trainer ranks "
+            f"are one tensor-parallel group ({ranks} rank(s) with placement.mode="
+            f"{cfg.placement.mode}; data parallelism over Megatron ranks is not implemented); "
+            f"use {fix}"
         )
     if cfg.trainer.gradient_checkpointing:
         raise UserError(

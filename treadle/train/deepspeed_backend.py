@@ -295,11 +295,15 @@ class DeepSpeedBackend(TorchBackend):
             # the fp32 partitions torch's AdamW steps (it creates their state lazily)
             flats = self.optimizer.fp32_partitioned_groups_flat if self._stage3 else None
             for flat in flats or inner.param_groups[0]["params"]:
-                inner.state[flat] = {
-                    "step": torch.tensor(step),
+                # A state stepped already is reset in place: ZeRO-1/2 link each parameter's
+                # fragment to these very tensors once, so fresh ones would be left unwritten.
+                moments = inner.state.get(flat) or {
                     "exp_avg": torch.zeros_like(flat),
                     "exp_avg_sq": torch.zeros_like(flat),
                 }
+                moments["exp_avg"].zero_()
+                moments["exp_avg_sq"].zero_()
+                inner.state[flat] = moments | {"step": torch.tensor(step)}
             if not self._stage3:  # ZeRO-1/2 link the parameters to it after a first step
                 self.optimizer._lazy_init_hp_params_optimizer_state()
             for index, p in zip(group["params"], self._params, strict=True):

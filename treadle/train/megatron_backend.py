@@ -21,6 +21,7 @@ On a CPU, megatron-core's CUDA-only spots are redirected first (:mod:`treadle.tr
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Literal
 
@@ -32,8 +33,15 @@ from transformers import PreTrainedModel
 from treadle.config import TrainerConfig
 from treadle.core.batch import MicroBatch, TokenOutputs
 from treadle.core.errors import UserError
+from treadle.core.protocols import OptimizerState
 from treadle.train import megatron_cpu
-from treadle.train.megatron_convert import MegatronShape, split_of, to_hf, to_megatron
+from treadle.train.megatron_convert import (
+    MegatronShape,
+    padded_vocab,
+    split_of,
+    to_hf,
+    to_megatron,
+)
 from treadle.train.packing import Packing
 from treadle.train.torch_backend import TorchBackend
 
@@ -156,10 +164,11 @@ def block_causal_mask(segments: torch.Tensor) -> torch.Tensor:
 
 
 def vocab_parallel_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, entropy_grad: bool
+    logits: torch.Tensor, targets: torch.Tensor, entropy_grad: bool, vocab: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of each target and the entropy, ``[K]`` each (nats), from this TP
-    rank's vocabulary slice of the logits ``[K, V/P]`` (fp32, temperature applied).
+    rank's vocabulary slice of the logits ``[K, V/P]`` (fp32, temperature applied); columns at
+    or beyond ``vocab`` (TP padding of the vocabulary) are left out, as if absent.
 
     With ``z = logits - m`` (m the row max over all ranks, all-reduced, no gradient),
     ``S = sum_v exp(z_v)`` and ``A = sum_v exp(z_v) z_v`` over the whole vocabulary:
@@ -176,11 +185,12 @@ def vocab_parallel_logprobs(
     group = parallel_state.get_tensor_model_parallel_group()
     width = logits.shape[1]
     start = parallel_state.get_tensor_model_parallel_rank() * width
-    m = logits.detach().max(-1).values
+    pad = torch.arange(start, start + width, device=logits.device) >= (vocab or start + width)
+    m = logits.detach().masked_fill(pad, float("-inf")).max(-1).values
     if group.size() > 1:
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-    z = logits - m[:, None]  # [K, V/P]
-    e = z.exp()
+    z = (logits - m[:, None]).masked_fill(pad, 0.0)  # [K, V/P]; padding: no gradient
+    e = z.exp().masked_fill(pad, 0.0)
     s = reduce_from_tensor_model_parallel_region(e.sum(-1))  # [K]
     mine = (targets >= start) & (targets < start + width)
     local = (targets - start).clamp(0, width - 1)
@@ -227,10 +237,14 @@ class MegatronBackend(TorchBackend):
         init_model_parallel(cfg.megatron.tensor_parallel, cfg.megatron.pipeline_parallel)
         from megatron.core import parallel_state
 
-        self.shape = MegatronShape.from_hf_config(model.config)
-        self.hf_model = model  # its config and its save_pretrained
-        tp = cfg.megatron.tensor_parallel
         hf = model.state_dict()
+        self.vocab = hf["model.embed_tokens.weight"].shape[0]
+        """The real vocabulary (the embedding's rows beyond it are TP padding)."""
+        self.shape = replace(MegatronShape.from_hf_config(model.config), vocab=self.vocab)
+        self.hf_model = model  # its config and its save_pretrained
+        self.padding_idx: int | None = model.get_input_embeddings().padding_idx
+        """The HF embedding's ``padding_idx`` (Megatron's embedding has none: see _hidden)."""
+        tp = cfg.megatron.tensor_parallel
         try:
             shards = to_megatron(hf, self.shape, tp)
         except ValueError as e:
@@ -238,7 +252,7 @@ class MegatronBackend(TorchBackend):
                 f"config trainer.megatron.tensor_parallel={tp}: {e}; use a divisor of it"
             ) from e
         dtype = hf["model.embed_tokens.weight"].dtype
-        gpt = build_gpt(model.config, hf["model.embed_tokens.weight"].shape[0], dtype)
+        gpt = build_gpt(model.config, padded_vocab(self.vocab, tp), dtype)
         rank = parallel_state.get_tensor_model_parallel_rank()
         result = gpt.load_state_dict(shards[rank], strict=False)
         missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
@@ -256,6 +270,9 @@ class MegatronBackend(TorchBackend):
         m = self.model
         pos = mb.position_ids[0]
         h = m.embedding(input_ids=mb.input_ids, position_ids=mb.position_ids)  # [N, 1, H]
+        if self.padding_idx is not None:  # HF's nn.Embedding(padding_idx): that row learns
+            pad = (mb.input_ids[0] == self.padding_idx)[:, None, None]  # nothing as an input
+            h = torch.where(pad, h.detach(), h)
         rope = m.rotary_pos_emb(int(pos.max()) + 1)[pos]  # [N, 1, 1, d]: each token's position
         return m.decoder(
             hidden_states=h, attention_mask=block_causal_mask(mb.segments), rotary_pos_emb=rope
@@ -280,7 +297,7 @@ class MegatronBackend(TorchBackend):
         logits = logits.float()
         if self.temperature != 1.0:
             logits = logits / self.temperature
-        lp, entropy = vocab_parallel_logprobs(logits, ids[targets], entropy_grad)
+        lp, entropy = vocab_parallel_logprobs(logits, ids[targets], entropy_grad, self.vocab)
         zeros = torch.zeros(ids.shape[0], device=logits.device)
         return TokenOutputs(
             zeros.index_put((targets,), lp), zeros.index_put((targets,), entropy), None
@@ -338,6 +355,74 @@ class MegatronBackend(TorchBackend):
         """HF names and full tensors (a tied embedding under both of its names), as
         :meth:`TorchBackend.named_weights` of the HF model would give; a TP collective."""
         yield from self.hf_state_dict().items()
+
+    def optimizer_state(self) -> OptimizerState:
+        """The AdamW state of the whole model in HF names and layout (each moment gathered
+        over the TP group and converted as the weights are: AdamW is elementwise, so a moment
+        is laid out as its weight), and the LR schedule's; a TP collective, every rank gets
+        the whole of it. It loads at any tensor-parallel size.
+
+        Raises:
+            RuntimeError: a frozen backend has no optimizer.
+        """
+        torch_state = super().optimizer_state()
+        names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        per = torch_state.optimizer["state"]  # by parameter index
+        state: dict[str, dict[str, torch.Tensor]] = {}
+        if per:  # before the first step the state is empty, as torch's
+            step = per[0]["step"]
+            moments = {
+                key: self.hf_layout({names[i]: s[key] for i, s in per.items()})
+                for key in ("exp_avg", "exp_avg_sq")
+            }
+            state = {
+                n: {"step": step.clone(), "exp_avg": t, "exp_avg_sq": moments["exp_avg_sq"][n]}
+                for n, t in moments["exp_avg"].items()
+                if not (self.shape.tied and n == "lm_head.weight")  # the embedding's, once
+            }
+        (group,) = torch_state.optimizer["param_groups"]
+        hf_names = list(state) or [
+            n for n in self.hf_state_dict() if not (self.shape.tied and n == "lm_head.weight")
+        ]
+        groups = [{**group, "params": hf_names}]
+        return OptimizerState({"state": state, "param_groups": groups}, torch_state.scheduler)
+
+    def load_optimizer_state(self, state: OptimizerState) -> None:
+        """Restore :meth:`optimizer_state`'s result (saved at any tensor-parallel size): this
+        rank takes its shards of each moment.
+
+        Raises:
+            KeyError, ValueError: the state is of another model or optimizer, or was saved
+                without a schedule.
+            RuntimeError: a frozen backend.
+        """
+        from megatron.core import parallel_state
+
+        saved = state.optimizer
+        (group,) = saved["param_groups"]
+        if group["params"] and isinstance(group["params"][0], int):  # a TP-1 state of old
+            super().load_optimizer_state(state)
+            return
+        names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        per: dict[int, dict[str, torch.Tensor]] = {}
+        if saved["state"]:
+            tp = parallel_state.get_tensor_model_parallel_world_size()
+            rank = parallel_state.get_tensor_model_parallel_rank()
+            moments = {
+                key: to_megatron({n: s[key] for n, s in saved["state"].items()}, self.shape, tp)[
+                    rank
+                ]
+                for key in ("exp_avg", "exp_avg_sq")
+            }
+            step = next(iter(saved["state"].values()))["step"]
+            per = {
+                i: {"step": step.clone()} | {k: moments[k][n].clone() for k in moments}
+                for i, n in enumerate(names)
+            }
+        groups = [{**group, "params": list(range(len(names)))}]
+        super().load_optimizer_state(
+            OptimizerState({"state": per, "param_groups": groups}, state.scheduler)
+        )
 
     def save_pretrained(self, folder: Path) -> None:
         """The model in HF format (safetensors and config), loadable by transformers and vLLM;

@@ -14,6 +14,10 @@ fused matrices, both column-parallel (rows split across tensor-parallel ranks):
 
 Row-parallel ``linear_proj`` and ``linear_fc2`` split their columns; the vocab-parallel
 embedding and output layer split the vocabulary's rows; norms are replicated.
+
+A vocabulary the TP size does not divide is padded with zero rows up to the next multiple (as
+Megatron-LM's ``make_vocab_size_divisible_by``); the backend keeps the padded logits out of the
+softmax, so their rows get no gradient, and :func:`to_hf` drops them again.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ class MegatronShape:
     """Whether q/k/v projections carry biases (Qwen2: yes; Llama: ``attention_bias``)."""
     tied: bool
     """Whether the output layer is the input embedding (``tie_word_embeddings``)."""
+    vocab: int | None = None
+    """The HF embedding's rows (:func:`to_hf` keeps these many; None: all it is given)."""
 
     @classmethod
     def from_hf_config(cls, config) -> MegatronShape:
@@ -60,7 +66,18 @@ class MegatronShape:
             head_dim=head_dim,
             qkv_bias=qwen2 or bool(getattr(config, "attention_bias", False)),
             tied=bool(config.tie_word_embeddings),
+            vocab=config.vocab_size,
         )
+
+
+def padded_vocab(vocab: int, tp: int) -> int:
+    """The embedding rows Megatron holds: ``vocab`` rounded up to a multiple of ``tp``."""
+    return -(-vocab // tp) * tp
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` with zero rows appended up to ``rows``."""
+    return t if t.shape[0] == rows else torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
 
 
 def split_of(name: str) -> Split:
@@ -125,25 +142,24 @@ def to_megatron(
     hf: Mapping[str, torch.Tensor], s: MegatronShape, tp: int = 1
 ) -> list[dict[str, torch.Tensor]]:
     """Megatron GPTModel state dicts, one per tensor-parallel rank (``tp`` of them), from an HF
-    Qwen2/Llama ``*ForCausalLM`` state dict (``lm_head.weight`` may be absent when tied).
+    Qwen2/Llama ``*ForCausalLM`` state dict (``lm_head.weight`` may be absent when tied); the
+    vocabulary's rows are padded to :func:`padded_vocab`.
 
     Raises:
-        ValueError: ``tp`` does not divide the KV heads, the intermediate size or the
-            vocabulary.
+        ValueError: ``tp`` does not divide the KV heads or the intermediate size.
     """
-    vocab = hf["model.embed_tokens.weight"].shape[0]
+    rows = padded_vocab(hf["model.embed_tokens.weight"].shape[0], tp)
     inter = hf["model.layers.0.mlp.up_proj.weight"].shape[0]
     for what, n in (("KV heads", s.kv_heads), ("intermediate size", inter)):
         if n % tp:
             raise ValueError(f"tensor parallel {tp} does not divide the {what} ({n})")
-    if vocab % tp:
-        raise ValueError(f"tensor parallel {tp} does not divide the vocabulary ({vocab})")
+    embedding = _pad_rows(hf["model.embed_tokens.weight"], rows)
     shards = {
-        "embedding.word_embeddings.weight": _chunks(hf["model.embed_tokens.weight"], "rows", tp),
+        "embedding.word_embeddings.weight": _chunks(embedding, "rows", tp),
         "decoder.final_layernorm.weight": _chunks(hf["model.norm.weight"], "replicated", tp),
     }
     if not s.tied:
-        shards["output_layer.weight"] = _chunks(hf["lm_head.weight"], "rows", tp)
+        shards["output_layer.weight"] = _chunks(_pad_rows(hf["lm_head.weight"], rows), "rows", tp)
     for i in range(s.layers):
         shards |= _layer_to_megatron(hf, i, s, tp)
     return [{name: parts[t] for name, parts in shards.items()} for t in range(tp)]
@@ -163,8 +179,8 @@ def to_hf(
 ) -> dict[str, torch.Tensor]:
     """The HF Qwen2/Llama ``*ForCausalLM`` state dict of Megatron state dicts, one per TP rank
     in rank order (the inverse of :func:`to_megatron`; ``lm_head.weight`` is the embedding
-    when tied, as transformers' own state dict has it). Megatron's ``_extra_state`` entries are
-    ignored.
+    when tied, as transformers' own state dict has it; the vocabulary's padding rows dropped,
+    ``s.vocab`` kept). Megatron's ``_extra_state`` entries are ignored.
 
     Raises:
         KeyError: a parameter of the shape is missing.
@@ -175,11 +191,11 @@ def to_hf(
 
     tp = len(shards)
     hf = {
-        "model.embed_tokens.weight": full("embedding.word_embeddings.weight"),
+        "model.embed_tokens.weight": full("embedding.word_embeddings.weight")[: s.vocab],
         "model.norm.weight": full("decoder.final_layernorm.weight"),
     }
     hf["lm_head.weight"] = (
-        hf["model.embed_tokens.weight"] if s.tied else full("output_layer.weight")
+        hf["model.embed_tokens.weight"] if s.tied else full("output_layer.weight")[: s.vocab]
     )
     for i in range(s.layers):
         a, m, src = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp.", f"decoder.layers.{i}."
