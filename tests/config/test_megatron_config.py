@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -69,3 +70,15 @@ def test_a_run_refuses_gradient_checkpointing_under_megatron():
 def test_a_tensor_parallel_of_zero_names_the_key():
     with pytest.raises(UserError, match=r"trainer\.megatron\.tensor_parallel"):
         load_config(None, ["trainer.megatron.tensor_parallel=0"])
+
+
+def test_the_driver_trains_a_ray_runs_megatron_at_tensor_parallel_1():
+    """The SFT warm-up and `treadle inspect`'s replay run in the driver process, which alone is
+    tensor parallel 1; everything else of the trainer config is kept."""
+    from treadle.train.backends import in_one_process
+
+    overrides = ["trainer.megatron.tensor_parallel=2", "placement.mode=disaggregated"]
+    cfg = load_config(None, ["trainer.backend=megatron", *overrides, "placement.trainers=2"])
+    alone = in_one_process(cfg.trainer)
+    assert alone.megatron.tensor_parallel == 1 and cfg.trainer.megatron.tensor_parallel == 2
+    assert dataclasses.replace(alone, megatron=cfg.trainer.megatron) == cfg.trainer

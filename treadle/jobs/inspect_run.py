@@ -162,7 +162,7 @@ def replay_step(run_dir: Path, step: int) -> Replay:
             that can be replayed), or the run trained LoRA adapters.
     """
     from treadle.store.models import load_model
-    from treadle.train.backends import build_backend
+    from treadle.train.backends import build_backend, in_one_process
     from treadle.train.objectives import PolicyObjective
 
     cfg, buffer = open_run(run_dir)
@@ -185,8 +185,11 @@ def replay_step(run_dir: Path, step: int) -> Replay:
         )
     torch.set_num_threads(cfg.run.threads)
     model, _ = load_model(start, "float32")
-    policy = build_backend(
-        model, cfg.trainer, cfg.run.steps * cfg.trainer.mini_batches, cfg.rollout.temperature
+    policy = build_backend(  # a Ray run's Megatron TP group replays at TP 1 here
+        model,
+        in_one_process(cfg.trainer),
+        cfg.run.steps * cfg.trainer.mini_batches,
+        cfg.rollout.temperature,
     )
     if step > 1:
         load_trainer_state(before, policy)

@@ -29,7 +29,7 @@ from treadle.store.data import Dataset, load_dataset, render_demonstration, rend
 from treadle.store.models import load_model
 from treadle.store.observe import MetricsLogger, Progress
 from treadle.train import lora
-from treadle.train.backends import build_backend
+from treadle.train.backends import build_backend, in_one_process
 from treadle.train.objectives import SFTObjective
 from treadle.train.torch_backend import TorchBackend
 
@@ -183,10 +183,11 @@ def run_sft(
 
 
 def sft_backend(cfg: Config, model: PreTrainedModel, steps: int) -> TorchBackend:
-    """A backend for ``steps`` SFT steps: ``sft.lr`` with a warmup and cosine decay, one
-    optimizer step per batch; over LoRA adapters of ``model`` with ``model.lora.sft``."""
+    """A backend for ``steps`` SFT steps in this process (:func:`in_one_process`): ``sft.lr``
+    with a warmup and cosine decay, one optimizer step per batch; over LoRA adapters of
+    ``model`` with ``model.lora.sft``."""
     trainer = dataclasses.replace(
-        cfg.trainer,
+        in_one_process(cfg.trainer),
         lr=cfg.sft.lr,
         warmup_steps=cfg.sft.warmup_steps,
         lr_schedule="cosine",

@@ -8,6 +8,7 @@ checkpoints are its own.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 from transformers import PreTrainedModel
@@ -15,6 +16,13 @@ from transformers import PreTrainedModel
 from treadle.config import TrainerConfig
 from treadle.core.errors import UserError
 from treadle.train.torch_backend import TorchBackend
+
+
+def in_one_process(cfg: TrainerConfig) -> TrainerConfig:
+    """``cfg`` as this process alone trains it: megatron at tensor parallel 1 (a Ray run's
+    larger tensor-parallel group is its trainer ranks; the SFT warm-up and ``treadle inspect``'s
+    replay run in the driver). The optimizer state is kept in a layout either size loads."""
+    return dataclasses.replace(cfg, megatron=dataclasses.replace(cfg.megatron, tensor_parallel=1))
 
 
 def build_backend(
