@@ -4,7 +4,7 @@ in one process (so a machine's load slows each alike), at the default recipe's m
 parameters: hidden 128, 2 layers, a 400-token BPE vocabulary) and SFT batch (64 samples, here of
 30 prompt + 30 trained tokens), fp32, one torch thread.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=$PWD .venv/bin/python bench/backend_step.py [--reps 12]
+    OMP_NUM_THREADS=1 PYTHONPATH=$PWD .venv/bin/python bench/backend_step.py [--reps 12] [--append]
 
 Prints, per backend (each has taken 2 steps, one under the profiler, before the timed ones):
 the loss after the last step (all start from the same seeded weights and
@@ -13,7 +13,7 @@ step seconds (the first two steps dropped), the bytes it holds between steps (li
 storages the backend added: weights, gradients, optimizer state, engine buffers; found by a walk
 of Python's objects before it is built and after its first step) and the step's peak (bytes of
 tensors allocated within one step and alive at its peak: ``treadle.train.memory.peak_bytes``).
-Writes ``bench/backend_step.json``.
+Writes ``bench/backend_step.json``; ``--append`` adds the table to BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import statistics
 import sys
 import time
@@ -31,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+import report
 from integration.tiny import CORPUS
 
 from treadle.config import DeepSpeedConfig, TinyModelConfig, TrainerConfig
@@ -78,7 +78,9 @@ def live_bytes() -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=12)
-    reps = parser.parse_args().reps
+    report.add_append_flag(parser)
+    args = parser.parse_args()
+    reps, append = args.reps, args.append
     torch.set_num_threads(1)
     tok = build_tokenizer(CORPUS, TINY.tokenizer_vocab_size)
     gen = torch.Generator().manual_seed(0)
@@ -102,18 +104,17 @@ def main() -> None:
         peaks[name] = peak_bytes(
             lambda b=backend: b.train_step(batch, SFTObjective()), backend.device
         )
-        params[name] = sum(p.numel() for p in backend.model.parameters() if p.requires_grad)
+        params[name] = sum(  # ZeRO-3 partitions a parameter: its full size is ds_numel
+            getattr(p, "ds_numel", p.numel()) for p in backend.model.parameters() if p.requires_grad
+        )
         backends[name] = backend
     for _ in range(reps):
         for name, backend in backends.items():
             start = time.perf_counter()
             losses[name] = float(backend.train_step(batch, SFTObjective())["loss"])
             seconds[name].append(time.perf_counter() - start)
-    rows = []
+    rows, lines = [], []
     base = statistics.median(seconds["torch"][2:])
-    print("| backend | trained params | loss after the last step | step median s (x torch) "
-          "| best s | held MiB | step peak MiB |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
     for name, times in seconds.items():
         kept = times[2:]
         median = statistics.median(kept)
@@ -128,13 +129,23 @@ def main() -> None:
                 "step_peak_bytes": peaks[name],
             }
         )
-        print(
-            f"| {name} | {params[name]:,} | {losses[name]:.6f} | {median:.3f} "
-            f"({median / base:.2f}x) | {min(kept):.3f} | {held[name] / 2**20:.2f} "
-            f"| {peaks[name] / 2**20:.2f} |"
+        lines.append(
+            [
+                name,
+                f"{params[name]:,}",
+                f"{losses[name]:.6f}",
+                f"{median:.3f} ({median / base:.2f}x)",
+                f"{min(kept):.3f}",
+                f"{held[name] / 2**20:.2f}",
+                f"{peaks[name] / 2**20:.2f}",
+            ]
         )
-    out = Path(__file__).with_suffix(".json")
-    out.write_text(json.dumps({"reps": reps, "rows": rows}, indent=1) + "\n")
+    header = ["backend", "trained params", "loss after the last step", "step median s (x torch)",
+              "best s", "held MiB", "step peak MiB"]  # fmt: skip
+    out = {"reps": reps, "rows": rows}
+    path = Path(__file__).with_suffix(".json")
+    report.emit("Training backends side by side", report.table(header, lines), out, path,
+                append=append)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -70,6 +70,11 @@ def test_a_group_of_backend_ranks_trains_as_one_process(name, cluster, tmp_path,
 
     group = TrainerGroup(PLACEMENT, placement, folder, BACKENDS[name], 20, 1.0)
     try:
+        # the frozen KL reference on the same ranks (megatron: the TP group; ZeRO: a plain
+        # copy per rank) scores as the untrained policy, before and after the policy trains
+        reference = group.add_model("reference", folder, BACKENDS[name], 1, False, "lm")
+        initial = single.compute_logprobs(samples)
+        assert max_diff(reference.compute_logprobs(samples), initial) < 1e-5
         for step in range(2):
             a, b = single.train_step(samples, OBJECTIVE), group.train_step(samples, OBJECTIVE)
             # one step-wide loss whatever the split (ZeRO: each rank's share, scaled by the
@@ -92,6 +97,7 @@ def test_a_group_of_backend_ranks_trains_as_one_process(name, cluster, tmp_path,
         diffs = [(ours[n] - p).abs().max().item() for n, p in saved.named_parameters()]
         # 5e-5: as tests/cluster/test_ray.py's FSDP2 bound (3 Adam steps move a weight ~3e-3)
         assert len(diffs) == len(ours) and max(diffs) <= 5e-5
+        assert max_diff(reference.compute_logprobs(samples), initial) < 1e-5
         # A collective sync from rank 0's gathered weights: the engine scores as the group.
         sync = RaySync("collective", group, engines, "float32", bucket_mb=1)
         sync.sync(engines.policy_version + 1)
@@ -99,3 +105,18 @@ def test_a_group_of_backend_ranks_trains_as_one_process(name, cluster, tmp_path,
         assert max_diff(served, group.compute_logprobs(samples[:8])) < 1e-4
     finally:
         group.close()
+
+
+def test_a_backend_refusal_on_the_ranks_is_one_line(cluster, one_torch_thread):
+    """A config the backend refuses on a rank (megatron-core autocasts for CUDA only) reaches
+    the driver as the rank's one-line UserError, not as a Ray traceback."""
+    from treadle.cluster.trainer_group import TrainerGroup
+    from treadle.core.errors import UserError
+
+    if torch.cuda.is_available():
+        pytest.skip("megatron-core autocasts bf16 on CUDA: nothing to refuse")
+    folder, placement, _, _ = cluster
+    bf16 = dataclasses.replace(BACKENDS["megatron_tp2"], bf16_autocast=True)
+    with pytest.raises(UserError, match=r"^config trainer\.bf16_autocast=true with .*=false$") as e:
+        TrainerGroup(PLACEMENT, placement, folder, bf16, 20, 1.0)
+    assert "\n" not in str(e.value) and "Traceback" not in str(e.value)

@@ -249,7 +249,6 @@ RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "default.yaml"
     ("overrides", "message"),
     [
         (["trainer.deepspeed.zero_stage=5"], r"trainer\.deepspeed\.zero_stage: expected one of"),
-        (["trainer.deepspeed.zero_stage=0"], r"trainer\.deepspeed\.zero_stage: expected one of"),
     ],
 )
 def test_bad_deepspeed_config_is_one_line_naming_the_key(overrides, message):
@@ -258,6 +257,17 @@ def test_bad_deepspeed_config_is_one_line_naming_the_key(overrides, message):
     with pytest.raises(UserError, match=message) as e:
         load_config(RECIPE, overrides)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_deepspeed_on_the_ray_trainer_ranks_loads(mode):
+    """The Ray modes' trainer ranks are ZeRO's data-parallel group (tests/cluster/
+    test_ray_backends.py trains them)."""
+    from treadle.config import load_config
+
+    overrides = ["trainer.backend=deepspeed", f"placement.mode={mode}", "placement.trainers=2"]
+    cfg = load_config(RECIPE, overrides)
+    assert (cfg.trainer.backend, cfg.placement.trainers) == ("deepspeed", 2)
 
 
 def test_the_factory_builds_deepspeed_for_a_trainable_model_only(folder, one_torch_thread):

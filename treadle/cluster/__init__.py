@@ -1,4 +1,5 @@
-"""Beyond one process: Ray placement, the FSDP2 trainer group, the engine group, weight sync.
+"""Beyond one process: Ray placement, the trainer group (FSDP2, ZeRO or Megatron TP ranks), the
+engine group, weight sync.
 
 ``placement.mode`` picks the layout; the RL loop is the same in every mode: it drives a
 :class:`~treadle.core.protocols.TrainingBackend` (here the trainer group), an
@@ -62,7 +63,7 @@ def build_ray_roles(cfg, spec, version: int, run_dir: Path):
 
 def build_ray_models(cfg, trainers, start: Path, ckpt: Path | None):
     """The KL reference (``algorithm.kl.coef > 0``) and PPO's critic (``algorithm.advantage=gae``)
-    on the trainer group's ranks, each sharded like the policy (verl's colocated actor,
+    on the trainer group's ranks, each held as the policy is (verl's colocated actor,
     reference and critic): ``(reference or None, critic or None)``, as
     :func:`treadle.jobs.compose.build_reference` and ``build_critic`` give in one process. The
     critic starts from the checkpoint being resumed (its weights and optimizer state), else

@@ -23,8 +23,9 @@ parallelism): every rank gets the whole optimizer step's samples, their loss is 
 (unscaled), and rank 0's metrics and outputs are the group's (every rank computes the same).
 
 The KL reference and PPO's critic live on the same ranks (:meth:`TrainerGroup.add_model`), each
-sharded like the policy, as verl colocates the actor, the reference and the critic on its
-workers: no processes or placement bundles of their own, and the ranks run one role's
+held as the backend holds the policy (FSDP2 shards, the TP group; under DeepSpeed a frozen
+reference is a plain copy per rank), as verl colocates the actor, the reference and the
+critic on its workers: no processes or placement bundles of their own, and the ranks run one role's
 collectives at a time because the loop calls one role at a time.
 """
 
@@ -43,6 +44,7 @@ from treadle.cluster.placement import free_port
 from treadle.cluster.trainer_worker import TrainerWorker
 from treadle.config import PlacementConfig, TrainerConfig
 from treadle.core.batch import StepTotals
+from treadle.core.errors import UserError
 from treadle.core.metrics import mean_over_steps, merge_ranks
 from treadle.core.protocols import Objective, OptimizerState
 from treadle.core.types import TrainSample
@@ -125,7 +127,13 @@ class TrainerGroup:
             )
             for rank, slot in enumerate(placement.trainers)
         ]
-        ray.get([w.pid.remote() for w in self.workers])  # all ranks up (raises if one failed)
+        try:  # all ranks up (raises if one failed)
+            ray.get([w.pid.remote() for w in self.workers])
+        except ray.exceptions.RayTaskError as error:
+            self.close()
+            if isinstance(error, UserError):  # Ray's error is also an instance of its cause
+                raise UserError(str(error.cause)) from None
+            raise
         # Every rank probed the same model the same way; the driver plans micro-batches with it.
         self.packing = ray.get(self.workers[0].packing.remote())
 
@@ -205,7 +213,7 @@ class TrainerGroup:
 
     def compute_logprobs(self, samples: Sequence[TrainSample]) -> list[list[float]]:
         """As :meth:`TorchBackend.compute_logprobs`, each rank computing a share of the samples
-        (balanced by tokens)."""
+        (balanced by tokens; a tensor-parallel group computes them all together)."""
         assert self.head == "lm", "compute_logprobs needs head='lm'"
         return self._compute(samples)
 
@@ -249,7 +257,8 @@ class TrainerGroup:
 
     def optimizer_state(self) -> OptimizerState:
         """The full optimizer state gathered from every rank, and the LR schedule's (the same on
-        every rank), as one process would hold them (keyed by parameter name).
+        every rank), as one process would hold them (FSDP2: keyed by parameter name; DeepSpeed:
+        torch's AdamW layout, keyed by index; Megatron: HF names and layout).
 
         Raises:
             RuntimeError: a frozen model (the reference) has no optimizer.

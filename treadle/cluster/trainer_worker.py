@@ -40,6 +40,7 @@ from treadle.cluster.buckets import (
 from treadle.cluster.shard_gather import Piece, ShardGatherer, local_stream
 from treadle.config import TrainerConfig
 from treadle.core.batch import StepTotals
+from treadle.core.errors import UserError
 from treadle.core.metrics import Metric
 from treadle.core.protocols import Objective, OptimizerState
 from treadle.core.types import TrainSample
@@ -99,9 +100,16 @@ class TrainerWorker:
         model.to(device)
         self.device, self.kind = device, cfg.backend
         self.mesh = init_device_mesh(device.type, (world,)) if self.kind == "torch" else None
+        self.refusal: str | None = None
+        """A backend's :class:`UserError` at start (the driver raises it in one line: a Ray
+        actor that dies in ``__init__`` reaches the driver as a traceback, without its type)."""
         # bf16 compute (trainer.bf16_autocast) is the backend's autocast, as in one process:
         # the shards, their gradients and the optimizer stay fp32 (see add_model's note).
-        self.backend = self._build(model, cfg, total_steps, temperature, True, "lm")
+        try:
+            self.backend = self._build(model, cfg, total_steps, temperature, True, "lm")
+        except UserError as error:
+            self.refusal = str(error)
+            return
         self.models: dict[str, TorchBackend] = {"policy": self.backend}
         """The models this rank hosts by role: the policy, and any :meth:`add_model` added."""
         self._sync_group = None
@@ -164,7 +172,13 @@ class TrainerWorker:
         return backend.packing
 
     def pid(self) -> int:
-        """This rank's process id (a liveness probe)."""
+        """This rank's process id (a liveness probe).
+
+        Raises:
+            UserError: the rank's backend refused its config (:attr:`refusal`).
+        """
+        if self.refusal is not None:
+            raise UserError(self.refusal)
         return os.getpid()
 
     def train(

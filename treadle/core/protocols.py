@@ -241,7 +241,8 @@ class TrainingBackend(Checkpointable, Protocol):
     weights to weight sync, and its weights and optimizer state to checkpoints.
 
     Implementations: :class:`treadle.train.torch_backend.TorchBackend` (one process) and
-    :class:`treadle.cluster.trainer_group.TrainerGroup` (FSDP2 ranks as Ray actors).
+    :class:`treadle.cluster.trainer_group.TrainerGroup` (FSDP2, DeepSpeed ZeRO or megatron-core
+    tensor-parallel ranks as Ray actors).
     """
 
     def compute_logprobs(self, samples: Sequence[TrainSample]) -> list[list[float]]:

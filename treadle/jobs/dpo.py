@@ -43,7 +43,7 @@ from treadle.store.data import Dataset, load_dataset, read_rows, render_demonstr
 from treadle.store.models import IM_END, end_of_turn_ids, load_model, require_model_folder
 from treadle.store.observe import MetricsLogger, Progress
 from treadle.train import lora
-from treadle.train.backends import build_backend
+from treadle.train.backends import build_backend, in_one_process
 from treadle.train.packing import pack, plan_micro_batches
 from treadle.train.torch_backend import TorchBackend
 
@@ -370,13 +370,13 @@ def run_dpo(cfg: Config, console: Console | None = None) -> Path:
     kwargs = cfg.data.chat_template_kwargs
     train = pair_samples(pairs.train, tokenizer, max_len, kwargs)
     held_out = pair_samples(pairs.held_out, tokenizer, max_len, kwargs)
-    trainer = dataclasses.replace(cfg.trainer, lr=cfg.dpo.lr)
+    trainer = dataclasses.replace(in_one_process(cfg.trainer), lr=cfg.dpo.lr)  # this process
     policy = build_backend(model.to(device), trainer, total_steps=cfg.dpo.steps)
     if cfg.model.lora.r > 0:
         reference = lora.AdapterDisabledReference(policy)
     else:
         ref_model, _ = load_model(start, "float32")
-        reference = build_backend(ref_model.to(device), cfg.trainer, 1, trainable=False)
+        reference = build_backend(ref_model.to(device), trainer, 1, trainable=False)
     before, after = _train_and_evaluate(cfg, policy, reference, train, held_out, run_dir, console)
     folder = save_model_atomic(lora.exported(policy), tokenizer, run_dir / "dpo_model")
     summary = _summary(cfg, len(train), len(held_out), before, after, started)

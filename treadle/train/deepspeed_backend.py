@@ -144,6 +144,20 @@ def ds_config(cfg: TrainerConfig, extra: dict[str, Any] | None = None) -> dict[s
     return out
 
 
+def bucket_sizes(hidden: int) -> dict[str, int]:
+    """ZeRO's communication buffers sized to the model (elements), as the transformers
+    integration's ``"auto"`` values: DeepSpeed's defaults (5e8 elements for the reduce and
+    all-gather buckets) allocate 2 GB fp32 buffers even for a tiny model (measured: 1.9 GiB
+    of the step's peak under ZeRO-1/2, held under ZeRO-3; ``bench/backend_step.py``)."""
+    square = hidden * hidden
+    return {
+        "reduce_bucket_size": square,
+        "allgather_bucket_size": square,
+        "stage3_prefetch_bucket_size": int(0.9 * square),
+        "stage3_param_persistence_threshold": 10 * hidden,
+    }
+
+
 class DeepSpeedBackend(TorchBackend):
     """A trainable model under a DeepSpeed ZeRO engine (module docstring). A frozen reference
     (``trainable=False``) has no optimizer to partition:
@@ -151,7 +165,8 @@ class DeepSpeedBackend(TorchBackend):
 
     Args:
         model, cfg, total_steps, temperature, head: as :class:`TorchBackend`'s.
-        ds_extra: DeepSpeed config entries merged over :func:`ds_config`'s (tests: e.g.
+        ds_extra: DeepSpeed config entries merged over :func:`ds_config`'s and
+            :func:`bucket_sizes` (tests: e.g.
             ``{"zero_optimization": {"stage3_param_persistence_threshold": 0}}``).
 
     Raises:
@@ -167,7 +182,10 @@ class DeepSpeedBackend(TorchBackend):
         head: Literal["lm", "value"] = "lm",
         ds_extra: dict[str, Any] | None = None,
     ):
-        config = ds_config(cfg, ds_extra)
+        extra = dict(ds_extra or {})
+        zero = extra.get("zero_optimization", {})
+        extra["zero_optimization"] = bucket_sizes(model.config.hidden_size) | zero
+        config = ds_config(cfg, extra)
         deepspeed = import_deepspeed()
         self.engine = None  # the packing probe runs on the bare model
         super().__init__(model, cfg, total_steps, temperature, True, head)

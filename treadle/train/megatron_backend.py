@@ -76,7 +76,8 @@ def init_model_parallel(tp: int, pp: int) -> None:
     if world % tp:
         raise UserError(
             f"config trainer.megatron.tensor_parallel={tp}: {world} trainer process(es) cannot "
-            f"hold it; use a divisor of {world} (1 in one process)"
+            f"hold it; use a divisor of {world} (1 in one process; in a Ray run "
+            "placement.trainers)"
         )
     parallel_state.initialize_model_parallel(tp, pp)
     if torch.cuda.is_available():
@@ -249,7 +250,8 @@ class MegatronBackend(TorchBackend):
             shards = to_megatron(hf, self.shape, tp)
         except ValueError as e:
             raise UserError(
-                f"config trainer.megatron.tensor_parallel={tp}: {e}; use a divisor of it"
+                f"config trainer.megatron.tensor_parallel={tp}: {e}; use a tensor parallel size "
+                "that divides it (in a Ray run with placement.trainers equal to it)"
             ) from e
         dtype = hf["model.embed_tokens.weight"].dtype
         gpt = build_gpt(model.config, padded_vocab(self.vocab, tp), dtype)
@@ -258,6 +260,7 @@ class MegatronBackend(TorchBackend):
         missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
         assert not missing and not result.unexpected_keys, (missing, result.unexpected_keys)
         gpt.to(next(model.parameters()).device)
+        model.to("cpu")  # kept for its config and save_pretrained only: off the accelerator
         super().__init__(gpt, cfg, total_steps, temperature, trainable, head)
 
     def _probe_packing(self) -> Packing:
@@ -371,8 +374,11 @@ class MegatronBackend(TorchBackend):
         state: dict[str, dict[str, torch.Tensor]] = {}
         if per:  # before the first step the state is empty, as torch's
             step = per[0]["step"]
-            moments = {
-                key: self.hf_layout({names[i]: s[key] for i, s in per.items()})
+            moments = {  # on the CPU: a checkpoint's, and what a Ray rank returns to the driver
+                key: {
+                    n: t.cpu()
+                    for n, t in self.hf_layout({names[i]: s[key] for i, s in per.items()}).items()
+                }
                 for key in ("exp_avg", "exp_avg_sq")
             }
             state = {
@@ -401,6 +407,11 @@ class MegatronBackend(TorchBackend):
         saved = state.optimizer
         (group,) = saved["param_groups"]
         if group["params"] and isinstance(group["params"][0], int):  # a TP-1 state of old
+            if parallel_state.get_tensor_model_parallel_world_size() != 1:
+                raise ValueError(
+                    "the optimizer state is keyed by parameter index (saved by tensor parallel 1 "
+                    "before HF-layout states): it loads at tensor parallel 1 only"
+                )
             super().load_optimizer_state(state)
             return
         names = [n for n, p in self.model.named_parameters() if p.requires_grad]
