@@ -75,12 +75,39 @@ def live_bytes() -> int:
     return sum(seen.values())
 
 
+def build(batch: list[TrainSample], tok) -> tuple[dict, list[dict]]:
+    """Each backend of :data:`KINDS`, after 2 steps (one under the profiler), and its row so
+    far: trained parameters, held bytes and step peak."""
+    backends, rows = {}, []
+    for name, cfg in KINDS.items():
+        before = live_bytes()
+        model = build_tiny_model(TINY, tok, 0)
+        if "LoRA" in name:
+            model = lora.apply_lora(model, LoraConfig(r=8, alpha=16))
+        backend = build_backend(model, cfg, 100)
+        backend.train_step(batch, SFTObjective())  # the optimizer state exists after it
+        held = live_bytes() - before
+        peak = peak_bytes(lambda b=backend: b.train_step(batch, SFTObjective()), backend.device)
+        trained = sum(  # ZeRO-3 partitions a parameter: its full size is ds_numel
+            getattr(p, "ds_numel", p.numel()) for p in backend.model.parameters() if p.requires_grad
+        )
+        rows.append(
+            {
+                "backend": name,
+                "trained_params": trained,
+                "held_bytes": held,
+                "step_peak_bytes": peak,
+            }
+        )
+        backends[name] = backend
+    return backends, rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=12)
     report.add_append_flag(parser)
     args = parser.parse_args()
-    reps, append = args.reps, args.append
     torch.set_num_threads(1)
     tok = build_tokenizer(CORPUS, TINY.tokenizer_vocab_size)
     gen = torch.Generator().manual_seed(0)
@@ -90,62 +117,36 @@ def main() -> None:
         return TrainSample(ids, [False] * 30 + [True] * 30, [0.0] * 60, [0.0] * 60, 0, f"g{i}")
 
     batch = [sample(i) for i in range(64)]
-    backends, held, peaks, params = {}, {}, {}, {}
+    backends, rows = build(batch, tok)
     seconds: dict[str, list[float]] = {name: [] for name in KINDS}
     losses: dict[str, float] = {}
-    for name, cfg in KINDS.items():
-        before = live_bytes()
-        model = build_tiny_model(TINY, tok, 0)
-        if "LoRA" in name:
-            model = lora.apply_lora(model, LoraConfig(r=8, alpha=16))
-        backend = build_backend(model, cfg, 100)
-        backend.train_step(batch, SFTObjective())  # the optimizer state exists after it
-        held[name] = live_bytes() - before
-        peaks[name] = peak_bytes(
-            lambda b=backend: b.train_step(batch, SFTObjective()), backend.device
-        )
-        params[name] = sum(  # ZeRO-3 partitions a parameter: its full size is ds_numel
-            getattr(p, "ds_numel", p.numel()) for p in backend.model.parameters() if p.requires_grad
-        )
-        backends[name] = backend
-    for _ in range(reps):
+    for _ in range(args.reps):
         for name, backend in backends.items():
             start = time.perf_counter()
             losses[name] = float(backend.train_step(batch, SFTObjective())["loss"])
             seconds[name].append(time.perf_counter() - start)
-    rows, lines = [], []
     base = statistics.median(seconds["torch"][2:])
-    for name, times in seconds.items():
-        kept = times[2:]
-        median = statistics.median(kept)
-        rows.append(
-            {
-                "backend": name,
-                "trained_params": params[name],
-                "loss": losses[name],
-                "step_median_s": median,
-                "step_best_s": min(kept),
-                "held_bytes": held[name],
-                "step_peak_bytes": peaks[name],
-            }
-        )
+    lines = []
+    for row in rows:
+        kept = seconds[row["backend"]][2:]
+        row |= {"loss": losses[row["backend"]], "step_median_s": statistics.median(kept),
+                "step_best_s": min(kept)}  # fmt: skip
         lines.append(
             [
-                name,
-                f"{params[name]:,}",
-                f"{losses[name]:.6f}",
-                f"{median:.3f} ({median / base:.2f}x)",
+                row["backend"],
+                f"{row['trained_params']:,}",
+                f"{row['loss']:.6f}",
+                f"{row['step_median_s']:.3f} ({row['step_median_s'] / base:.2f}x)",
                 f"{min(kept):.3f}",
-                f"{held[name] / 2**20:.2f}",
-                f"{peaks[name] / 2**20:.2f}",
+                f"{row['held_bytes'] / 2**20:.2f}",
+                f"{row['step_peak_bytes'] / 2**20:.2f}",
             ]
         )
     header = ["backend", "trained params", "loss after the last step", "step median s (x torch)",
               "best s", "held MiB", "step peak MiB"]  # fmt: skip
-    out = {"reps": reps, "rows": rows}
     path = Path(__file__).with_suffix(".json")
-    report.emit("Training backends side by side", report.table(header, lines), out, path,
-                append=append)  # fmt: skip
+    report.emit("Training backends side by side", report.table(header, lines),
+                {"reps": args.reps, "rows": rows}, path, append=args.append)  # fmt: skip
 
 
 if __name__ == "__main__":
