@@ -171,12 +171,11 @@ class TrainerGroup:
 
     def _split(self, samples: Sequence[TrainSample]) -> tuple[list[list[int]], int]:
         """Each rank's sample indices and the micro-batch count every rank runs."""
+        budget = self.trainer_cfg.micro_batch_tokens
         if self.replicated:
             every = list(range(len(samples)))
-            budget = self.trainer_cfg.micro_batch_tokens
             return [every] * len(self.workers), len(plan(samples, budget, self.packing))
         parts = balance([len(s) for s in samples], len(self.workers))
-        budget = self.trainer_cfg.micro_batch_tokens
         counts = [len(plan([samples[i] for i in p], budget, self.packing)) for p in parts]
         return parts, max(counts)
 

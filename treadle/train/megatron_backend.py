@@ -164,6 +164,11 @@ def block_causal_mask(segments: torch.Tensor) -> torch.Tensor:
     return ~(causal & (segments[:, None] == segments[None, :]))[None, None]
 
 
+def _fill(t: torch.Tensor, pad: torch.Tensor | None, value: float) -> torch.Tensor:
+    """``t`` with the ``pad`` columns set to ``value`` (``t`` itself without padding)."""
+    return t if pad is None else t.masked_fill(pad, value)
+
+
 def vocab_parallel_logprobs(
     logits: torch.Tensor, targets: torch.Tensor, entropy_grad: bool, vocab: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,12 +191,14 @@ def vocab_parallel_logprobs(
     group = parallel_state.get_tensor_model_parallel_group()
     width = logits.shape[1]
     start = parallel_state.get_tensor_model_parallel_rank() * width
-    pad = torch.arange(start, start + width, device=logits.device) >= (vocab or start + width)
-    m = logits.detach().masked_fill(pad, float("-inf")).max(-1).values
+    pad = None  # [V/P] True on padding columns; None where this rank's slice has none
+    if vocab is not None and start + width > vocab:
+        pad = torch.arange(start, start + width, device=logits.device) >= vocab
+    m = _fill(logits.detach(), pad, float("-inf")).max(-1).values
     if group.size() > 1:
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-    z = (logits - m[:, None]).masked_fill(pad, 0.0)  # [K, V/P]; padding: no gradient
-    e = z.exp().masked_fill(pad, 0.0)
+    z = _fill(logits - m[:, None], pad, 0.0)  # [K, V/P]; padding: no gradient
+    e = _fill(z.exp(), pad, 0.0)
     s = reduce_from_tensor_model_parallel_region(e.sum(-1))  # [K]
     mine = (targets >= start) & (targets < start + width)
     local = (targets - start).clamp(0, width - 1)
@@ -242,7 +249,7 @@ class MegatronBackend(TorchBackend):
         self.vocab = hf["model.embed_tokens.weight"].shape[0]
         """The real vocabulary (the embedding's rows beyond it are TP padding)."""
         self.shape = replace(MegatronShape.from_hf_config(model.config), vocab=self.vocab)
-        self.hf_model = model  # its config and its save_pretrained
+        self.hf_model = model  # its config, parameter names and save_pretrained
         self.padding_idx: int | None = model.get_input_embeddings().padding_idx
         """The HF embedding's ``padding_idx`` (Megatron's embedding has none: see _hidden)."""
         tp = cfg.megatron.tensor_parallel
@@ -370,6 +377,7 @@ class MegatronBackend(TorchBackend):
         """
         torch_state = super().optimizer_state()
         names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        hf_names = [n for n, _ in self.hf_model.named_parameters()]  # a tied lm_head: none
         per = torch_state.optimizer["state"]  # by parameter index
         state: dict[str, dict[str, torch.Tensor]] = {}
         if per:  # before the first step the state is empty, as torch's
@@ -382,14 +390,10 @@ class MegatronBackend(TorchBackend):
                 for key in ("exp_avg", "exp_avg_sq")
             }
             state = {
-                n: {"step": step.clone(), "exp_avg": t, "exp_avg_sq": moments["exp_avg_sq"][n]}
-                for n, t in moments["exp_avg"].items()
-                if not (self.shape.tied and n == "lm_head.weight")  # the embedding's, once
+                n: {"step": step.clone()} | {key: moments[key][n] for key in moments}
+                for n in hf_names
             }
         (group,) = torch_state.optimizer["param_groups"]
-        hf_names = list(state) or [
-            n for n in self.hf_state_dict() if not (self.shape.tied and n == "lm_head.weight")
-        ]
         groups = [{**group, "params": hf_names}]
         return OptimizerState({"state": state, "param_groups": groups}, torch_state.scheduler)
 
