@@ -71,8 +71,10 @@ class _Peer:
         self.group = new_sync_group(host, port, rank, 2, prefix, "gloo")
 
     def broadcast(self, nbytes: int, bucket_bytes: int, reps: int) -> list[float]:
-        from treadle.cluster.buckets import broadcast
+        import torch.distributed as dist
 
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
         buffers = [
             torch.ones(min(bucket_bytes, nbytes - off) // 4, dtype=torch.float32)
             for off in range(0, nbytes, bucket_bytes)
@@ -81,7 +83,7 @@ class _Peer:
         for _ in range(reps + 1):
             t0 = time.perf_counter()
             for b in buffers:
-                broadcast(self.group, b)
+                self.group.broadcast([b], options).wait()
             times.append(time.perf_counter() - t0)
         return times[1:]
 

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
-from treadle.cluster.buckets import Bucket, Bucketer, checksum, fingerprint, plan_buckets, verify
+from treadle.cluster.buckets import (
+    Bucket,
+    Bucketer,
+    checksum,
+    checksum_part,
+    fingerprint,
+    plan_buckets,
+    verify,
+)
 from treadle.cluster.engine_group import route, worker_seed
+from treadle.cluster.piece_sync import Transfer, fingerprint_of_shares, plan_transfers
 from treadle.cluster.placement import Slot, bundles
 from treadle.cluster.trainer_group import balance, filler_of
 from treadle.cluster.trainer_worker import keyed_by_name
@@ -15,6 +26,7 @@ from treadle.core.errors import StaleWeightsError, UserError
 from treadle.core.metrics import Metric, merge_ranks
 from treadle.core.metrics import Reduction as R
 from treadle.core.types import TrainSample
+from treadle.train.convert import Layout
 
 
 def test_balance_deals_longest_first_to_the_lightest_rank():
@@ -82,6 +94,45 @@ def test_checksum_sees_updates_and_swaps():
     nan = fingerprint([("a", torch.tensor([float("nan")]))])
     with pytest.raises(FloatingPointError, match="training diverged"):
         verify(5, nan, nan, "engine 0")  # a diverged trainer, not a broken transfer
+
+
+def test_checksum_shares_of_a_tensor_s_pieces_sum_to_its_checksum():
+    g = torch.Generator().manual_seed(1)
+    # 200,003 elements: a stride of 200,003 // 65,536 = 3, so cuts fall between samples too
+    for n, cuts in [(10, [4]), (200_003, [100_001]), (200_003, [1, 66_667, 133_334, 200_002])]:
+        t = torch.randn(n, generator=g)
+        edges = [0, *cuts, n]
+        parts = [checksum_part(t[a:b], a, n) for a, b in itertools.pairwise(edges)]
+        assert sum(parts) == pytest.approx(checksum(t), rel=1e-12)
+    assert checksum_part(torch.ones(2), 4, 200_003) == 0.0  # elements 4, 5: no sample (stride 3)
+    # two tensors, two ranks' shares each: the whole model's fingerprint, index-weighted
+    a, b = torch.randn(6, generator=g), torch.randn(3, generator=g)
+    shares = [[checksum_part(a[:4], 0, 6), checksum(b)], [checksum_part(a[4:], 4, 6), 0.0]]
+    assert fingerprint_of_shares(shares) == pytest.approx(fingerprint([("a", a), ("b", b)]))
+
+
+def test_every_trainer_rank_sends_its_pieces_into_the_engine_buckets():
+    # "a" [5, 2] sharded over 2 ranks on dim 0: chunks of ceil(5 / 2) = 3 rows, so rank 0 has
+    # elements 0..5 (6) and rank 1 elements 6..9 (4); "b" [3] is full: rank 0 sends it alone,
+    # after a's 10 elements in the bucket. 52 bytes fit one 64-byte bucket.
+    layouts = [("a", Layout("dim_shard", (5, 2), 0, 2)), ("b", Layout("full", (3,)))]
+    buckets, transfers = plan_transfers(layouts, "float32", 64)
+    assert [b.names for b in buckets] == [["a", "b"]]
+    assert transfers == [
+        Transfer(src=0, bucket=0, tensor=0, offset=0, count=6, region=0, numel=10),
+        Transfer(src=1, bucket=0, tensor=0, offset=6, count=4, region=6, numel=10),
+        Transfer(src=0, bucket=0, tensor=1, offset=10, count=3, region=0, numel=3),
+    ]
+    # 16-byte buckets: a (40 B) alone, b (12 B) in the next; an empty chunk is not sent
+    # ("c" [2] over 3 ranks: chunks of 1, 1 and none)
+    layouts.append(("c", Layout("dim_shard", (2,), 0, 3)))
+    buckets, transfers = plan_transfers(layouts, "float32", 16)
+    assert [b.names for b in buckets] == [["a"], ["b"], ["c"]]
+    assert [(x.src, x.bucket, x.offset, x.count) for x in transfers] == [
+        (0, 0, 0, 6), (1, 0, 6, 4), (0, 1, 0, 3), (0, 2, 0, 1), (1, 2, 1, 1),
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="not one range"):  # a dim-1 shard is strided
+        plan_transfers([("w", Layout("dim_shard", (2, 4), 0, 2, dim=1))], "float32", 64)
 
 
 def test_a_single_process_optimizer_state_is_rekeyed_by_parameter_name():

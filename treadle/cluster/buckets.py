@@ -1,5 +1,5 @@
 """What the weight transports move and how they check it: flat buckets of tensors, the checksum
-an engine reports back, what it reports, and the collective group of trainer rank 0 and the
+an engine reports back, what it reports, and the collective group of the trainer ranks and the
 engines. Used by both ends (:mod:`treadle.cluster.trainer_worker`,
 :mod:`treadle.cluster.engine_group`) and by :mod:`treadle.cluster.transports`.
 """
@@ -22,10 +22,22 @@ def checksum(tensor: torch.Tensor) -> float:
     ~65k evenly strided elements. An optimizer step changes nearly every element, so it changes
     this; so does a permuted or misplaced bucket. A change confined to elements between the
     strided samples (in tensors over 65k elements) can go unseen; it is not cryptographic."""
-    flat = tensor.detach().reshape(-1)
-    step = max(1, flat.numel() // 65536)
-    sub = flat[::step].double()
-    ramp = torch.linspace(1.0, 2.0, sub.numel(), dtype=torch.float64)
+    return checksum_part(tensor, 0, tensor.numel())
+
+
+def checksum_part(piece: torch.Tensor, offset: int, numel: int) -> float:
+    """A piece's share of :func:`checksum` of the full tensor it comes from: ``piece`` holds the
+    elements ``offset .. offset + piece.numel()`` of that tensor's flat view of ``numel``
+    elements. The shares of pieces covering the tensor sum to its checksum (up to float64
+    rounding of the order of the additions)."""
+    flat = piece.detach().reshape(-1)
+    step = max(1, numel // 65536)
+    first = -(-offset // step)  # the first strided sample at or after ``offset``
+    stop = -(-(offset + flat.numel()) // step)
+    if stop <= first:
+        return 0.0
+    sub = flat[first * step - offset :: step][: stop - first].double()
+    ramp = torch.linspace(1.0, 2.0, -(-numel // step), dtype=torch.float64)[first:stop]
     return float(sub.sum() + (sub * ramp).sum())
 
 
@@ -149,8 +161,8 @@ def plan_buckets(
 
 
 def new_sync_group(host: str, port: int, rank: int, world: int, prefix: str, backend: str):
-    """A process group of its own (trainer rank 0 = rank 0, engines 1..E), beside the trainers'
-    default group, from a TCP store at ``host:port`` that rank 0 hosts."""
+    """A process group of its own (trainer ranks 0..T-1, then engines T..T+E-1), beside the
+    trainers' default group, from a TCP store at ``host:port`` that rank 0 hosts."""
     import torch.distributed as dist
 
     timeout = datetime.timedelta(minutes=10)
@@ -159,15 +171,6 @@ def new_sync_group(host: str, port: int, rank: int, world: int, prefix: str, bac
     if backend == "nccl":
         return dist.ProcessGroupNCCL(prefixed, rank, world)
     return dist.ProcessGroupGloo(prefixed, rank, world, timeout)
-
-
-def broadcast(group, tensor: torch.Tensor) -> None:
-    """Broadcast ``tensor`` from rank 0 of ``group`` in place."""
-    import torch.distributed as dist
-
-    options = dist.BroadcastOptions()
-    options.rootRank = 0
-    group.broadcast([tensor], options).wait()
 
 
 @dataclass(frozen=True)

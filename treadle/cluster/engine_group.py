@@ -34,15 +34,15 @@ import torch
 from treadle.cluster.buckets import (
     Bucket,
     Received,
-    broadcast,
     fingerprint,
     new_sync_group,
-    plan_buckets,
     verify,
 )
+from treadle.cluster.piece_sync import PieceReceiver
 from treadle.cluster.trainer_group import TrainerGroup
 from treadle.core.protocols import EngineSpec, Finished, Request, SamplingParams, check_new_request
 from treadle.core.types import Completion, FinishReason
+from treadle.train.convert import Layout
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class EngineWorker:
         self.engine = build_engine(engine, spec)
         self.engine.policy_version = version
         self._sync_group = None
-        self._planned: tuple[tuple, list[Bucket]] | None = None  # receive buffers, reused
+        self._receiver = PieceReceiver()  # its receive buffers are kept from sync to sync
 
     def pid(self) -> int:
         """This worker's process id (a liveness probe)."""
@@ -129,20 +129,15 @@ class EngineWorker:
     def join_sync_group(
         self, host: str, port: int, rank: int, world: int, prefix: str, backend: str
     ) -> None:
-        """Join the collective weight-sync group as ``rank`` (trainer rank 0 is rank 0)."""
+        """Join the collective weight-sync group as ``rank`` (after the trainer ranks)."""
         self._sync_group = new_sync_group(host, port, rank, world, prefix, backend)
 
-    def receive_broadcast(self, layout, bucket_bytes: int, version: int) -> Received:
-        """Collective transport: receive every bucket rank 0 broadcasts, then load them. The
-        buckets' buffers are allocated at the first sync of a layout and reused after (the
-        engine copies the weights in)."""
-        key = (tuple((n, tuple(s), d) for n, s, d in layout), bucket_bytes)
-        if self._planned is None or self._planned[0] != key:
-            self._planned = key, plan_buckets(layout, bucket_bytes)
-        named = []
-        for bucket in self._planned[1]:
-            broadcast(self._sync_group, bucket.flat)
-            named += bucket.tensors()
+    def receive_pieces(
+        self, layouts: list[tuple[str, Layout]], dtype: str, bucket_bytes: int, version: int
+    ) -> Received:
+        """Collective transport: receive every trainer rank's pieces of the weights (trainer rank
+        0's ``layouts``), then load them (:class:`~treadle.cluster.piece_sync.PieceReceiver`)."""
+        named = self._receiver.receive(layouts, dtype, bucket_bytes, self._sync_group)
         return self._apply(named, version)
 
 

@@ -32,11 +32,11 @@ import torch
 
 from treadle.cluster.buckets import (
     Bucket,
-    broadcast,
     fingerprint,
     fingerprint_term,
     new_sync_group,
 )
+from treadle.cluster.piece_sync import PieceSender
 from treadle.cluster.shard_gather import Piece, ShardGatherer, local_stream
 from treadle.config import TrainerConfig
 from treadle.core.batch import StepTotals
@@ -114,6 +114,7 @@ class TrainerWorker:
         """The models this rank hosts by role: the policy, and any :meth:`add_model` added."""
         self._sync_group = None
         self._gatherers: dict[tuple[str, int], ShardGatherer] = {}  # by (dtype, bucket bytes)
+        self._senders: dict[tuple[str, int], PieceSender] = {}  # by (dtype, bucket bytes)
         # the engine's weight names and full shapes, in send order (a gather for the
         # non-FSDP kinds, so taken here, where every rank runs, and kept)
         self._shapes = [(n, lay.shape) for n, _, lay in self.weight_stream()]
@@ -377,32 +378,41 @@ class TrainerWorker:
             raise ValueError("the state was saved without an lr scheduler")
         backend.scheduler.load_state_dict(state.scheduler)
 
-    # --- the collective weight-sync group (rank 0 and the engines) ------------------------------
+    # --- the collective weight-sync group (every trainer rank and the engines) ----------------
 
     def join_sync_group(self, host: str, port: int, world: int, prefix: str, backend: str) -> None:
-        """Rank 0 joins the weight-sync group as its rank 0 (the others return at once)."""
-        if self.rank == 0:
-            self._sync_group = new_sync_group(host, port, 0, world, prefix, backend)
+        """Join the weight-sync group as its rank ``self.rank`` (the engines follow the trainer
+        ranks)."""
+        self._sync_group = new_sync_group(host, port, self.rank, world, prefix, backend)
 
-    def broadcast_weights(self, dtype: str, bucket_bytes: int) -> float | None:
-        """Gather each bucket (all ranks, one gather) and broadcast it to the engines (rank
-        0). Rank 0 returns the checksum of what it sent."""
-        total, index, failure = 0.0, 0, None
-        for bucket in self._buckets(dtype, bucket_bytes, shared=False):
-            if bucket is None:
-                continue
-            for _, tensor in bucket.tensors():
-                total += fingerprint_term(index, tensor)
-                index += 1
-            # An engine that dies mid-broadcast must not stop rank 0 from joining the other
-            # ranks' remaining gathers (they would wait for it forever): note, go on.
-            failure = failure or _try_broadcast(self._sync_group, bucket.flat)
-        if self.rank != 0:
-            return None
+    def stream_layouts(self) -> list[tuple[str, Layout]]:
+        """``(hf_name, this rank's layout)`` of every weight in send order, what the engines
+        plan their receives from (rank 0 alone may be asked: no collective)."""
+        if self.kind == "torch":
+            state = self.backend.model.state_dict()
+            return [(n, lay) for n, _, lay in local_stream(state, self.rank, self.world)]
+        return [(n, Layout("full", tuple(shape))) for n, shape in self._shapes]
+
+    def send_weights(self, dtype: str, bucket_bytes: int, engines: int) -> list[float]:
+        """Collective transport: send this rank's pieces of every weight, cast to ``dtype``,
+        straight to the ``engines`` engine ranks of the sync group
+        (:class:`~treadle.cluster.piece_sync.PieceSender`; every rank calls: the DeepSpeed and
+        Megatron streams are gathered first). Returns this rank's share of each weight's
+        checksum.
+
+        Raises:
+            RuntimeError: an engine died during the sync (the others got every piece; the
+                group is rebuilt at the next sync).
+        """
+        key = (dtype, bucket_bytes)
+        if key not in self._senders:
+            self._senders[key] = PieceSender(self.rank, dtype, bucket_bytes)
+        ranks = list(range(self.world, self.world + engines))
+        shares, failure = self._senders[key].send(self.weight_stream(), self._sync_group, ranks)
         if failure is not None:
             self._sync_group = None
-            raise RuntimeError(f"weight broadcast to the engines failed: {failure}")
-        return total
+            raise RuntimeError(f"trainer rank {self.rank}: weight send failed: {failure}")
+        return shares
 
 
 def keyed_by_name(state: dict, names: list[str]) -> dict:
@@ -417,14 +427,6 @@ def keyed_by_name(state: dict, names: list[str]) -> dict:
             {**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]
         ],
     }
-
-
-def _try_broadcast(group, tensor: torch.Tensor) -> str | None:
-    try:
-        broadcast(group, tensor)
-        return None
-    except Exception as error:  # gloo: connection reset by a dead peer
-        return f"{type(error).__name__}: {error}"
 
 
 def shard(model: torch.nn.Module, mesh) -> None:

@@ -6,8 +6,9 @@ Transports:
 
 - ``shared_memory`` (colocated): trainer rank 0 gathers the FSDP2 shards into flat buckets that
   go into Ray's object store (shared memory on the node); each engine maps them without a copy.
-- ``collective`` (disaggregated): a torch.distributed group of trainer rank 0 and the engines;
-  rank 0 gathers each weight from the shards and broadcasts it in buckets of ``bucket_mb``.
+- ``collective`` (disaggregated): a torch.distributed group of the trainer ranks and the
+  engines; each trainer rank sends its own shards point to point into the engines' buckets of
+  ``bucket_mb`` (:mod:`treadle.cluster.piece_sync`), so the bytes cross once.
 - ``disk`` (the simple reference): rank 0 writes one safetensors file, the engines read it.
 
 Every transport ends with the engines reporting the policy version they now serve and a
@@ -26,6 +27,7 @@ from pathlib import Path
 
 from treadle.cluster.buckets import Received, verify
 from treadle.cluster.engine_group import EngineGroup
+from treadle.cluster.piece_sync import fingerprint_of_shares
 from treadle.cluster.trainer_group import TrainerGroup
 from treadle.core.errors import StaleWeightsError
 from treadle.train.weight_sync import transfer_metrics
@@ -119,14 +121,15 @@ class RaySync:
         workers = self.trainers.workers
         self._ensure_group()
         if self._layout is None:
-            self._layout = ray.get(workers[0].layout.remote(self.dtype))
+            self._layout = ray.get(workers[0].stream_layouts.remote())
         receives = [
-            e.receive_broadcast.remote(self._layout, self.bucket_bytes, version)
+            e.receive_pieces.remote(self._layout, self.dtype, self.bucket_bytes, version)
             for e in self.engines.workers
         ]
-        sends = [w.broadcast_weights.remote(self.dtype, self.bucket_bytes) for w in workers]
-        expected = ray.get(sends)[0]
-        return expected, ray.get(receives)
+        engines = len(self.engines.workers)
+        sends = [w.send_weights.remote(self.dtype, self.bucket_bytes, engines) for w in workers]
+        shares = ray.get(sends)
+        return fingerprint_of_shares(shares), ray.get(receives)
 
     def _via_disk(self, version: int) -> tuple[float, list[Received]]:
         import ray
@@ -147,18 +150,15 @@ class RaySync:
         if self._group_members == members:
             return
         self._generation += 1
-        rank0 = self.trainers.workers[0]
-        host = ray.get(rank0.node_ip.remote())
-        port, world = free_port(), len(members) + 1
+        trainers = self.trainers.workers
+        host = ray.get(trainers[0].node_ip.remote())
+        port, world = free_port(), len(trainers) + len(members)
         prefix = f"treadle-sync-{self._generation}"
-        joins = [
-            rank0.join_sync_group.remote(host, port, world, prefix, self.backend),
-            *[
-                e.join_sync_group.remote(host, port, j + 1, world, prefix, self.backend)
-                for j, e in enumerate(members)
-            ],
+        backend = self.backend
+        joins = [w.join_sync_group.remote(host, port, world, prefix, backend) for w in trainers]
+        joins += [
+            e.join_sync_group.remote(host, port, len(trainers) + j, world, prefix, backend)
+            for j, e in enumerate(members)
         ]
-        for w in self.trainers.workers[1:]:
-            joins.append(w.join_sync_group.remote(host, port, world, prefix, self.backend))
         ray.get(joins)
         self._group_members = members

@@ -414,7 +414,8 @@ class PlacementConfig:
     """torch intra-op threads of each worker process (1 on a 2-core machine)."""
     weight_sync: Literal["auto", "shared_memory", "collective", "disk"] = "auto"
     """Trainer -> engine transport. ``auto``: shared memory when colocated, a collective
-    (bucketed broadcast over torch.distributed) when disaggregated. ``disk``: the reference."""
+    (each trainer rank sends its shards point to point over torch.distributed, into the engines'
+    buckets) when disaggregated. ``disk``: the reference."""
     bucket_mb: int = bounded(at_least(1), default=64)
     """Bucket size of the collective transport, in MiB."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
