@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 
 import pytest
 import torch
@@ -35,7 +36,7 @@ def _layouts():
     return [(n, Layout("dim_shard", tuple(t.shape), 0, TRAINERS)) for n, t in state.items()]
 
 
-def _rank(rank: int, ports: tuple[int, int], dtype: str, bucket_bytes: int, out: str) -> None:
+def _rank(rank: int, ports: tuple[int, int], dtype: str, bucket_bytes: int, out: str, dead) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
@@ -49,6 +50,9 @@ def _rank(rank: int, ports: tuple[int, int], dtype: str, bucket_bytes: int, out:
         init = f"tcp://127.0.0.1:{ports[0]}"
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=TRAINERS)
     group = new_sync_group("127.0.0.1", ports[1], rank, world, "test", "gloo")
+    if rank == dead:
+        os._exit(0)  # an engine that dies before the sync: its links close
+    syncs = 1 if dead else 2
     results = []
     if rank < TRAINERS:
         model = _Tiny()
@@ -56,7 +60,9 @@ def _rank(rank: int, ports: tuple[int, int], dtype: str, bucket_bytes: int, out:
             fully_shard(layer)
         fully_shard(model)
         sender = PieceSender(rank, dtype, bucket_bytes)
-        for sync in range(2):
+        if dead:
+            time.sleep(2.0)  # gloo has seen the dead engine's links close: its sends raise
+        for sync in range(syncs):
             if sync == 1:
                 with torch.no_grad():
                     for p in model.parameters():
@@ -67,7 +73,7 @@ def _rank(rank: int, ports: tuple[int, int], dtype: str, bucket_bytes: int, out:
         dist.destroy_process_group()
     else:
         receiver, buffers = PieceReceiver(), set()
-        for _ in range(2):
+        for _ in range(syncs):
             named = receiver.receive(_layouts(), dtype, bucket_bytes, group)
             buffers |= {t.untyped_storage().data_ptr() for _, t in named}
             results.append([(n, t.clone()) for n, t in named])
@@ -81,23 +87,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _spawn(tmp_path, dead=None):
+    dtype, bucket_bytes = "bfloat16", 256  # bf16: 101 x 8 x 2 = 1,616 B alone; several buckets
+    os.environ["OMP_NUM_THREADS"] = "1"
+    out = str(tmp_path / "got")
+    ports = (_free_port(), _free_port())
+    mp.spawn(_rank, args=(ports, dtype, bucket_bytes, out, dead), nprocs=TRAINERS + ENGINES)
+    trainers = [torch.load(f"{out}.{r}") for r in range(TRAINERS)]
+    engines = {
+        e: torch.load(f"{out}.{e}") for e in range(TRAINERS, TRAINERS + ENGINES) if e != dead
+    }
+    return trainers, engines
+
+
 @pytest.mark.slow  # ~10 s: five fresh processes
 def test_each_trainer_rank_sends_its_shards_straight_to_every_engine(tmp_path):
     from treadle.cluster.buckets import fingerprint, plan_buckets
     from treadle.cluster.piece_sync import fingerprint_of_shares
 
-    dtype, bucket_bytes = "bfloat16", 256  # bf16: 101 x 8 x 2 = 1,616 B alone; several buckets
-    os.environ["OMP_NUM_THREADS"] = "1"
-    out = str(tmp_path / "got")
-    ports = (_free_port(), _free_port())
-    mp.spawn(_rank, args=(ports, dtype, bucket_bytes, out), nprocs=TRAINERS + ENGINES)
+    trainers, engines = _spawn(tmp_path)
     state = _Tiny().state_dict()
-    layout = [(n, tuple(t.shape), dtype) for n, t in state.items()]
-    planned = plan_buckets(layout, bucket_bytes)
+    planned = plan_buckets([(n, tuple(t.shape), "bfloat16") for n, t in state.items()], 256)
     assert len(planned) > 2  # several buckets are exercised
-    trainers = [torch.load(f"{out}.{r}") for r in range(TRAINERS)]
-    for e in range(TRAINERS, TRAINERS + ENGINES):
-        got = torch.load(f"{out}.{e}")
+    for got in engines.values():
         assert got["buffers"] == len(planned)  # one per bucket: the second sync reused them
         for sync, named in enumerate(got["named"]):
             assert [n for n, _ in named] == list(state)
@@ -109,3 +121,15 @@ def test_each_trainer_rank_sends_its_shards_straight_to_every_engine(tmp_path):
     # rank 2 holds no row of the 2-element norm: its share of it is 0.0, the others' are not
     norm = list(state).index("norm")
     assert trainers[2][0][0][norm] == 0.0 and trainers[0][0][0][norm] != 0.0
+
+
+@pytest.mark.slow  # ~10 s
+def test_a_dead_engine_does_not_keep_the_others_from_their_weights(tmp_path):
+    dead = TRAINERS + 1  # the second engine
+    trainers, engines = _spawn(tmp_path, dead=dead)
+    (named,) = engines[TRAINERS]["named"]  # the live engine got every weight...
+    state = _Tiny().state_dict()
+    for name, tensor in named:
+        assert torch.equal(tensor, state[name].to(torch.bfloat16)), name
+    for ((_, failure),) in trainers:  # ...and every trainer rank names the dead one
+        assert failure is not None and failure.startswith(f"engine rank {dead}: "), failure

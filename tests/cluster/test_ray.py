@@ -175,7 +175,7 @@ def test_an_engine_killed_before_a_sync_is_replaced_and_the_sync_completes(roles
     (pid,) = engines.pids()
     os.kill(pid, signal.SIGKILL)  # dies between the update and the sync
     version = engines.policy_version + 1
-    sync.sync(version)  # the broadcast fails, the worker is replaced, the sync is redone
+    sync.sync(version)  # the sends fail, the worker is replaced, the sync is redone
     assert engines.restarts == restarts + 1 and engines.pids() != [pid]
     assert engines.policy_version == version
     assert max_diff(engines.prompt_logprobs([s.token_ids for s in samples[:4]]),

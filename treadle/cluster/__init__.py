@@ -23,7 +23,7 @@ def build_ray_roles(cfg, spec, version: int, run_dir: Path):
     """
     from treadle.cluster.engine_group import EngineGroup
     from treadle.cluster.placement import place
-    from treadle.cluster.trainer_group import TrainerGroup, resolve_backend
+    from treadle.cluster.trainer_group import TrainerGroup
     from treadle.cluster.transports import RaySync
 
     p = cfg.placement
@@ -56,7 +56,6 @@ def build_ray_roles(cfg, spec, version: int, run_dir: Path):
         cfg.rollout.dtype,
         p.bucket_mb,
         disk_dir=run_dir / "weight_sync",
-        backend=resolve_backend(p),
     )
     return trainers, engines, sync
 

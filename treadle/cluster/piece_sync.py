@@ -109,24 +109,27 @@ class PieceSender:
         """
         by_bucket = self._plan_for(stream)
         shares = [0.0] * len(stream)
-        failure, dead = None, set()
+        failures: dict[int, str] = {}  # engine rank -> its first error; nothing more is sent it
         for mine in by_bucket:
             works, offset = [], 0
             for x in mine:
                 flat = stream[x.tensor][1].reshape(-1)[: x.count]
-                if flat.dtype != self.dtype:
+                if flat.dtype != self.dtype or flat.device.type != "cpu":  # staged on the CPU
                     flat = self._cast[offset : offset + x.count].copy_(flat)
                     offset += x.count
                 shares[x.tensor] = checksum_part(flat, x.region, x.numel)
-                live = [dst for dst in engines if dst not in dead]
-                works += [(dst, group.send([flat], dst, _tag(x))) for dst in live]
-            for dst, work in works:
-                try:
+                for dst in (e for e in engines if e not in failures):
+                    try:  # gloo raises at the send once the link to a dead engine is reset
+                        works.append((dst, group.send([flat], dst, _tag(x))))
+                    except Exception as error:
+                        failures[dst] = f"{type(error).__name__}: {error}"
+            for dst, work in works:  # every one waited on before the cast buffer is reused
+                try:  # ... or at the wait
                     work.wait()
-                except Exception as error:  # gloo: connection reset by a dead peer
-                    dead.add(dst)
-                    failure = failure or f"{type(error).__name__}: {error}"
-        return shares, failure
+                except Exception as error:
+                    failures.setdefault(dst, f"{type(error).__name__}: {error}")
+        first = next(iter(failures.items()), None)
+        return shares, None if first is None else f"engine rank {first[0]}: {first[1]}"
 
     def _plan_for(self, stream) -> list[list[Transfer]]:
         """This rank's transfers, bucket by bucket (planned once per stream layout)."""
@@ -139,7 +142,7 @@ class PieceSender:
             for x in transfers:
                 if x.src == self.rank:
                     by_bucket[x.bucket].append(x)
-            casts = any(t.dtype != self.dtype for _, t, _ in stream)
+            casts = any(t.dtype != self.dtype or t.device.type != "cpu" for _, t, _ in stream)
             largest = max((b.flat.numel() for b in buckets), default=0)
             self._cast = torch.empty(largest if casts else 0, dtype=self.dtype)
             self._plan = key, by_bucket

@@ -240,11 +240,6 @@ class TrainerWorker:
 
     # --- full weights (collective: every rank calls, in the same order) -------------------------
 
-    def layout(self, dtype: str) -> list[tuple[str, tuple[int, ...], str]]:
-        """``(name, global shape, dtype)`` of every weight the engine gets, in send order (rank
-        0 alone may be asked: no collective)."""
-        return [(n, tuple(shape), dtype) for n, shape in self._shapes]
-
     def weight_stream(self) -> list[Piece]:
         """This rank's pieces of every weight, in send order: the
         :mod:`treadle.train.convert` stream (Hugging Face names; dim-0 shards of FSDP2; the
@@ -402,7 +397,7 @@ class TrainerWorker:
 
         Raises:
             RuntimeError: an engine died during the sync (the others got every piece; the
-                group is rebuilt at the next sync).
+                driver makes a new group at the next sync).
         """
         key = (dtype, bucket_bytes)
         if key not in self._senders:

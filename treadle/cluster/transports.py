@@ -11,6 +11,9 @@ Transports:
   ``bucket_mb`` (:mod:`treadle.cluster.piece_sync`), so the bytes cross once.
 - ``disk`` (the simple reference): rank 0 writes one safetensors file, the engines read it.
 
+The collective group is gloo, over CPU copies of the pieces, on GPUs too: NCCL straight from
+device memory (verl's and slime's way) is not wired here, as it cannot be tested without a GPU.
+
 Every transport ends with the engines reporting the policy version they now serve and a
 checksum of the weights they received, computed the same way the trainer computed it on what it
 sent; a mismatch raises :class:`StaleWeightsError`. Completions carry the version that produced
@@ -45,7 +48,6 @@ class RaySync:
         dtype: the dtype the engines serve (weights are cast before they are sent).
         bucket_mb: bucket size of the collective and shared-memory transports.
         disk_dir: where the ``disk`` transport writes (inside the run directory).
-        backend: torch.distributed backend of the collective group.
 
     Raises:
         ValueError: an unknown transport, or ``disk`` without ``disk_dir``.
@@ -59,7 +61,6 @@ class RaySync:
         dtype: str,
         bucket_mb: int,
         disk_dir: Path | None = None,
-        backend: str = "gloo",
     ) -> None:
         self._transfers = {
             "shared_memory": self._via_shared_memory,
@@ -72,7 +73,7 @@ class RaySync:
             raise ValueError("the disk transport needs a directory")
         self.name, self.trainers, self.engines = transport, trainers, engines
         self.dtype, self.bucket_bytes = dtype, bucket_mb * 2**20
-        self.disk_dir, self.backend = disk_dir, backend
+        self.disk_dir = disk_dir
         self._group_members: tuple | None = None  # the engine actors the collective group holds
         self._layout = None
         self._generation = 0
@@ -128,8 +129,14 @@ class RaySync:
         ]
         engines = len(self.engines.workers)
         sends = [w.send_weights.remote(self.dtype, self.bucket_bytes, engines) for w in workers]
-        shares = ray.get(sends)
-        return fingerprint_of_shares(shares), ray.get(receives)
+        # Every call is waited for, failed or not: a trainer rank that lost an engine still
+        # sends the others every piece, so they finish, idle, before the dead are probed.
+        try:
+            shares, reports = _settle(sends), _settle(receives)
+        except Exception:
+            self._group_members = None  # the group is broken: the next sync makes a new one
+            raise
+        return fingerprint_of_shares(shares), reports
 
     def _via_disk(self, version: int) -> tuple[float, list[Received]]:
         import ray
@@ -154,7 +161,7 @@ class RaySync:
         host = ray.get(trainers[0].node_ip.remote())
         port, world = free_port(), len(trainers) + len(members)
         prefix = f"treadle-sync-{self._generation}"
-        backend = self.backend
+        backend = "gloo"  # CPU pieces, also on GPUs (see the module docstring)
         joins = [w.join_sync_group.remote(host, port, world, prefix, backend) for w in trainers]
         joins += [
             e.join_sync_group.remote(host, port, len(trainers) + j, world, prefix, backend)
@@ -162,3 +169,18 @@ class RaySync:
         ]
         ray.get(joins)
         self._group_members = members
+
+
+def _settle(refs: list) -> list:
+    """``ray.get`` of each of ``refs`` in turn; after all have ended, the first error raised."""
+    import ray
+
+    values, error = [], None
+    for ref in refs:
+        try:
+            values.append(ray.get(ref))
+        except Exception as e:
+            error = error or e
+    if error is not None:
+        raise error
+    return values

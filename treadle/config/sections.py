@@ -419,7 +419,8 @@ class PlacementConfig:
     bucket_mb: int = bounded(at_least(1), default=64)
     """Bucket size of the collective transport, in MiB."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """torch.distributed backend: ``auto`` is NCCL with GPUs, gloo without."""
+    """torch.distributed backend of the trainer ranks: ``auto`` is NCCL with GPUs, gloo without
+    (the weight-sync group is gloo either way)."""
     engine_restarts: int = bounded(at_least(0), default=3)
     """How many times a dead engine worker is restarted in one run before the run fails."""
 
