@@ -75,6 +75,32 @@ CASES = {
         {},
         ["exceed the model's context of 512 tokens"],
     ),
+    # What a training backend would refuse only once built, refused from the model's config
+    # before the run directory (or the SFT warm-up) exists: the built tiny model's 2 KV heads
+    # over tensor parallel 3, a LoRA target it has no linear of, megatron's bf16 on a CPU.
+    "megatron-tensor-parallel-that-does-not-divide-the-heads": Case(
+        [
+            "train",
+            str(DEFAULT),
+            *SMALL,
+            "trainer.backend=megatron",
+            "trainer.megatron.tensor_parallel=3",
+            "placement.mode=disaggregated",
+            "placement.trainers=3",
+        ],
+        {},
+        ["trainer.megatron.tensor_parallel=3", "does not divide the model's KV heads (2)"],
+    ),
+    "lora-target-that-is-not-a-linear": Case(
+        ["train", str(DEFAULT), *SMALL, "model.lora.r=8", "model.lora.target_modules=[nope]"],
+        {},
+        ["model.lora.target_modules: ['nope'] are not linear modules", "q_proj"],
+    ),
+    "megatron-bf16-on-a-cpu": Case(
+        ["train", str(DEFAULT), *SMALL, "trainer.backend=megatron", "trainer.bf16_autocast=true"],
+        {},
+        ["trainer.bf16_autocast=true with trainer.backend=megatron", "autocast for CUDA only"],
+    ),
     "empty-dataset": Case(
         [
             "train",

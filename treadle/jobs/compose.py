@@ -54,6 +54,7 @@ from treadle.store.models import (
     load_critic,
     load_model,
     require_model_folder,
+    tiny_config,
 )
 from treadle.store.observe import MetricsLogger
 from treadle.train import lora
@@ -100,6 +101,15 @@ def base_model(cfg: Config, data: Dataset, run_dir: Path) -> Path:
         model = build_tiny_model(cfg.model.tiny, tokenizer, cfg.run.seed)
         save_model_atomic(model, tokenizer, folder)
     return folder
+
+
+def starting_config(cfg: Config):
+    """The HF config of the starting policy, before it exists: ``model.path``'s (a checked
+    folder), or the tiny model's that :func:`base_model` would build (its vocabulary at the
+    tokenizer's configured size)."""
+    if cfg.model.path is not None:
+        return AutoConfig.from_pretrained(cfg.model.path)
+    return tiny_config(cfg.model.tiny, cfg.model.tiny.tokenizer_vocab_size)
 
 
 def tiny_tokenizer(cfg: Config, data: Dataset):

@@ -41,6 +41,7 @@ from treadle.jobs.compose import (
     compose,
     prepare_run_dir,
     seed_everything,
+    starting_config,
 )
 from treadle.jobs.loop import RLParts, evaluate_policy, run_rl
 from treadle.jobs.sft import run_sft, sft_backend, sft_samples, warm_up
@@ -60,6 +61,7 @@ from treadle.store.models import (
 from treadle.store.observe import Progress
 from treadle.store.report import plot_run, print_summary, write_summary
 from treadle.train import lora
+from treadle.train.backends import preflight
 
 
 def train(cfg: Config, resume: Path | None = None, console: Console | None = None) -> dict:
@@ -78,6 +80,7 @@ def train(cfg: Config, resume: Path | None = None, console: Console | None = Non
     check_inputs(cfg, data)  # bad input fails here, before a run directory exists
     # A given model is checked before the run directory exists; a built one once it is built.
     checked = check_model(cfg, data, Path(cfg.model.path)) if cfg.model.path else None
+    preflight(cfg.trainer, cfg.model.lora, starting_config(cfg))  # what the backend refuses
     created = None if resume else _first_missing(Path(cfg.run.output_dir) / cfg.run.name)
     run_dir = prepare_run_dir(cfg, resume)
     finished = _load_json(run_dir / "summary.json")

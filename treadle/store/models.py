@@ -66,12 +66,12 @@ def build_tokenizer(corpus: Iterable[str], vocab_size: int) -> PreTrainedTokeniz
     return fast
 
 
-def build_tiny_model(
-    cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int
-) -> Qwen2ForCausalLM:
-    """A Qwen2-architecture causal LM with seeded random weights and tied embeddings."""
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
+def tiny_config(
+    cfg: TinyModelConfig, vocab_size: int, eos: int | None = None, pad: int | None = None
+) -> Qwen2Config:
+    """The Qwen2 config of the model :func:`build_tiny_model` builds (tied embeddings)."""
+    return Qwen2Config(
+        vocab_size=vocab_size,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_hidden_layers,
@@ -79,10 +79,17 @@ def build_tiny_model(
         num_key_value_heads=cfg.num_key_value_heads,
         max_position_embeddings=cfg.max_position_embeddings,
         tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=eos,
+        pad_token_id=pad,
         bos_token_id=None,
     )
+
+
+def build_tiny_model(
+    cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int
+) -> Qwen2ForCausalLM:
+    """A Qwen2-architecture causal LM with seeded random weights and tied embeddings."""
+    config = tiny_config(cfg, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id

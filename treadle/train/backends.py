@@ -11,9 +11,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from transformers import PreTrainedModel
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from treadle.config import TrainerConfig
+from treadle.config import LoraConfig, TrainerConfig
 from treadle.core.errors import UserError
 from treadle.train.torch_backend import TorchBackend
 
@@ -55,3 +56,28 @@ def build_backend(
     raise UserError(
         f"config trainer.backend={cfg.backend}: not available; use trainer.backend=torch"
     )
+
+
+def preflight(cfg: TrainerConfig, lora: LoraConfig, model_config: PretrainedConfig) -> None:
+    """What building the trainer would refuse, checked on the model's config alone: before a
+    run directory exists or minutes of SFT are spent (the same errors the build raises). The
+    megatron backend's model family, RoPE, biases, tensor parallel size and bf16; DeepSpeed's
+    CPU offload without CUDA; LoRA's target modules (on a weightless ``meta`` model).
+
+    Raises:
+        UserError: naming the config key and the fix.
+    """
+    if cfg.backend == "megatron":
+        from treadle.train.megatron_backend import check_supported
+
+        check_supported(model_config, cfg)
+    if cfg.backend == "deepspeed":
+        from treadle.train.deepspeed_backend import ds_config  # imports deepspeed (~6 s)
+
+        ds_config(cfg)
+    if lora.r:
+        from treadle.train.lora import check_targets
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(model_config)
+        check_targets(model, lora)

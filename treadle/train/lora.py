@@ -54,6 +54,31 @@ def linear_names(model: torch.nn.Module) -> list[str]:
     )
 
 
+def check_targets(model: torch.nn.Module, cfg: LoraConfig) -> None:
+    """``model.lora.target_modules`` against ``model`` (its weights may be on the ``meta``
+    device: :func:`treadle.train.backends.preflight` checks before any work).
+
+    Raises:
+        UserError: a named module is no linear of the model (its linear modules are listed),
+            or a tied ``lm_head`` is named.
+    """
+    if not isinstance(cfg.target_modules, list):
+        return
+    names = linear_names(model)
+    missing = [t for t in cfg.target_modules if t not in names]
+    if missing:
+        raise UserError(
+            f"config model.lora.target_modules: {missing} are not linear modules of this "
+            f"model; its linear modules are {names} (or use 'all-linear')"
+        )
+    if "lm_head" in cfg.target_modules and getattr(model.config, "tie_word_embeddings", False):
+        raise UserError(
+            "config model.lora.target_modules: lm_head shares its weight with the input "
+            "embedding in this model (tie_word_embeddings), so its adapter could not be "
+            "merged into the one tensor engines and exports keep; leave lm_head out"
+        )
+
+
 def apply_lora(
     model: PreTrainedModel, cfg: LoraConfig, adapter: str | Path | None = None
 ) -> torch.nn.Module:
@@ -67,20 +92,7 @@ def apply_lora(
     """
     import peft
 
-    if isinstance(cfg.target_modules, list):
-        names = linear_names(model)
-        missing = [t for t in cfg.target_modules if t not in names]
-        if missing:
-            raise UserError(
-                f"config model.lora.target_modules: {missing} are not linear modules of this "
-                f"model; its linear modules are {names} (or use 'all-linear')"
-            )
-        if "lm_head" in cfg.target_modules and getattr(model.config, "tie_word_embeddings", False):
-            raise UserError(
-                "config model.lora.target_modules: lm_head shares its weight with the input "
-                "embedding in this model (tie_word_embeddings), so its adapter could not be "
-                "merged into the one tensor engines and exports keep; leave lm_head out"
-            )
+    check_targets(model, cfg)
     if adapter is not None:
         try:
             return peft.PeftModel.from_pretrained(model, str(adapter), is_trainable=True)

@@ -86,12 +86,28 @@ def init_model_parallel(tp: int, pp: int) -> None:
         megatron_cpu.model_parallel_cpu_manual_seed(0)
 
 
-def _check_supported(config) -> None:
-    """Refuse what the conversion cannot express.
+def check_supported(config, cfg: TrainerConfig) -> None:
+    """Refuse what the conversion or this machine cannot run, from the HF model ``config`` and
+    the trainer config alone (before any work: :func:`treadle.train.backends.preflight`).
 
     Raises:
-        UserError: not a Qwen2/Llama model, RoPE scaling, or Llama's o_proj/MLP biases.
+        UserError: not a Qwen2/Llama model, RoPE scaling, Llama's o_proj/MLP biases, a tensor
+            parallel size that does not divide the KV heads or the MLP, or bf16 without CUDA.
     """
+    if cfg.bf16_autocast and not torch.cuda.is_available():
+        raise UserError(
+            "config trainer.bf16_autocast=true with trainer.backend=megatron: megatron-core's "
+            "linear layers autocast for CUDA only (on a CPU their backward mixes bf16 and "
+            "fp32); set trainer.bf16_autocast=false"
+        )
+    tp = cfg.megatron.tensor_parallel
+    for what, n in (("KV heads", config.num_key_value_heads), ("MLP", config.intermediate_size)):
+        if n % tp:
+            raise UserError(
+                f"config trainer.megatron.tensor_parallel={tp}: it does not divide the model's "
+                f"{what} ({n}); use a tensor parallel size that divides it (in a Ray run with "
+                "placement.trainers equal to it)"
+            )
     fix = "use trainer.backend=torch"
     if config.model_type not in ("qwen2", "llama"):
         raise UserError(
@@ -235,13 +251,7 @@ class MegatronBackend(TorchBackend):
                 "config trainer.backend=megatron: a critic (value head) is not implemented; "
                 "use trainer.backend=torch"
             )
-        _check_supported(model.config)
-        if cfg.bf16_autocast and not torch.cuda.is_available():
-            raise UserError(
-                "config trainer.bf16_autocast=true with trainer.backend=megatron: megatron-core's "
-                "linear layers autocast for CUDA only (on a CPU their backward mixes bf16 and "
-                "fp32); set trainer.bf16_autocast=false"
-            )
+        check_supported(model.config, cfg)
         init_model_parallel(cfg.megatron.tensor_parallel, cfg.megatron.pipeline_parallel)
         from megatron.core import parallel_state
 
@@ -253,13 +263,7 @@ class MegatronBackend(TorchBackend):
         self.padding_idx: int | None = model.get_input_embeddings().padding_idx
         """The HF embedding's ``padding_idx`` (Megatron's embedding has none: see _hidden)."""
         tp = cfg.megatron.tensor_parallel
-        try:
-            shards = to_megatron(hf, self.shape, tp)
-        except ValueError as e:
-            raise UserError(
-                f"config trainer.megatron.tensor_parallel={tp}: {e}; use a tensor parallel size "
-                "that divides it (in a Ray run with placement.trainers equal to it)"
-            ) from e
+        shards = to_megatron(hf, self.shape, tp)  # its sizes were checked: check_supported
         dtype = hf["model.embed_tokens.weight"].dtype
         gpt = build_gpt(model.config, padded_vocab(self.vocab, tp), dtype)
         rank = parallel_state.get_tensor_model_parallel_rank()
