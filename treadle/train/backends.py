@@ -12,7 +12,7 @@ import dataclasses
 from typing import Literal
 
 import torch
-from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 from treadle.config import LoraConfig, TrainerConfig
 from treadle.core.errors import UserError
@@ -76,6 +76,8 @@ def preflight(cfg: TrainerConfig, lora: LoraConfig, model_config: PretrainedConf
 
         ds_config(cfg)
     if lora.r:
+        from transformers import AutoModelForCausalLM  # here: at the top it imports deepspeed
+
         from treadle.train.lora import check_targets
 
         with torch.device("meta"):
