@@ -68,7 +68,7 @@ class _Peer:
         from treadle.cluster.buckets import new_sync_group
 
         torch.set_num_threads(1)
-        self.group = new_sync_group(host, port, rank, 2, prefix, "gloo")
+        self.group = new_sync_group(host, port, rank, 2, prefix)
 
     def broadcast(self, nbytes: int, bucket_bytes: int, reps: int) -> list[float]:
         import torch.distributed as dist

@@ -49,7 +49,7 @@ def _rank(rank: int, ports: tuple[int, int], dtype: str, bucket_bytes: int, out:
     if rank < TRAINERS:  # the trainers' own group, as FSDP2 needs
         init = f"tcp://127.0.0.1:{ports[0]}"
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=TRAINERS)
-    group = new_sync_group("127.0.0.1", ports[1], rank, world, "test", "gloo")
+    group = new_sync_group("127.0.0.1", ports[1], rank, world, "test")
     if rank == dead:
         os._exit(0)  # an engine that dies before the sync: its links close
     syncs = 1 if dead else 2

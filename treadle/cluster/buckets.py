@@ -160,16 +160,15 @@ def plan_buckets(
     return buckets
 
 
-def new_sync_group(host: str, port: int, rank: int, world: int, prefix: str, backend: str):
-    """A process group of its own (trainer ranks 0..T-1, then engines T..T+E-1), beside the
-    trainers' default group, from a TCP store at ``host:port`` that rank 0 hosts."""
+def new_sync_group(host: str, port: int, rank: int, world: int, prefix: str):
+    """A gloo process group of its own (trainer ranks 0..T-1, then engines T..T+E-1), beside
+    the trainers' default group, from a TCP store at ``host:port`` that rank 0 hosts. gloo on
+    GPUs too: the pieces it moves are CPU tensors (:mod:`treadle.cluster.transports`)."""
     import torch.distributed as dist
 
     timeout = datetime.timedelta(minutes=10)
     store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timeout)
     prefixed = dist.PrefixStore(prefix, store)
-    if backend == "nccl":
-        return dist.ProcessGroupNCCL(prefixed, rank, world)
     return dist.ProcessGroupGloo(prefixed, rank, world, timeout)
 
 

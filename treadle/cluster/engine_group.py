@@ -126,11 +126,9 @@ class EngineWorker:
             named = [(k, f.get_tensor(k)) for k in order]
         return self._apply(named, version)
 
-    def join_sync_group(
-        self, host: str, port: int, rank: int, world: int, prefix: str, backend: str
-    ) -> None:
+    def join_sync_group(self, host: str, port: int, rank: int, world: int, prefix: str) -> None:
         """Join the collective weight-sync group as ``rank`` (after the trainer ranks)."""
-        self._sync_group = new_sync_group(host, port, rank, world, prefix, backend)
+        self._sync_group = new_sync_group(host, port, rank, world, prefix)
 
     def receive_pieces(
         self, layouts: list[tuple[str, Layout]], dtype: str, bucket_bytes: int, version: int

@@ -11,8 +11,8 @@ Both ends derive the same :class:`Transfer` list from trainer rank 0's layouts
 (:func:`plan_transfers`): the bucket plan is the engine's own
 (:func:`~treadle.cluster.buckets.plan_buckets`), and each piece's place in it is its
 :meth:`~treadle.train.convert.Layout.region`. The sync group is trainer ranks ``0..T-1`` then
-engines ``T..T+E-1``; a transfer's tag is its index in the plan, so messages match whatever
-order they arrive in.
+engines ``T..T+E-1``; a transfer's tag is its tensor's index in the stream (a rank sends one
+piece of each tensor), so messages match whatever order they arrive in.
 
 The trainer's checksum of what it sent is summed from each rank's share of every tensor's
 :func:`~treadle.cluster.buckets.checksum` (:func:`~treadle.cluster.buckets.checksum_part`); the
@@ -21,7 +21,7 @@ engine computes it whole on what it received, as for the other transports.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -71,7 +71,7 @@ def plan_transfers(
         b, base = where[name]
         ranks = [0] if lay.kind == "full" else range(lay.world)
         for r in ranks:
-            piece = Layout(lay.kind, lay.shape, r, lay.world, lay.dim, lay.padded)
+            piece = replace(lay, rank=r)
             region = piece.region()
             if region is None:
                 raise ValueError(f"{name}: {piece} is not one range of the full tensor")
@@ -91,7 +91,8 @@ class PieceSender:
     """
 
     def __init__(self, rank: int, dtype: str, bucket_bytes: int) -> None:
-        self.rank, self.dtype, self.bucket_bytes = rank, getattr(torch, dtype), bucket_bytes
+        self.rank, self.bucket_bytes = rank, bucket_bytes
+        self.dtype_name, self.dtype = dtype, getattr(torch, dtype)
         self._plan: tuple[tuple, list[list[Transfer]]] | None = None
         self._cast = torch.empty(0, dtype=self.dtype)
 
@@ -135,9 +136,8 @@ class PieceSender:
         """This rank's transfers, bucket by bucket (planned once per stream layout)."""
         key = tuple((n, lay) for n, _, lay in stream)
         if self._plan is None or self._plan[0] != key:
-            layouts = [(n, Layout(lay.kind, lay.shape, 0, lay.world, lay.dim, lay.padded))
-                       for n, _, lay in stream]  # fmt: skip
-            buckets, transfers = plan_transfers(layouts, _name(self.dtype), self.bucket_bytes)
+            layouts = [(n, replace(lay, rank=0)) for n, _, lay in stream]
+            buckets, transfers = plan_transfers(layouts, self.dtype_name, self.bucket_bytes)
             by_bucket: list[list[Transfer]] = [[] for _ in buckets]
             for x in transfers:
                 if x.src == self.rank:
@@ -189,7 +189,3 @@ def fingerprint_of_shares(shares: list[list[float]]) -> float:
 def _tag(x: Transfer) -> int:
     """A transfer's message tag: its tensor's index (a rank sends one piece of each)."""
     return x.tensor
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

@@ -375,10 +375,10 @@ class TrainerWorker:
 
     # --- the collective weight-sync group (every trainer rank and the engines) ----------------
 
-    def join_sync_group(self, host: str, port: int, world: int, prefix: str, backend: str) -> None:
+    def join_sync_group(self, host: str, port: int, world: int, prefix: str) -> None:
         """Join the weight-sync group as its rank ``self.rank`` (the engines follow the trainer
         ranks)."""
-        self._sync_group = new_sync_group(host, port, self.rank, world, prefix, backend)
+        self._sync_group = new_sync_group(host, port, self.rank, world, prefix)
 
     def stream_layouts(self) -> list[tuple[str, Layout]]:
         """``(hf_name, this rank's layout)`` of every weight in send order, what the engines

@@ -161,10 +161,9 @@ class RaySync:
         host = ray.get(trainers[0].node_ip.remote())
         port, world = free_port(), len(trainers) + len(members)
         prefix = f"treadle-sync-{self._generation}"
-        backend = "gloo"  # CPU pieces, also on GPUs (see the module docstring)
-        joins = [w.join_sync_group.remote(host, port, world, prefix, backend) for w in trainers]
+        joins = [w.join_sync_group.remote(host, port, world, prefix) for w in trainers]
         joins += [
-            e.join_sync_group.remote(host, port, len(trainers) + j, world, prefix, backend)
+            e.join_sync_group.remote(host, port, len(trainers) + j, world, prefix)
             for j, e in enumerate(members)
         ]
         ray.get(joins)
