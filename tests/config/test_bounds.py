@@ -44,7 +44,7 @@ AT_LEAST = {
     "environment.max_turns": 1, "environment.max_tokens": 1,
     "environment.max_observation_tokens": 1, "environment.max_concurrent": 1,
     "environment.tool_threads": 1,
-    "rollout.tensor_parallel": 1,
+    "rollout.tensor_parallel": 1, "rollout.max_running": 0,
     "trainer.megatron.tensor_parallel": 1, "trainer.megatron.pipeline_parallel": 1,
     "model.lora.r": 0, "model.lora.dropout": 0.0,
 }  # fmt: skip

@@ -294,6 +294,16 @@ def test_group_baselines_refuse_one_sample_per_prompt():
     [
         (["rollout.partial=true"], r"rollout\.partial: has no effect with rollout\.mode=sync"),
         (["rollout.oversample=2"], r"rollout\.oversample: has no effect with rollout\.mode=sync"),
+        (["rollout.max_running=64"], r"rollout\.max_running: has no effect with rollout\.mode="),
+        (
+            ["rollout.mode=async", "rollout.engine_process=own", "placement.mode=disaggregated"],
+            r"rollout\.engine_process=own: placement\.mode=disaggregated runs every engine",
+        ),
+        (
+            ["rollout.mode=async", "rollout.engine_process=own", "rollout.tensor_parallel=2"],
+            r"rollout\.engine_process=own: vLLM's tensor-parallel ranks",
+        ),
+        (["rollout.engine_process=elsewhere"], r"rollout\.engine_process"),
         (["rollout.mode=one_step_off", "rollout.partial=true"], r"use rollout\.mode=async"),
         (["rollout.mode=async", "algorithm.advantage=remax"], r"ReMax's greedy baseline"),
         (["rollout.mode=async", "rollout.max_staleness=-1"], r"rollout\.max_staleness"),

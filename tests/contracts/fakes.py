@@ -13,6 +13,7 @@ import torch
 
 from treadle.algorithms.aggregation import token_mean
 from treadle.core.batch import MicroBatch, StepTotals, TokenOutputs
+from treadle.core.errors import UserError
 from treadle.core.metrics import Metric, Reduction
 from treadle.core.protocols import Finished, Request, SamplingParams, check_new_request
 from treadle.core.types import Completion, FinishReason
@@ -175,3 +176,18 @@ class ScriptedEngine(_ModelFree):
         while self._live:
             out |= {f.request_id: f.completion for f in self.step()}
         return [[out[f"batch-{i}-{j}"] for j in range(params.n)] for i in range(len(prompts))]
+
+
+class SpecScriptedEngine(ScriptedEngine):
+    """:class:`ScriptedEngine` built as ``Class(spec)``, as an engine started by name is (an
+    engine in its own process, ``rollout.engine_process=own``): a completion wants 40 tokens
+    less its prompt's, and a step takes 20 ms."""
+
+    def __init__(self, spec) -> None:
+        if spec.model_dir == "refused":
+            raise UserError("config model.path=refused: this engine refuses it")
+        super().__init__(lambda r: 40 - len(r.prompt_token_ids), step_s=0.02)
+
+    def metrics(self) -> dict[str, float]:
+        """The sum of every weight it was sent: what crossed into its process."""
+        return {"fake/weights_sum": float(sum(t.sum() for t in self.weights.values()))}

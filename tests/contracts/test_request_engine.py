@@ -23,10 +23,13 @@ from contracts.fakes import ScriptedEngine
 from treadle.core.protocols import EngineSpec, Request, SamplingParams
 from treadle.core.types import FinishReason
 from treadle.rollout.engines import build_engine
+from treadle.rollout.engines.engine_process import EngineProcess
 
 SERVING = [
     "hf",
+    "hf, own process",
     pytest.param("vllm", marks=pytest.mark.slow),
+    pytest.param("vllm, own process", marks=pytest.mark.slow),
     pytest.param("engine group", marks=pytest.mark.slow),
 ]
 EVERY = ["scripted", *SERVING]
@@ -48,6 +51,11 @@ def engine(request, model_dir):
         placement = place(PlacementConfig(mode="disaggregated", trainers=0, engines=2))
         spec = EngineSpec(model_dir=str(model_dir), seed=0)
         eng = EngineGroup("vllm", spec, placement, threads=1)
+    elif request.param.endswith(", own process"):  # rollout.engine_process=own
+        name = request.param.split(",")[0]
+        if name == "vllm":
+            skip_without_vllm()
+        eng = EngineProcess(name, EngineSpec(model_dir=str(model_dir), seed=0), cores=())
     else:
         if request.param == "vllm":
             skip_without_vllm()
@@ -110,11 +118,18 @@ def test_an_aborted_request_continued_from_its_tokens_is_the_same_completion(eng
     engine.submit(Request("whole", prompts[0], GREEDY))
     whole = run_to_end(engine)["whole"]
     engine.submit(Request("cut", prompts[0], GREEDY))
-    # the transformers engine samples a request whole inside one step: abort before it
-    steps = 0 if type(engine).__name__ == "HFEngine" else 3
+    # the transformers engine samples a request whole inside one step, and an engine in its
+    # own process steps by itself: abort before any step of ours
+    free = isinstance(engine, EngineProcess)
+    steps = 0 if type(engine).__name__ == "HFEngine" or free else 3
     for _ in range(steps):
         assert engine.step() == []  # greedy 12 tokens: nothing finishes in 3 steps
     (cut,) = engine.abort(["cut"])
+    if free and cut.completion.finish_reason != FinishReason.ABORT:
+        # it finished in its process before the abort arrived: it comes back whole, once
+        assert cut.completion.token_ids == whole.token_ids and engine.running() == 0
+        assert engine.step() == []
+        return
     assert cut.request_id == "cut" and cut.completion.finish_reason == FinishReason.ABORT
     prefix = cut.completion
     assert engine.running() == 0 and len(prefix.token_ids) < len(whole.token_ids)

@@ -25,14 +25,21 @@ class Trial:
     """One scripted run: draws from a sampler of 50 tasks, sample ``s`` of draw ``d`` wants
     ``lengths[d, s]`` tokens (1 to 40, a tenth of them 10x longer)."""
 
-    def __init__(self, seed: int, cfg: SchedulerConfig, capacity: int | None, step_s=0.0):
+    def __init__(
+        self,
+        seed: int,
+        cfg: SchedulerConfig,
+        capacity: int | None,
+        step_s=0.0,
+        engine=ScriptedEngine,
+    ):
         self.rng = random.Random(seed)
         self.cfg = cfg
         self.tasks = tuple(Task(f"t{i}", (Message("user", f"q{i}"),), "", "toy") for i in range(50))
         self.sampler = TaskSampler(self.tasks, seed=seed)
         self.draws = 0
         self.lengths: dict[tuple[int, int], int] = {}
-        self.engine = ScriptedEngine(self.length, capacity=capacity, step_s=step_s)
+        self.engine = engine(self.length, capacity=capacity, step_s=step_s)
         params = SamplingParams(max_tokens=64)
         self.scheduler = RolloutScheduler(
             self.engine, self.draw, self.score, lambda ids: str(len(ids)), params, cfg
@@ -116,6 +123,9 @@ MODES = {
     "dynamic_sampling": SchedulerConfig(4, 6, 1, True, dynamic_sampling=True, max_rounds=3),
     "on_policy": SchedulerConfig(4, 6, max_staleness=0, partial=False),
     "eta_8_capped": SchedulerConfig(4, 6, max_staleness=8, partial=True, max_in_flight=9),
+    "async_eta2_partial_running5": SchedulerConfig(4, 6, 2, partial=True, max_running=5),
+    "one_step_off_running4": SchedulerConfig(4, 6, 1, partial=False, max_running=4),
+    "oversample_running6": SchedulerConfig(4, 6, 1, partial=True, oversample=3, max_running=6),
 }
 
 
@@ -191,3 +201,40 @@ def test_in_flight_groups_stay_under_the_cap_whatever_eta_allows():
         trial.scheduler.sync(VersionSync(trial.engine), version + 1)
     trial.scheduler.close()
     assert trial.scheduler.accounting()["trained"] == 24
+
+
+class RecordingEngine(ScriptedEngine):
+    """The scripted engine, recording each submission: the requests running before it, its
+    draw index, and the syncs in between (as ``None``)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.log: list[tuple[int, int] | None] = []
+
+    def submit(self, request) -> None:
+        self.log.append((self.running(), int(request.request_id.split("-")[0])))
+        super().submit(request)
+
+    def update_weights(self, weights, version: int) -> None:
+        self.log.append(None)
+        super().update_weights(weights, version)
+
+
+@pytest.mark.parametrize("partial", [True, False])
+def test_at_most_max_running_requests_run_oldest_group_first(partial):
+    cfg = SchedulerConfig(4, 6, max_staleness=2, partial=partial, max_running=6)
+    trial = Trial(3, cfg, capacity=None, step_s=0.0005, engine=RecordingEngine)
+    trained = run_trial(trial, steps=5, update_s=0.002)
+    assert len(trained) == 5 * 6
+    starts = [e for e in trial.engine.log if e is not None]
+    # a group starts only below the cap of 6 running, and all its queued requests with it
+    # (4 a group): never more than 6 - 1 + 4 = 9 running
+    assert max(running for running, _ in starts) <= 8 and len(starts) >= 5 * 6 * 4
+    # between two syncs requests start oldest draw first (a sync's continuations come first)
+    window: list[int] = []
+    for entry in [*trial.engine.log, None]:
+        if entry is None:
+            assert window == sorted(window), window
+            window = []
+        else:
+            window.append(entry[1])

@@ -60,8 +60,20 @@ def _check_plugin_names(cfg: Config) -> None:
 
 
 def _check_placement(cfg: Config) -> None:
-    """What the Ray trainer group and its engines support."""
+    """What the Ray trainer group and its engines support, and where an engine of its own
+    process can run."""
     p = cfg.placement
+    if cfg.rollout.engine_process == "own" and p.mode != "single":
+        raise UserError(
+            f"config rollout.engine_process=own: placement.mode={p.mode} runs every engine in a "
+            "Ray worker process already; leave rollout.engine_process=auto"
+        )
+    if cfg.rollout.engine_process == "own" and cfg.rollout.tensor_parallel > 1:
+        raise UserError(
+            "config rollout.engine_process=own: vLLM's tensor-parallel ranks are worker "
+            "processes of their own already; use rollout.engine_process=same with "
+            "rollout.tensor_parallel > 1"
+        )
     if p.mode == "single":
         return
     if p.mode == "colocated" and p.engines > p.trainers:
@@ -75,11 +87,15 @@ def _check_rollout_mode(cfg: Config) -> None:
     """What each rollout mode supports."""
     r = cfg.rollout
     if r.mode == "sync":
-        for key, value in (("partial", r.partial), ("oversample", r.oversample)):
+        for key, value in (
+            ("partial", r.partial),
+            ("oversample", r.oversample),
+            ("max_running", r.max_running),
+        ):
             if value:
                 raise UserError(
                     f"config rollout.{key}: has no effect with rollout.mode=sync; set "
-                    "rollout.mode=async (or one_step_off for oversample)"
+                    "rollout.mode=async (or one_step_off for oversample and max_running)"
                 )
         return
     if r.mode == "one_step_off" and r.partial:

@@ -240,6 +240,22 @@ class RolloutConfig:
     oversample: int = bounded(at_least(0), default=0)
     """``one_step_off``/``async``: extra groups in flight beyond the batch; at a weight sync the
     stragglers are aborted (dropped, or continued with ``partial``)."""
+    max_running: int = bounded(at_least(0), default=0)
+    """``one_step_off``/``async``: most requests in the engine at once; the started groups' other
+    requests wait in the scheduler and go in oldest group first (continuations of aborted
+    samples before new samples). Each running request gets one token per engine step, so
+    running more makes every one slower and the longest more likely to exceed the staleness
+    bound. 0: a quarter of a step's samples (``prompts_per_step * n / 4``, at least ``n``) on a
+    CPU, where an engine step costs about the same per token at any batch size; no limit on a
+    GPU, whose decode steps cost about the same at any batch size."""
+    engine_process: Literal["auto", "same", "own"] = "auto"
+    """Where the engine runs with ``placement.mode=single``: ``same`` (this process: a weight
+    sync passes the tensors themselves), ``own`` (a process of its own, bound to the second half
+    of this process's CPU cores, which generates while the trainer trains on the first half:
+    the asynchronous modes' overlap is then real, not two threads taking turns in one Python
+    interpreter; weights cross as a file in shared memory), or ``auto``: ``own`` in
+    ``one_step_off`` and ``async`` on a machine without a GPU and with 2 cores or more, with
+    ``rollout.tensor_parallel=1``; else ``same``."""
     tensor_parallel: int = bounded(at_least(1), default=1)
     """Tensor-parallel ranks of the engine (vLLM's ``tensor_parallel_size``, SGLang's
     ``tp_size``), for ``vllm`` and ``sglang`` with ``placement.mode=single``. vLLM runs its ranks

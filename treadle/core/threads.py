@@ -1,6 +1,11 @@
-"""The OpenMP thread count of a thread that runs the engine."""
+"""The OpenMP thread count of a thread that runs the engine, and the cores the trainer keeps
+when the engine runs in a process of its own."""
 
 from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -16,3 +21,27 @@ def pin_threads(n: int) -> None:
     """
     torch.set_num_threads(n)
     torch.ones(1 << 16).add_(1.0).sum()  # ATen's per-thread lazy init happens here
+
+
+@contextlib.contextmanager
+def without_cores(cores: Sequence[int]) -> Iterator[list[int]]:
+    """Inside: this process is bound to the cores it may use except ``cores`` (all of them if
+    none would be left), with as many torch threads; after: its cores and thread count as
+    they were. Yields the cores kept. Nothing changes for empty ``cores``.
+
+    For the trainer while the engine's own process works on ``cores``: two processes with
+    threads on the same cores slow each other far more than their share (README, the run's
+    threads).
+    """
+    before, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    kept = sorted(c for c in before if c not in cores) or sorted(before)
+    if not cores:
+        yield sorted(before)
+        return
+    os.sched_setaffinity(0, kept)
+    torch.set_num_threads(len(kept))
+    try:
+        yield kept
+    finally:
+        os.sched_setaffinity(0, before)
+        torch.set_num_threads(threads)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +29,7 @@ from treadle.core.protocols import EngineSpec, InferenceEngine, TrainingBackend,
 from treadle.jobs.loop import RLParts
 from treadle.rewards.pool import RewardPool, check_reward_functions
 from treadle.rollout.engines import build_engine, engine_class
+from treadle.rollout.engines.engine_process import EngineProcess
 from treadle.rollout.engines.sglang_engine import load_sglang
 from treadle.rollout.engines.sizing import kv_cache_gib
 from treadle.rollout.environments.registry import check as check_environment_spec
@@ -258,7 +261,16 @@ def build_roles(
         if adapter_sync:  # the engine serves base + the adapter each sync sends
             spec = dataclasses.replace(spec, lora_adapter_config=lora.adapter_config_json(model))
         with captured_output(run_dir / ENGINE_LOG):  # vLLM's ~20 start-up lines: not the console
-            engine = build_engine(cfg.rollout.engine, spec)
+            cores = engine_cores(cfg)
+            if cores is None:
+                engine = build_engine(cfg.rollout.engine, spec)
+            else:  # it generates while this process trains
+                engine = EngineProcess(cfg.rollout.engine, spec, cores)
+        if cores is not None:
+            console.print(
+                f"engine in a process of its own on cores {_span(cores)}; the trainer keeps the "
+                "other cores during RL (rollout.engine_process)"
+            )
         engine.policy_version = version
         policy = build_backend(
             model, cfg.trainer, cfg.run.steps * cfg.trainer.mini_batches, cfg.rollout.temperature
@@ -321,6 +333,36 @@ def reference_and_critic(cfg: Config, roles: Roles, start: Path, ckpt: Path | No
     return build_ray_models(cfg, roles.policy, start, ckpt)
 
 
+def engine_in_own_process(cfg: Config) -> bool:
+    """``rollout.engine_process`` resolved: ``auto`` is ``own`` for vLLM in the asynchronous
+    modes on a CPU with one process's placement, at tensor parallel 1."""
+    r = cfg.rollout
+    if r.engine_process != "auto":
+        return r.engine_process == "own"
+    return (
+        r.mode != "sync"
+        and r.engine == "vllm"
+        and r.tensor_parallel == 1
+        and cfg.placement.mode == "single"
+        and not torch.cuda.is_available()
+        and len(os.sched_getaffinity(0)) >= 2
+    )
+
+
+def engine_cores(cfg: Config) -> tuple[int, ...] | None:
+    """The CPU cores of the engine's own process (:func:`engine_in_own_process`): the second
+    half of those this process may use (the first half stays the trainer's; one core: shared);
+    None when the engine runs in this process."""
+    if not engine_in_own_process(cfg):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    return tuple(cores[len(cores) // 2 :])
+
+
+def _span(cores: Sequence[int]) -> str:
+    return ",".join(map(str, cores))
+
+
 def compose(
     cfg: Config,
     data: Dataset,
@@ -379,6 +421,7 @@ def compose(
         roles.weight_sync,
         pending=state.pending if state else (),
         episodes=episode_rollout(cfg, roles.tokenizer),
+        engine_cores=(engine_cores(cfg) or ()) if cfg.placement.mode == "single" else (),
     )
     return parts, done
 

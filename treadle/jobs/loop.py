@@ -72,6 +72,9 @@ class RLParts:
     (generated again first)."""
     episodes: EpisodeRollout | AgentRollout | None = None
     """Multi-turn episodes (the ``environment`` section), or None: one completion per sample."""
+    engine_cores: tuple[int, ...] = ()
+    """The CPU cores of the engine's own process (``rollout.engine_process``), which the
+    trainer leaves to it during RL; empty when the engine runs in this process."""
 
 
 def run_rl(parts: RLParts, start_step: int, progress: Progress, stop: StopOnSignal) -> None:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, cast
 
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from treadle.config import Config
@@ -238,6 +239,7 @@ class Streamed:
                 max_rounds=a.max_sampling_rounds,
                 # as many groups as the engine runs at once (a batch's worth at least)
                 max_in_flight=max(r.prompts_per_step + r.oversample, CPU_MAX_SEQUENCES // r.n),
+                max_running=max_running(cfg),
             ),
             version=version,
             redraw=tuple(self._draw(p) for p in pending),
@@ -286,6 +288,17 @@ class Streamed:
     def close(self) -> None:
         """Stop the scheduler (running requests are aborted)."""
         self.scheduler.close()
+
+
+def max_running(cfg: Config) -> int | None:
+    """``rollout.max_running``, or when 0 its default: a quarter of a step's samples (at least
+    one group's) on a CPU, no limit (None) on a GPU."""
+    r = cfg.rollout
+    if r.max_running:
+        return r.max_running
+    if torch.cuda.is_available():
+        return None
+    return max(r.n, r.prompts_per_step * r.n // 4)
 
 
 RolloutSource = OnPolicy | Streamed

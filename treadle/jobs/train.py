@@ -33,6 +33,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from treadle.config import AlgorithmConfig, Config
 from treadle.core.errors import UserError
+from treadle.core.threads import without_cores
 from treadle.jobs.compose import (
     base_model,
     check_context,
@@ -198,7 +199,10 @@ def _run_parts(
         summary = evaluate_before_rl(parts, console, done)
         rl_start = time.perf_counter()
         console.print(f"RL ({describe(cfg.algorithm)}): {cfg.run.steps} steps")
-        with Progress(cfg.run.steps, console=console, start_step=done) as bar:
+        with (
+            Progress(cfg.run.steps, console=console, start_step=done) as bar,
+            without_cores(parts.engine_cores),  # the engine's own process generates there
+        ):
             run_rl(parts, done, bar, stop)
         rl_seconds = time.perf_counter() - rl_start
         summary |= evaluate_after_rl(parts, console, rl_seconds)

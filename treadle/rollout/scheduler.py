@@ -30,6 +30,7 @@ thread; everything else runs in the caller's.
 from __future__ import annotations
 
 import contextlib
+import heapq
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -85,6 +86,12 @@ class SchedulerConfig:
     """Most groups drawn and not yet trained (running, scored or waiting), whatever the
     capacity rule allows: more than the engine runs at once would only queue in it, and each
     of them is re-prefilled at every sync with ``partial``. None: no cap."""
+    max_running: int | None = None
+    """Most requests in the engine at once; the rest of the started groups' requests wait here
+    and go in oldest group first (aborted samples' continuations before new samples). Past the
+    batch at which the engine's tokens per second stop growing, more running requests only
+    make every one of them slower, and the oldest the most likely to exceed the staleness
+    bound. None: every request goes to the engine when its group starts."""
 
 
 @dataclass
@@ -149,6 +156,10 @@ class RolloutScheduler:
         self._v0 = self._version = version
         self._redraw = list(redraw)
         self._running: dict[str, tuple[_Group, int]] = {}  # request id -> (group, sample)
+        # requests not yet in the engine (max_running): id -> (group, sample, request), and a
+        # heap of (draw index, submission, id) to take the oldest group's first
+        self._queued: dict[str, tuple[_Group, int, Request]] = {}
+        self._queue: list[tuple[int, int, str]] = []
         self._groups: list[_Group] = []  # drawn, not yet complete
         self._scoring_groups: dict[int, _Group] = {}  # draw index -> group being scored
         self._ready: list[tuple[_Group, RolloutGroup]] = []
@@ -182,6 +193,7 @@ class RolloutScheduler:
                         return
                     self._drop_hopeless()
                     self._admit()
+                    self._feed()
                     if not self.engine.running():
                         self._cond.wait(0.05)  # full: wait for the trainer to take a batch
                         continue
@@ -234,8 +246,28 @@ class RolloutScheduler:
     def _submit(self, group: _Group, i: int, prompt: tuple[int, ...], params) -> None:
         self._requests += 1
         rid = f"{group.draw.index}-{i}-{self._requests}"  # draw, sample, submission
-        self._running[rid] = (group, i)
-        self.engine.submit(Request(rid, prompt, params))
+        request = Request(rid, prompt, params)
+        if self.cfg.max_running is None:
+            self._running[rid] = (group, i)
+            self.engine.submit(request)
+            return
+        self._queued[rid] = (group, i, request)
+        heapq.heappush(self._queue, (group.draw.index, self._requests, rid))
+
+    def _feed(self) -> None:
+        """Move queued requests into the engine while fewer than ``max_running`` run, oldest
+        group first and a group's queued requests together (so its samples start on the same
+        weights), with the lock held."""
+        cap = self.cfg.max_running
+        while self._queue and (cap is None or len(self._running) < cap):
+            index = self._queue[0][0]
+            while self._queue and self._queue[0][0] == index:
+                entry = self._queued.pop(heapq.heappop(self._queue)[2], None)
+                if entry is None:  # its group was dropped
+                    continue
+                group, i, request = entry
+                self._running[request.request_id] = (group, i)
+                self.engine.submit(request)
 
     def _collect(self, group: _Group, i: int, completion: Completion) -> None:
         """File a finished request (with the lock held). An aborted one is kept as a prefix:
@@ -264,6 +296,8 @@ class RolloutScheduler:
         ids = [r for r, (g, _) in self._running.items() if g is group]
         for r in ids:
             del self._running[r]
+        for r in [r for r, (g, _, _) in self._queued.items() if g is group]:
+            del self._queued[r]  # its heap entry is skipped when it comes up
         running = [f.completion for f in self.engine.abort(ids)] if ids else []
         sampled = [c for c in (*group.samples, *group.prefix.values(), *running) if c is not None]
         self._step.tokens_discarded += sum(len(c.token_ids) for c in sampled)
@@ -390,6 +424,7 @@ class RolloutScheduler:
             "async/staleness_max": Metric(max(lags, default=0), Reduction.MAX),
             "async/queue_depth": float(len(self._ready)),
             "async/running": float(len(self._running)),
+            "async/queued": float(len(self._queued)),
             "async/engine_busy": min(self._step.engine_s / wall, 1.0),
             "async/engine_s": self._step.engine_s,
             "async/aborted": float(self._step.aborted),
