@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from treadle.rollout.engines.sizing import kv_bytes_per_token, kv_cache_gib
 
@@ -46,3 +48,31 @@ def test_room_for_one_sequence_of_the_engines_maximum_length():
     assert kv_cache_gib(qwen, "bfloat16", 16, 124) == pytest.approx(16 * 128 * 12288 * 1.25 / 2**30)
     # the default run: 1,024 blocks already hold a 512-token sequence; unchanged
     assert kv_cache_gib(DEFAULT, "float32", 1600, 75, 512) == pytest.approx(0.15625)
+
+
+def test_the_engine_is_sized_for_the_most_sequences_it_runs_at_once(tmp_path):
+    from transformers import Qwen2Config
+
+    from treadle.config import load_config
+    from treadle.jobs.compose import engine_kv_gib
+
+    Qwen2Config(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=300).save_pretrained(tmp_path)  # fmt: skip
+    recipe = str(Path(__file__).parents[2] / "recipes" / "default.yaml")
+    # sync: a step's 64 x 8 = 512 samples of 35 + 40 tokens, one 128-token block each of 1 KiB
+    # a token: 512 x 128 x 1,024 x 1.25 = 0.078125 GiB (evaluation's 1,600 run in waves)
+    sync = load_config(recipe, [])
+    assert engine_kv_gib(sync, tmp_path, 35, 512) == pytest.approx(0.078125)
+    asyn = load_config(recipe, ["rollout.mode=async"])
+    # async on a CPU: the running cap, 64 x 8 / 4 = 128, and a group over it (7 more); no cap
+    # on a GPU: the capacity rule's (1 + 1) x 64 groups of 8
+    sequences = 1024 if torch.cuda.is_available() else 135
+    assert engine_kv_gib(asyn, tmp_path, 35, 512) == pytest.approx(
+        sequences * 128 * 1024 * 1.25 / 2**30
+    )
+    # a set cap of 16: 16 + 7 = 23 sequences
+    capped = load_config(recipe, ["rollout.mode=async", "rollout.max_running=16"])
+    assert engine_kv_gib(capped, tmp_path, 35, 512) == pytest.approx(23 * 128 * 1024 * 1.25 / 2**30)
+    # a size given in the recipe is taken as it is
+    given = load_config(recipe, ["rollout.kv_cache_gib=0.5"])
+    assert engine_kv_gib(given, tmp_path, 35, 512) == 0.5

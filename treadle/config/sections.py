@@ -221,9 +221,10 @@ class RolloutConfig:
     stop: list[str] = field(default_factory=list)
     """Stop strings (the end-of-turn token always stops a completion)."""
     kv_cache_gib: float = bounded(at_least(0.0), default=0.0)
-    """vLLM's KV-cache size (GiB, on CPU); 0: sized from the work (the batch, evaluation and
-    the asynchronous modes' requests in flight, at the longest prompt plus ``max_tokens``, and at
-    least one request of the engine's ``max_model_len``: the model's context, at most 8,192; see
+    """vLLM's KV-cache size (GiB, on CPU); 0: sized from the work (the most sequences the engine
+    runs at once: a step's batch, or in the asynchronous modes ``max_running``; evaluation runs
+    in waves of that many), each at the longest prompt plus ``max_tokens``, and at least one
+    request of the engine's ``max_model_len``: the model's context, at most 8,192; see
     :mod:`treadle.rollout.engines.sizing`). A set size must hold that one request too, or vLLM
     refuses to start."""
     mode: Literal["sync", "one_step_off", "async"] = "sync"

@@ -27,6 +27,7 @@ from treadle.core.errors import UserError
 from treadle.core.plugins import import_path, is_import_path
 from treadle.core.protocols import EngineSpec, InferenceEngine, TrainingBackend, WeightSync
 from treadle.jobs.loop import RLParts
+from treadle.jobs.sources import max_running
 from treadle.rewards.pool import RewardPool, check_reward_functions
 from treadle.rollout.engines import build_engine, engine_class
 from treadle.rollout.engines.engine_process import EngineProcess
@@ -196,19 +197,24 @@ def check_context(
     return longest
 
 
-def engine_kv_gib(
-    cfg: Config, data: Dataset, model_dir: Path, longest_prompt: int, max_model_len: int
-) -> float:
-    """``rollout.kv_cache_gib``, or when 0 the KV cache the run's engine needs: every sequence
-    it runs at once (a step's batch, an evaluation's samples, the asynchronous modes' requests
-    in flight), each up to the longest prompt plus ``rollout.max_tokens``, and room for one
-    sequence of the engine's ``max_model_len``."""
+def engine_kv_gib(cfg: Config, model_dir: Path, longest_prompt: int, max_model_len: int) -> float:
+    """``rollout.kv_cache_gib``, or when 0 the KV cache the run's engine needs for the most
+    sequences it runs at once, each up to the longest prompt plus ``rollout.max_tokens``, and
+    room for one sequence of the engine's ``max_model_len``: a step's batch in ``sync``, the
+    running cap (``rollout.max_running``, a group over it at most) in the asynchronous modes
+    (without a cap: the capacity rule's groups in flight). An evaluation of more samples runs
+    in waves of that many (on a CPU an engine step costs about the same per token at any batch
+    size; a larger cache would only hold more memory)."""
     r = cfg.rollout
     if r.kv_cache_gib > 0:
         return r.kv_cache_gib
-    # the capacity rule's groups in flight (sync: one batch)
-    groups = (r.staleness_bound + 1) * r.prompts_per_step + r.oversample
-    sequences = max(groups * r.n, len(data.held_out) * cfg.eval.samples_per_prompt)
+    cap = max_running(cfg) if r.mode != "sync" else None
+    if r.mode == "sync":
+        sequences = r.prompts_per_step * r.n
+    elif cap is not None:
+        sequences = cap + r.n - 1  # a group starts below the cap with all its requests
+    else:
+        sequences = ((r.staleness_bound + 1) * r.prompts_per_step + r.oversample) * r.n
     model = AutoConfig.from_pretrained(model_dir)
     tokens = longest_prompt + r.max_tokens
     return kv_cache_gib(model, cfg.rollout.dtype, sequences, tokens, max_model_len)
@@ -387,7 +393,7 @@ def compose(
         seed=cfg.run.seed,
         # Room for the model's whole context, capped to bound the KV cache it reserves.
         max_model_len=max_model_len,
-        kv_cache_gib=engine_kv_gib(cfg, data, start, longest_prompt, max_model_len),
+        kv_cache_gib=engine_kv_gib(cfg, start, longest_prompt, max_model_len),
         tensor_parallel=cfg.rollout.tensor_parallel,
     )
     version = read_checkpoint_state(ckpt).step if ckpt else 0

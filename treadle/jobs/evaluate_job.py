@@ -233,7 +233,7 @@ def engine_spec(cfg: Config, model_dir: Path, tasks: tuple[Task, ...]) -> Engine
         dtype=cfg.rollout.dtype,
         seed=cfg.run.seed,
         max_model_len=max_model_len,
-        kv_cache_gib=engine_kv_gib(cfg, data, model_dir, longest, max_model_len),
+        kv_cache_gib=engine_kv_gib(cfg, model_dir, longest, max_model_len),
         tensor_parallel=cfg.rollout.tensor_parallel,
     )
 

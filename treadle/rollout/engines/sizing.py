@@ -2,8 +2,10 @@
 
 vLLM reserves (and, on CPU, touches) its whole KV cache at start: the 1 GiB it was given before
 was most of the engine's memory for the default run's tiny model (1.7 GiB resident with it,
-0.8 GiB with 0.1 GiB). The size here holds every sequence the engine runs at once at its longest,
-so the engine schedules exactly as with a larger cache.
+0.8 GiB with 0.1 GiB). The size here holds every sequence the engine runs at once at its longest
+(:func:`treadle.jobs.compose.engine_kv_gib` says how many: a step's batch, or the asynchronous
+modes' running cap), so the engine schedules a step exactly as with a larger cache; a larger
+evaluation runs in waves.
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ def kv_cache_gib(
     at its maximum length).
 
     Example: the default run's model (2 layers, 2 KV heads of 32 dims, fp32: 1 KiB a token),
-    evaluation's 200 x 8 = 1,600 samples (1,024 at once) of at most 35 + 40 tokens (1 block of
-    128): 1,024 x 128 x 1 KiB x 1.25 = 0.156 GiB.
+    a step's 64 x 8 = 512 samples of at most 35 + 40 tokens (1 block of 128):
+    512 x 128 x 1 KiB x 1.25 = 0.078 GiB.
     """
     blocks = max(1, math.ceil(tokens / BLOCK_TOKENS))
     at_once = min(max(sequences, 1), CPU_MAX_SEQUENCES)
