@@ -67,11 +67,16 @@ PARTIAL = ["rollout.mode=async", "rollout.partial=true"]
 DECOUPLED = "algorithm.importance_sampling=decoupled"
 MODES = {
     "sync": [],
+    # what each phase costs on one core: the ceiling of any overlap of the two (see main)
+    "sync 1 thread": ["run.threads=1"],
     "one_step_off": ["rollout.mode=one_step_off"],
+    "async eta=1 partial": [*PARTIAL, "rollout.max_staleness=1"],
     "async eta=2 partial": [*PARTIAL, "rollout.max_staleness=2"],
+    "async eta=2 partial engine in this process": [
+        *PARTIAL, "rollout.max_staleness=2", "rollout.engine_process=same",
+    ],
     "async eta=4 partial decoupled": [*PARTIAL, "rollout.max_staleness=4", DECOUPLED],
-    "async eta=8 partial decoupled": [*PARTIAL, "rollout.max_staleness=8", DECOUPLED],
-}
+}  # fmt: skip
 
 
 def treadle(args: list[str], log: Path) -> None:
@@ -130,10 +135,32 @@ def measure(run_dir: Path, steps: int, samples: int, target: float) -> dict:
         "pass_at_1_after": summary["accuracy_after_rl"],
         "seconds_to_target": reached,
         "curve": curve,
-        "peak_rss_gib": max(r.get("mem/step_peak_gib", 0.0) for r in step_rows),
+        # the trainer's process, plus the engine's own process when it has one
+        "peak_rss_gib": max(r.get("mem/step_peak_gib", 0.0) for r in step_rows)
+        + max(r.get("mem/engine_process_peak_gib", 0.0) for r in step_rows),
+        "generate_s": statistics.median(r["time/generate_s"] for r in step_rows),
+        "step_s": statistics.median(r["time/step_s"] for r in step_rows),
         "length_median": statistics.median(lengths),
         "length_p99": lengths[int(0.99 * (len(lengths) - 1))],
     }
+
+
+def ceiling(results: dict) -> str:
+    """What overlapping the stages can give at most here, from the two sync runs: with the
+    engine on one core and the trainer on the other, a step takes at least the longer of the
+    two stages on one core (the 1-thread run's generation, and the rest of its step), against
+    the 2-thread sync step (medians)."""
+    if "sync" not in results or "sync 1 thread" not in results:
+        return ""
+    two, one = results["sync"], results["sync 1 thread"]
+    engine, trainer = one["generate_s"], one["step_s"] - one["generate_s"]
+    bound = two["step_s"] / max(engine, trainer)
+    return (
+        f"On one core each: generation {engine:.2f} s a step, the rest {trainer:.2f} s; sync "
+        f"on both cores {two['step_s']:.2f} s a step. Overlapping the two on their own cores can "
+        f"give at most {two['step_s']:.2f} / {max(engine, trainer):.2f} = {bound:.2f}x sync's "
+        "step rate.\n\n"
+    )
 
 
 def plot(results: dict, target: float, path: Path) -> None:
@@ -202,7 +229,7 @@ def main() -> None:
         ])  # fmt: skip
     plot(results, args.target, REPO / "bench" / "out" / "async_vs_sync.png")
     sync = base or next(iter(results.values()))
-    md = (
+    md = ceiling(results) + (
         f"{args.steps} RL steps of {RECIPE['rollout']['prompts_per_step']} prompts x 8 samples "
         f"per mode from one SFT checkpoint; response length median {sync['length_median']:.0f}, "
         f"p99 {sync['length_p99']} tokens (p99/median "

@@ -82,8 +82,9 @@ class VersionSync:
         return {}
 
 
-def run_trial(trial: Trial, steps: int, update_s: float = 0.0):
-    """Train ``steps`` batches; check the invariants after each; return the trained groups."""
+def run_trial(trial: Trial, steps: int, update_s: float = 0.0, evaluate: bool = False):
+    """Train ``steps`` batches; check the invariants after each; return the trained groups.
+    With ``evaluate``, the engine is taken for an evaluation after some of the syncs."""
     sync, trained = VersionSync(trial.engine), []
     for version in range(steps):
         groups, metrics = trial.scheduler.batch(version)
@@ -104,6 +105,9 @@ def run_trial(trial: Trial, steps: int, update_s: float = 0.0):
         if update_s:
             time.sleep(trial.rng.random() * update_s)
         trial.scheduler.sync(sync, version + 1)
+        if evaluate and trial.rng.random() < 0.5:  # an evaluation between two steps
+            with trial.scheduler.exclusive():
+                assert trial.engine.running() == 0
         ledger = trial.scheduler.accounting()
         dropped = sum(ledger[f"dropped_{r}"] for r in DROP_REASONS)
         assert ledger["drawn"] == trial.draws
@@ -137,7 +141,9 @@ def test_invariants_hold_over_random_scripts(mode, seed):
     # its requests)
     step_s = rng.choice([0.0, 0.0005])
     trial = Trial(seed, MODES[mode], capacity=rng.choice([None, 3, 8, 20]), step_s=step_s)
-    trained = run_trial(trial, steps=6, update_s=rng.choice([0.0, 0.002]))
+    trained = run_trial(
+        trial, steps=6, update_s=rng.choice([0.0, 0.002]), evaluate=rng.random() < 0.5
+    )
     assert trained, "nothing trained"
 
 

@@ -150,14 +150,18 @@ class RequestEngine(InferenceEngine, Protocol):
     (a vLLM engine step: one token each, or a prefill) and returns those that finished,
     :meth:`abort` stops requests and returns what they sampled so far.
 
-    Generation moves only inside :meth:`step`, so "pause, update weights, resume" is: stop
-    calling it, call :meth:`update_weights` (with nothing running, as the scheduler arranges:
-    running requests' cached keys and values come from the old weights), call it again. The
-    batch methods (:meth:`generate`, :meth:`prompt_logprobs`) need no request running.
+    Weights change only with nothing running: "pause, update weights, resume" is abort or
+    finish the running requests, call :meth:`update_weights`, submit again (running requests'
+    cached keys and values come from the old weights). In this process generation moves only
+    inside :meth:`step`; an engine in a process of its own generates all along, and its
+    :meth:`abort` returns a request that finished before the abort arrived whole. The batch
+    methods (:meth:`generate`, :meth:`prompt_logprobs`) need no request running.
 
     Implementations: :class:`treadle.rollout.engines.vllm_engine.VLLMEngine` (vLLM's engine
     steps, in process), :class:`treadle.rollout.engines.hf_engine.HFEngine` (waiting requests
-    generated as one batch per step) and the scripted fake (``tests/contracts/fakes.py``).
+    generated as one batch per step), :class:`treadle.rollout.engines.engine_process.
+    EngineProcess` (either, in a process of its own) and the scripted fake
+    (``tests/contracts/fakes.py``).
     """
 
     def submit(self, request: Request) -> None:
@@ -175,7 +179,9 @@ class RequestEngine(InferenceEngine, Protocol):
 
     def abort(self, request_ids: Sequence[str]) -> list[Finished]:
         """Stop these requests (ids not running are ignored); for each, what it sampled so far
-        (possibly nothing), finish reason ``abort``."""
+        (possibly nothing), finish reason ``abort`` (or, from an engine that generates by
+        itself, the whole completion of one that finished before the abort arrived, which
+        :meth:`step` then never returns)."""
         ...
 
     def running(self) -> int:

@@ -411,7 +411,7 @@ def compose(
     metrics.truncate_after(done, rows_at_step=1 if ckpt else 0)
     buffer = RolloutBuffer(run_dir)
     buffer.truncate_after(done)
-    parts = RLParts(
+    return RLParts(
         cfg,
         run_dir,
         roles.engine,
@@ -427,9 +427,8 @@ def compose(
         roles.weight_sync,
         pending=state.pending if state else (),
         episodes=episode_rollout(cfg, roles.tokenizer),
-        engine_cores=(engine_cores(cfg) or ()) if cfg.placement.mode == "single" else (),
-    )
-    return parts, done
+        engine_cores=engine_cores(cfg) or (),  # None: in this process, or Ray workers
+    ), done
 
 
 def open_metrics(cfg: Config, run_dir: Path) -> MetricsLogger:

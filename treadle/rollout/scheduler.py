@@ -336,19 +336,25 @@ class RolloutScheduler:
     # -- aborts and continuations (the lock held, the engine thread parked or calling) -------
 
     def _settle(self) -> None:
-        """Groups holding aborted samples that nothing is running for: continue them
-        (``partial``) or drop them as ``aborted``."""
+        """Groups holding aborted samples: with ``partial``, continue each such sample that no
+        request is running or queued for (a continuation still queued from the last settle is
+        not made twice); else drop the groups that nothing runs for as ``aborted``."""
         self._checked_version = None  # their prefixes' tokens are now visible to _drop_hopeless
-        busy = {id(g) for g, _ in self._running.values()}
-        for group in [g for g in self._groups if g.prefix and id(g) not in busy]:
+        running = {(id(g), i) for g, i in self._running.values()}
+        in_flight = running | {(id(g), i) for g, i, _ in self._queued.values()}
+        busy = {gid for gid, _ in running}
+        for group in [g for g in self._groups if g.prefix]:
             if self.cfg.partial:
-                self._continue(group)
-            else:
+                self._continue(group, {i for gid, i in in_flight if gid == id(group)})
+            elif id(group) not in busy:
                 self._drop(group, "aborted")
 
-    def _continue(self, group: _Group) -> None:
-        """Resubmit each aborted sample as prompt + its tokens so far, for the tokens left."""
+    def _continue(self, group: _Group, in_flight: set[int]) -> None:
+        """Resubmit each aborted sample (but those in ``in_flight``) as prompt + its tokens so
+        far, for the tokens left."""
         for i, prefix in sorted(group.prefix.items()):
+            if i in in_flight:
+                continue
             left = self._params.max_tokens - len(prefix.token_ids)
             if left <= 0:  # aborted on its last token: it is complete, truncated
                 del group.prefix[i]
