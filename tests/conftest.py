@@ -46,6 +46,20 @@ def tiny_value_model() -> Qwen2ForTokenClassification:
     return Qwen2ForTokenClassification(config).float()
 
 
+@pytest.fixture(autouse=True)
+def _torch_set_num_threads_restored():
+    """After each test, torch's own ``set_num_threads`` back in place.
+
+    vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op in the process that builds
+    it (vllm/v1/worker/cpu_worker.py, "doesn't allow to use torch.set_num_threads after the
+    thread binding"): after the first in-process vLLM test, every later test's thread count
+    (``one_torch_thread``, ``without_cores``) silently stayed as it was.
+    """
+    yield
+    if torch.set_num_threads is not torch._C.set_num_threads:
+        torch.set_num_threads = torch._C.set_num_threads
+
+
 @pytest.fixture
 def one_torch_thread():
     """Run the test with one torch intra-op thread, then restore the previous count.
