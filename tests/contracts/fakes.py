@@ -191,3 +191,19 @@ class SpecScriptedEngine(ScriptedEngine):
     def metrics(self) -> dict[str, float]:
         """The sum of every weight it was sent: what crossed into its process."""
         return {"fake/weights_sum": float(sum(t.sum() for t in self.weights.values()))}
+
+
+class SpecBatchOnlyEngine(_ModelFree):
+    """An engine built as ``Class(spec)`` that serves only batches (no ``submit``), as a plug-in
+    engine may: one token, ``ScriptedEngine.TOKEN``, per completion."""
+
+    def __init__(self, spec) -> None:
+        self.policy_version, self.weights, self.closed = 0, {}, False
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[list[Completion]]:
+        one = Completion(
+            (ScriptedEngine.TOKEN,), (LOG_HALF,), FinishReason.STOP, self.policy_version, "1"
+        )
+        return [[one] * params.n for _ in prompts]

@@ -161,3 +161,16 @@ def test_weights_updated_between_steps_sample_the_next_tokens(
         assert max_abs_diff([lp], [list(c.logprobs)]) < ATOL
     finally:
         engine.update_weights(trainer.named_weights(), version=0)
+
+
+@pytest.mark.parametrize("engine", [pytest.param("vllm", marks=pytest.mark.slow)], indirect=True)
+def test_vllm_refuses_new_weights_while_a_request_runs(engine, tokenizer_and_trainer, prompts):
+    # a request's tokens carry the version it was submitted under, so new weights mid-request
+    # would sample tokens labelled with the old version
+    _, trainer = tokenizer_and_trainer
+    engine.submit(Request("running", prompts[0], GREEDY))
+    with pytest.raises(RuntimeError, match="1 submitted requests are running"):
+        engine.update_weights(trainer.named_weights(), version=9)
+    assert engine.policy_version == 0
+    engine.abort(["running"])
+    assert engine.running() == 0

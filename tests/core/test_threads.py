@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import threading
 
+import pytest
 import torch
 
 from treadle.core.threads import without_cores
@@ -26,3 +28,33 @@ def test_no_engine_cores_change_nothing():
     with without_cores(()) as kept:
         assert set(kept) == before == os.sched_getaffinity(0)
         assert torch.get_num_threads() == threads
+
+
+def test_threads_started_before_leave_the_engines_cores_too():
+    # Linux binds one thread per call: a thread started earlier (an OpenMP worker, the
+    # scheduler's) would keep the engine's cores unless each thread is bound
+    before = os.sched_getaffinity(0)
+    if len(before) < 2:
+        pytest.skip("one core: nothing is left to the engine, so nothing moves")
+    last = max(before)
+    look, looked, seen = threading.Event(), threading.Event(), []
+
+    def worker():  # reports its own cores when asked, twice
+        for _ in range(2):
+            look.wait()
+            look.clear()
+            seen.append(os.sched_getaffinity(0))
+            looked.set()
+
+    def ask():
+        looked.clear()
+        look.set()
+        assert looked.wait(10)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    with without_cores((last,)):
+        ask()
+    ask()
+    thread.join()
+    assert seen == [before - {last}, before]  # e.g. {0} inside, {0, 1} after

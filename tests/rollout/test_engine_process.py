@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -22,7 +23,8 @@ import torch
 from treadle.core.errors import UserError
 from treadle.core.protocols import EngineSpec, Request, SamplingParams
 from treadle.core.types import FinishReason
-from treadle.rollout.engines.engine_process import EngineProcess
+from treadle.rollout.engines import engine_process
+from treadle.rollout.engines.engine_process import EngineProcess, _Metrics, _shared_memory_folder
 
 FAKE = "contracts.fakes:SpecScriptedEngine"
 PARAMS = SamplingParams(max_tokens=100)
@@ -143,3 +145,94 @@ def _alive(pid: int) -> bool:
             return "State:\tZ" not in f.read()  # a zombie has exited
     except FileNotFoundError:
         return False
+
+
+def test_a_ctrl_c_at_the_terminal_reaches_the_parent_only(tmp_path):
+    # A terminal sends SIGINT to its whole foreground process group: the parent defers it to the
+    # end of its step and checkpoints, so its engine must still serve until closed.
+    script = textwrap.dedent(f"""
+        import os, signal, sys, time
+        sys.path[:0] = {sys.path!r}
+        from treadle.core.protocols import EngineSpec, Request, SamplingParams
+        from treadle.rollout.engines.engine_process import EngineProcess
+        if __name__ == "__main__":
+            signal.signal(signal.SIGINT, lambda *_: print("parent got SIGINT", flush=True))
+            eng = EngineProcess({FAKE!r}, EngineSpec(model_dir="unused"))
+            eng.submit(Request("r", (1,) * 30, SamplingParams(max_tokens=100)))  # 10 tokens
+            os.killpg(0, signal.SIGINT)  # as Ctrl-C: every process of the group
+            time.sleep(0.5)
+            done = []
+            while eng.running():
+                done += eng.step()
+            print("tokens", len(done[0].completion.token_ids), flush=True)
+            eng.close()
+    """)
+    path = tmp_path / "parent.py"
+    path.write_text(script)
+    proc = subprocess.run(
+        [sys.executable, str(path)], capture_output=True, text=True, timeout=120,
+        start_new_session=True,  # its own group, so the SIGINT reaches nothing else
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:2] == ["parent got SIGINT", "tokens 10"]
+
+
+def test_neither_side_blocks_when_both_send_into_a_full_pipe(engine):
+    # 3,000 requests of 39-token prompts want one token each: the child's messages of finished
+    # requests (~100 bytes each, ~300 KB) outgrow the pipe's buffer (~200 KB) while this side,
+    # not reading, sends 3,000 more requests (~200 bytes each). The child must keep reading
+    # commands while its messages wait, else both block for ever.
+    one = SamplingParams(max_tokens=1)
+    sent = threading.Event()
+
+    def submit_all():
+        for i in range(3000):
+            engine.submit(Request(f"a{i}", (1,) * 39, one))
+        time.sleep(1.0)  # the child steps them: its messages fill the pipe
+        for i in range(3000):
+            engine.submit(Request(f"b{i}", (1000,) * 39, one))
+        sent.set()
+
+    thread = threading.Thread(target=submit_all, daemon=True)
+    thread.start()
+    thread.join(60)
+    if not sent.is_set():
+        os.kill(engine._process.pid, signal.SIGKILL)  # frees this side for the report
+        pytest.fail("submitting blocked: both processes were sending into a full pipe")
+    out = collect(engine, timeout_s=60)
+    assert len(out) == 6000 and {len(c.token_ids) for c in out.values()} == {1}
+
+
+def test_a_reply_left_by_a_call_cut_short_is_not_taken_for_the_next(engine):
+    # metrics() interrupted after its send (a second Ctrl-C): its reply is still on its way
+    engine._send(_Metrics())
+    engine._owed += 1
+    out = engine.generate([(1,) * 38], SamplingParams(n=1, max_tokens=5))
+    assert [[len(c.token_ids) for c in group] for group in out] == [[2]]  # 40 - 38
+    assert engine.metrics()["fake/weights_sum"] == 15 + 15 + 3  # as the weights test left it
+
+
+def test_a_hung_engine_process_is_killed_at_close(monkeypatch):
+    monkeypatch.setattr(engine_process, "_CLOSE_S", 1.0)
+    eng = EngineProcess(FAKE, EngineSpec(model_dir="unused"))
+    os.kill(eng._process.pid, signal.SIGSTOP)  # hung: it answers nothing
+    start = time.monotonic()
+    eng.close()
+    assert time.monotonic() - start < 10 and not eng._process.is_alive()
+
+
+def test_it_says_whether_the_engine_takes_single_requests(engine):
+    assert engine.serves_requests
+    batch_only = EngineProcess("contracts.fakes:SpecBatchOnlyEngine", EngineSpec("unused"))
+    try:
+        assert not batch_only.serves_requests
+        assert batch_only.generate([(1, 2)], SamplingParams(n=2))[0][0].token_ids == (7,)
+    finally:
+        batch_only.close()
+
+
+def test_weights_go_to_shared_memory_only_where_they_fit():
+    if not os.access("/dev/shm", os.W_OK):
+        pytest.skip("no writable /dev/shm here: weights always go to the temporary folder")
+    assert _shared_memory_folder(1) == Path("/dev/shm")
+    assert _shared_memory_folder(2**60) is None  # an exabyte: the temporary folder

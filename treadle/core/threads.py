@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 
 import torch
 
@@ -25,9 +25,10 @@ def pin_threads(n: int) -> None:
 
 @contextlib.contextmanager
 def without_cores(cores: Sequence[int]) -> Iterator[list[int]]:
-    """Inside: this process is bound to the cores it may use except ``cores`` (all of them if
-    none would be left), with as many torch threads; after: its cores and thread count as
-    they were. Yields the cores kept. Nothing changes for empty ``cores``.
+    """Inside: this process (every thread of it) is bound to the cores it may use except
+    ``cores`` (all of them if none would be left), with as many torch threads; after: every
+    thread bound to the cores this thread had before, and the thread count as it was. Yields
+    the cores kept. Nothing changes for empty ``cores``.
 
     For the trainer while the engine's own process works on ``cores``: two processes with
     threads on the same cores slow each other far more than their share (README, the run's
@@ -38,10 +39,19 @@ def without_cores(cores: Sequence[int]) -> Iterator[list[int]]:
     if not cores:
         yield sorted(before)
         return
-    os.sched_setaffinity(0, kept)
+    _bind_every_thread(kept)
     torch.set_num_threads(len(kept))
     try:
         yield kept
     finally:
-        os.sched_setaffinity(0, before)
+        _bind_every_thread(before)
         torch.set_num_threads(threads)
+
+
+def _bind_every_thread(cores: Collection[int]) -> None:
+    """Bind every thread of this process to ``cores`` (Linux binds one thread per call: the
+    OpenMP workers and other threads started earlier would keep their cores); threads started
+    later inherit it from the thread that starts them."""
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(tid), cores)

@@ -214,7 +214,8 @@ class Streamed:
         pending: Sequence[DataPosition] = (),
     ) -> None:
         cfg = parts.cfg
-        if not hasattr(parts.engine, "submit"):
+        # an engine in a process of its own says whether the engine there takes requests
+        if not getattr(parts.engine, "serves_requests", hasattr(parts.engine, "submit")):
             raise UserError(
                 f"config rollout.mode={cfg.rollout.mode}: the engine serves no single requests; "
                 "use rollout.engine=vllm or hf"

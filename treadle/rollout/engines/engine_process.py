@@ -19,8 +19,11 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import queue
+import shutil
 import tempfile
 import threading
+import time
 import traceback
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -42,6 +45,9 @@ from treadle.core.types import Completion
 
 _POLL_S = 0.05
 """How long :meth:`EngineProcess.step` waits for finished requests before returning none."""
+_CLOSE_S = 30.0
+"""How long :meth:`EngineProcess.close` waits for the engine's process to exit before killing
+it."""
 
 
 # -- messages: this process -> the engine's ---------------------------------------------------
@@ -129,40 +135,76 @@ class _Crash:
 def serve(conn: Connection, name: str, spec: EngineSpec, cores: tuple[int, ...]) -> None:
     """The engine's process: bind to ``cores`` (all of them with torch threads; vLLM's CPU
     threads too), start the engine ``name`` over ``spec``, then serve commands, stepping the
-    engine whenever requests are running. Any error is sent as a :class:`_Crash`."""
+    engine whenever requests are running. Any error is sent as a :class:`_Crash`.
+
+    It leaves the parent's process group, so a Ctrl-C at the terminal (or a SIGTERM to the
+    group) reaches only the parent, which finishes its step, checkpoints and closes this
+    process; it exits by itself when the parent is gone (its end of the pipe closes)."""
+    os.setpgrp()
     if cores:
         os.sched_setaffinity(0, cores)
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
         torch.set_num_threads(len(cores))
+    outbox = _Outbox(conn)
     try:
         from treadle.rollout.engines import build_engine
 
         engine = build_engine(name, spec)
-        conn.send(_Reply())  # started
-        _loop(conn, engine)
+        outbox.put(_Reply(hasattr(engine, "submit")))  # started; serves single requests or not
+        _loop(conn, engine, outbox)
     except EOFError:  # the other process is gone: nothing left to serve
         return
     except UserError as e:  # e.g. a plug-in engine that refuses its spec
-        conn.send(_Crash(traceback.format_exc(), str(e)))
+        outbox.put(_Crash(traceback.format_exc(), str(e)))
     except BaseException:
-        conn.send(_Crash(traceback.format_exc()))
+        outbox.put(_Crash(traceback.format_exc()))
+    outbox.flush()
 
 
-def _loop(conn: Connection, engine) -> None:
+class _Outbox:
+    """The child's messages to the parent, sent in order by a thread of their own, so the
+    child keeps reading commands while a large message waits for the parent to read it: with
+    both processes blocked sending into a full pipe (a step's completions one way, a group's
+    requests the other), neither would ever read."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._send, args=(conn,), daemon=True)
+        self._thread.start()
+
+    def put(self, message: object) -> None:
+        self._queue.put(message)
+
+    def flush(self) -> None:
+        """Wait until everything put so far is sent (or the parent is gone)."""
+        self._queue.put(None)
+        self._thread.join()
+
+    def _send(self, conn: Connection) -> None:
+        while (message := self._queue.get()) is not None:
+            try:
+                conn.send(message)
+            except OSError:  # the parent is gone; the main loop sees it at its next read
+                return
+
+
+def _loop(conn: Connection, engine, outbox: _Outbox) -> None:
+    serves_requests = hasattr(engine, "submit")  # else a batch engine: it never runs by itself
     while True:
-        if engine.running() and not conn.poll(0):
+        if serves_requests and engine.running() and not conn.poll(0):
             if finished := engine.step():
-                conn.send(_Done(tuple(finished)))
+                outbox.put(_Done(tuple(finished)))
             continue
         command = conn.recv()  # waits only when nothing is running
         if isinstance(command, _Close):
             engine.close()
-            conn.send(_Reply())
+            outbox.put(_Reply())
+            outbox.flush()
             return
         if isinstance(command, _Submit):
             engine.submit(command.request)
         else:
-            conn.send(_Reply(_answer(engine, command)))
+            outbox.put(_Reply(_answer(engine, command)))
 
 
 def _answer(engine, command: _Command) -> object:
@@ -195,6 +237,15 @@ def _own_peak() -> dict[str, float]:
     except OSError:
         pass
     return {}
+
+
+def _shared_memory_folder(size: int) -> Path | None:
+    """``/dev/shm`` if it is there, writable and has room for a file of ``size`` bytes (and a
+    margin: a container's is often 64 MiB), else None (the temporary folder, on disk)."""
+    shm = Path("/dev/shm")
+    if not (shm.is_dir() and os.access(shm, os.W_OK)):
+        return None
+    return shm if shutil.disk_usage(shm).free > size * 1.1 + 2**20 else None
 
 
 # -- this process's side -----------------------------------------------------------------------
@@ -238,7 +289,10 @@ class EngineProcess:
         self._done: deque[Finished] = deque()  # finished in the child, not yet returned
         self._version = 0
         self._closed = False
-        self._receive()  # the child's first message: started, or its crash
+        self._owed = 1  # replies due: the child's "started"; later, one per command sent
+        started = self._receive()  # the child's first message: started, or its crash
+        # whether the engine there takes single requests (submit), as the asynchronous modes need
+        self.serves_requests: bool = started.value  # type: ignore[union-attr]
 
     @property
     def policy_version(self) -> int:
@@ -313,7 +367,8 @@ class EngineProcess:
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Write ``weights`` (Hugging Face names) to a safetensors file in ``/dev/shm`` (where
-        it exists), have the child's engine load them as ``version``, remove the file."""
+        it exists and has room; else in the temporary folder), have the child's engine load
+        them as ``version``, remove the file."""
         tensors: dict[str, torch.Tensor] = {}
         seen: set[int] = set()
         for name, tensor in weights:  # safetensors refuses tensors that share memory
@@ -323,8 +378,8 @@ class EngineProcess:
             seen.add(ptr)
         from safetensors.torch import save_file
 
-        shm = Path("/dev/shm")
-        folder = shm if shm.is_dir() and os.access(shm, os.W_OK) else None
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        folder = _shared_memory_folder(size)
         with tempfile.NamedTemporaryFile(suffix=".safetensors", dir=folder) as f:
             save_file(tensors, f.name)
             self._call(_Update(f.name, version))
@@ -336,14 +391,19 @@ class EngineProcess:
         return self._call(_Metrics())  # type: ignore[return-value]
 
     def close(self) -> None:
-        """Close the child's engine and wait for it to exit (killed after 30 s; idempotent)."""
+        """Close the child's engine and wait for it to exit (killed after 30 s, a hung one
+        too; idempotent)."""
         if self._closed:
             return
         self._closed = True
+        end = time.monotonic() + _CLOSE_S
         if self._process.is_alive():
-            with contextlib.suppress(RuntimeError, OSError):  # it died: nothing to close
-                self._call(_Close())
-        self._process.join(30)
+            with contextlib.suppress(RuntimeError, OSError, UserError):  # it died: nothing to do
+                self._send(_Close())
+                self._owed += 1
+                while self._owed and self._poll(max(0.0, end - time.monotonic())):
+                    self._receive()
+        self._process.join(max(0.0, end - time.monotonic()))
         if self._process.is_alive():
             self._process.kill()
             self._process.join()
@@ -373,6 +433,8 @@ class EngineProcess:
         if isinstance(message, _Done):
             self._done.extend(message.finished)
             return None
+        if isinstance(message, _Reply):
+            self._owed -= 1
         if isinstance(message, _Crash):
             self._process.join(5)
             if message.user_error is not None:
@@ -381,12 +443,15 @@ class EngineProcess:
         return message
 
     def _call(self, command: _Command) -> object:
-        """Send ``command`` and wait for its reply (finished requests arriving first are kept)."""
+        """Send ``command`` and wait for its reply (finished requests arriving first are kept;
+        the reply of an earlier call cut short between its send and its reply is skipped)."""
         with self._lock:
             self._send(command)
-            while not isinstance(reply := self._receive(), _Reply):
-                pass
-            return reply.value
+            self._owed += 1
+            while True:
+                reply = self._receive()
+                if isinstance(reply, _Reply) and self._owed == 0:
+                    return reply.value
 
     def _died(self, error: BaseException) -> RuntimeError:
         self._process.join(5)

@@ -320,7 +320,13 @@ class VLLMEngine:
         """Reload the model from ``weights`` (Hugging Face names) in place, drop the prefix cache
         and serve them as ``version``. An engine started with a LoRA adapter config takes an
         adapter's tensors (PEFT names, ``lora_A``/``lora_B``) as the new adapter; full weights
-        replace the base and drop the adapter."""
+        replace the base and drop the adapter.
+
+        Raises:
+            RuntimeError: submitted requests are running (a request's tokens carry the version
+                it was submitted under: finish or abort them first).
+        """
+        self._check_idle()
         named = dict(weights)
         if self._adapter is not None and any(".lora_A." in n for n in named):
             self._adapter.update(self._llm, named)
