@@ -73,6 +73,9 @@ def test_the_engine_is_sized_for_the_most_sequences_it_runs_at_once(tmp_path):
     # a set cap of 16: 16 + 7 = 23 sequences
     capped = load_config(recipe, ["rollout.mode=async", "rollout.max_running=16"])
     assert engine_kv_gib(capped, tmp_path, 35, 512) == pytest.approx(23 * 128 * 1024 * 1.25 / 2**30)
+    # multi-turn episodes run a step's batch at once in every mode: as sync's, 0.078125 GiB
+    episodes = load_config(recipe, ["rollout.mode=async", "environment.name=calculator"])
+    assert engine_kv_gib(episodes, tmp_path, 35, 512) == pytest.approx(0.078125)
     # a size given in the recipe is taken as it is
     given = load_config(recipe, ["rollout.kv_cache_gib=0.5"])
     assert engine_kv_gib(given, tmp_path, 35, 512) == 0.5

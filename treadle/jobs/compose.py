@@ -200,7 +200,8 @@ def check_context(
 def engine_kv_gib(cfg: Config, model_dir: Path, longest_prompt: int, max_model_len: int) -> float:
     """``rollout.kv_cache_gib``, or when 0 the KV cache the run's engine needs for the most
     sequences it runs at once, each up to the longest prompt plus ``rollout.max_tokens``, and
-    room for one sequence of the engine's ``max_model_len``: a step's batch in ``sync``, the
+    room for one sequence of the engine's ``max_model_len``: a step's batch in ``sync`` (and
+    for multi-turn episodes, which run a step's batch at once in every mode), the
     running cap (``rollout.max_running``, a group over it at most) in the asynchronous modes
     (without a cap: the capacity rule's groups in flight). An evaluation of more samples runs
     in waves of that many (on a CPU an engine step costs about the same per token at any batch
@@ -209,7 +210,7 @@ def engine_kv_gib(cfg: Config, model_dir: Path, longest_prompt: int, max_model_l
     if r.kv_cache_gib > 0:
         return r.kv_cache_gib
     cap = max_running(cfg) if r.mode != "sync" else None
-    if r.mode == "sync":
+    if r.mode == "sync" or cfg.environment.enabled:  # episodes run a step's batch at once
         sequences = r.prompts_per_step * r.n
     elif cap is not None:
         sequences = cap + r.n - 1  # a group starts below the cap with all its requests
