@@ -235,3 +235,22 @@ def test_a_raw_completion_call_is_a_sample_of_its_own(renderer):
     texts = [renderer.decode(s.token_ids) for s in episode.trajectory.segments]
     assert texts == ["2 + 2 =4<|im_end|>", "2 + 3 =5<|im_end|>"]
     assert episode.calls == 2 and episode.answer == "5"
+
+
+def test_the_thread_that_steps_the_engine_settles_its_torch_threads_first(renderer, monkeypatch):
+    # vLLM's CPU attention checks the OpenMP thread count it planned with against the one its
+    # kernel runs with; a new thread's count is settled only at its first parallel op, which
+    # can fall in between (CI: "Check failed: thread_num (1 vs. 2)" in the agent run)
+    import threading
+
+    import torch
+
+    from treadle.rollout.environments import agent_server
+
+    pinned = []
+    monkeypatch.setattr(
+        agent_server, "pin_threads", lambda n: pinned.append((threading.current_thread().name, n))
+    )
+    server = AgentServer(TextEngine(renderer, ["hi"]), renderer, PARAMS)
+    server.close()
+    assert pinned == [("treadle-agents", torch.get_num_threads())]

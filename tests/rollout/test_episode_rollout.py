@@ -103,6 +103,24 @@ def test_a_cancelled_turn_is_aborted_in_the_engine(renderer):
     assert engine.aborted == ["turn-0"] and engine.running() == 0
 
 
+def test_a_failed_engine_step_aborts_every_waiting_request_in_the_engine(renderer):
+    class FailingStep(CountingEngine):
+        def step(self):
+            raise RuntimeError("kernel check failed")
+
+    engine = FailingStep(length=lambda r: 5)
+    sampler = EngineSampler(engine, PARAMS)
+
+    async def main():
+        turns = [sampler.sample([1, 2], 5), sampler.sample([3], 5)]
+        return await asyncio.gather(*turns, return_exceptions=True)
+
+    outcomes = asyncio.run(main())
+    assert [str(o) for o in outcomes] == ["kernel check failed"] * 2
+    # nothing left running in the engine to sample, later, under other weights
+    assert sorted(engine.aborted) == ["turn-0", "turn-1"] and engine.running() == 0
+
+
 def test_an_unsampled_token_takes_the_version_of_the_turn_before_it(renderer):
     versions = iter([4, 5])
 

@@ -26,12 +26,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
 from starlette.applications import Starlette
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from treadle.core.protocols import RequestEngine, SamplingParams
+from treadle.core.threads import pin_threads
 from treadle.core.types import Completion, FinishReason
 from treadle.rollout.environments.sampler import EngineSampler
 from treadle.rollout.environments.tool_calls import parse_assistant_turn
@@ -103,7 +105,10 @@ class AgentServer:
             self.port = probe.getsockname()[1]
         config = uvicorn.Config(app, host=host, port=self.port, log_level="warning")
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, name="treadle-agents", daemon=True)
+        threads = torch.get_num_threads()  # this thread's, for the one that steps the engine
+        self._thread = threading.Thread(
+            target=self._serve, args=(threads,), name="treadle-agents", daemon=True
+        )
         self._thread.start()
         deadline = time.monotonic() + 30
         while not self._server.started:
@@ -111,6 +116,13 @@ class AgentServer:
                 raise RuntimeError(f"the agent endpoint did not start on {host}:{self.port}")
             time.sleep(0.01)
         self.host = host
+
+    def _serve(self, threads: int) -> None:
+        """The server's thread: its event loop steps the engine, so its OpenMP thread count is
+        settled first (vLLM's CPU attention otherwise fails its ``thread_num`` check now and
+        then: :func:`~treadle.core.threads.pin_threads`)."""
+        pin_threads(threads)
+        self._server.run()
 
     def base_url(self, episode: str) -> str:
         """What an agent's OpenAI client takes as ``base_url`` for ``episode``."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from dataclasses import replace
 
@@ -29,7 +30,8 @@ class EngineSampler:
         """One turn: ``context`` (``[P]`` ids, sent as they are) -> the sampled completion.
 
         Raises:
-            Whatever the engine raised while stepping.
+            Whatever the engine raised while stepping (every request waiting then is aborted
+            in the engine).
         """
         rid = f"turn-{next(self._ids)}"
         future = asyncio.get_running_loop().create_future()
@@ -67,4 +69,8 @@ class EngineSampler:
             for future in self._waiting.values():
                 if not future.done():
                     future.set_exception(e)
+            # stopped in the engine too: a request left running there would go on sampling,
+            # under whatever weights come next, for no one
+            with contextlib.suppress(Exception):
+                self.engine.abort(list(self._waiting))
             self._waiting.clear()
