@@ -150,8 +150,9 @@ def serve(conn: Connection, name: str, spec: EngineSpec, cores: tuple[int, ...])
         from treadle.rollout.engines import build_engine
 
         engine = build_engine(name, spec)
-        outbox.put(_Reply(hasattr(engine, "submit")))  # started; serves single requests or not
-        _loop(conn, engine, outbox)
+        serves_requests = hasattr(engine, "submit")  # else a batch engine: never runs by itself
+        outbox.put(_Reply(serves_requests))  # started
+        _loop(conn, engine, outbox, serves_requests)
     except EOFError:  # the other process is gone: nothing left to serve
         return
     except UserError as e:  # e.g. a plug-in engine that refuses its spec
@@ -188,8 +189,7 @@ class _Outbox:
                 return
 
 
-def _loop(conn: Connection, engine, outbox: _Outbox) -> None:
-    serves_requests = hasattr(engine, "submit")  # else a batch engine: it never runs by itself
+def _loop(conn: Connection, engine, outbox: _Outbox, serves_requests: bool) -> None:
     while True:
         if serves_requests and engine.running() and not conn.poll(0):
             if finished := engine.step():
