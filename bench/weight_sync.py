@@ -11,9 +11,10 @@ and each transport syncs ``reps`` times after one warm-up (median reported, the 
 every time):
 
 - ``in_process``: single-process mode; trainer and engine in this process.
-- ``shared_memory``: rank 0 gathers the shards into buckets in Ray's object store; the engine maps
-  them.
-- ``collective``: rank 0 gathers and broadcasts 64 MiB buckets over a gloo group to the engine.
+- ``shared_memory``: rank 0 gathers the shards into buckets in a shared-memory file it keeps; the
+  engine maps the file once and loads from it (``treadle/cluster/shared_buckets.py``).
+- ``collective``: each trainer rank sends its own pieces point to point over a gloo group into
+  the engine's 64 MiB buckets (``treadle/cluster/piece_sync.py``).
 - ``disk``: rank 0 writes a safetensors file, the engine reads it.
 
 Baselines on the same bytes: ``memcpy`` (one ``copy_`` of a flat buffer in this process) and

@@ -163,19 +163,22 @@ def test_a_killed_engine_worker_is_replaced_and_its_requests_retried(roles, one_
     assert torch.get_num_threads() == 1
 
 
-def test_an_engine_killed_before_a_sync_is_replaced_and_the_sync_completes(roles, one_torch_thread):
+@pytest.mark.parametrize("transport", ["collective", "shared_memory"])
+def test_an_engine_killed_before_a_sync_is_replaced_and_the_sync_completes(
+    transport, roles, one_torch_thread
+):
     from treadle.cluster.transports import RaySync
 
     _, trainers, engines, prompts = roles
-    sync = RaySync("collective", trainers, engines, "float32", bucket_mb=1)
-    sync.sync(engines.policy_version + 1)  # the collective group is up
+    sync = RaySync(transport, trainers, engines, "float32", bucket_mb=1)
+    sync.sync(engines.policy_version + 1)  # the collective group is up; the file is mapped
     samples = samples_from(prompts, engines.generate(prompts, SamplingParams(n=2, max_tokens=8)))
     trainers.train_step(samples, OBJECTIVE)
     restarts = engines.restarts
     (pid,) = engines.pids()
     os.kill(pid, signal.SIGKILL)  # dies between the update and the sync
     version = engines.policy_version + 1
-    sync.sync(version)  # the sends fail, the worker is replaced, the sync is redone
+    sync.sync(version)  # sends or loads fail, the worker is replaced, the sync is redone
     assert engines.restarts == restarts + 1 and engines.pids() != [pid]
     assert engines.policy_version == version
     assert max_diff(engines.prompt_logprobs([s.token_ids for s in samples[:4]]),

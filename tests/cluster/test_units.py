@@ -85,7 +85,7 @@ def test_checksum_sees_updates_and_swaps():
     w = torch.randn(1000, generator=torch.Generator().manual_seed(0))
     assert checksum(w) == checksum(w.clone())
     nudged = w.clone()
-    nudged[500] += 1e-3  # one element of a thousand (every element is sampled below 65k)
+    nudged[500] += 1e-3  # one element of a thousand (every element is sampled up to SAMPLES = 4096)
     assert checksum(nudged) != checksum(w)
     a, b = torch.ones(3), torch.full((3,), 2.0)
     assert fingerprint([("a", a), ("b", b)]) != fingerprint([("a", b), ("b", a)])
@@ -98,13 +98,13 @@ def test_checksum_sees_updates_and_swaps():
 
 def test_checksum_shares_of_a_tensor_s_pieces_sum_to_its_checksum():
     g = torch.Generator().manual_seed(1)
-    # 200,003 elements: a stride of 200,003 // 65,536 = 3, so cuts fall between samples too
+    # 200,003 elements: a stride of 200,003 // SAMPLES (4,096) = 48, so cuts fall between samples
     for n, cuts in [(10, [4]), (200_003, [100_001]), (200_003, [1, 66_667, 133_334, 200_002])]:
         t = torch.randn(n, generator=g)
         edges = [0, *cuts, n]
         parts = [checksum_part(t[a:b], a, n) for a, b in itertools.pairwise(edges)]
         assert sum(parts) == pytest.approx(checksum(t), rel=1e-12)
-    assert checksum_part(torch.ones(2), 4, 200_003) == 0.0  # elements 4, 5: no sample (stride 3)
+    assert checksum_part(torch.ones(2), 4, 200_003) == 0.0  # elements 4, 5: no sample (stride 48)
     # two tensors, two ranks' shares each: the whole model's fingerprint, index-weighted
     a, b = torch.randn(6, generator=g), torch.randn(3, generator=g)
     shares = [[checksum_part(a[:4], 0, 6), checksum(b)], [checksum_part(a[4:], 4, 6), 0.0]]

@@ -39,6 +39,7 @@ from treadle.cluster.buckets import (
     verify,
 )
 from treadle.cluster.piece_sync import PieceReceiver
+from treadle.cluster.shared_buckets import SharedBuckets, SharedView
 from treadle.cluster.trainer_group import TrainerGroup
 from treadle.core.protocols import EngineSpec, Finished, Request, SamplingParams, check_new_request
 from treadle.core.types import Completion, FinishReason
@@ -69,6 +70,7 @@ class EngineWorker:
         self.engine.policy_version = version
         self._sync_group = None
         self._receiver = PieceReceiver()  # its receive buffers are kept from sync to sync
+        self._shared = SharedView()  # trainer rank 0's shared-memory buckets, once mapped
 
     def pid(self) -> int:
         """This worker's process id (a liveness probe)."""
@@ -116,6 +118,22 @@ class EngineWorker:
         buckets, expected = packed
         named = [nt for b in buckets for nt in Bucket.from_numpy(b).tensors()]
         return self._apply(named, version, expected=expected)
+
+    def load_shared(self, shared: SharedBuckets, version: int) -> Received:
+        """Shared-memory transport on one node: load the weights from trainer rank 0's file,
+        mapped once and kept from sync to sync (:mod:`treadle.cluster.shared_buckets`).
+
+        Raises:
+            OSError: the file cannot be opened from here (another node)."""
+        return self._apply(self._shared.tensors(shared), version, expected=shared.checksum)
+
+    def can_map(self, shared: SharedBuckets) -> bool:
+        """Whether this worker can map trainer rank 0's file (same node, same user)."""
+        try:
+            self._shared.tensors(shared)
+        except OSError:
+            return False
+        return True
 
     def load_safetensors(self, path: str, version: int) -> Received:
         """Disk transport: read the file trainer rank 0 wrote."""

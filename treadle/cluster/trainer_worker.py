@@ -30,6 +30,7 @@ from typing import Literal
 
 import torch
 
+from treadle.cluster import shared_buckets
 from treadle.cluster.buckets import (
     Bucket,
     fingerprint,
@@ -38,6 +39,7 @@ from treadle.cluster.buckets import (
 )
 from treadle.cluster.piece_sync import PieceSender
 from treadle.cluster.shard_gather import Piece, ShardGatherer, local_stream
+from treadle.cluster.shared_buckets import SharedArena, SharedBuckets
 from treadle.config import TrainerConfig
 from treadle.core.batch import StepTotals
 from treadle.core.errors import UserError
@@ -113,7 +115,8 @@ class TrainerWorker:
         self.models: dict[str, TorchBackend] = {"policy": self.backend}
         """The models this rank hosts by role: the policy, and any :meth:`add_model` added."""
         self._sync_group = None
-        self._gatherers: dict[tuple[str, int], ShardGatherer] = {}  # by (dtype, bucket bytes)
+        self._gatherers: dict[tuple, ShardGatherer] = {}  # by ([shared,] dtype, bucket bytes)
+        self._arena: SharedArena | None = None  # rank 0's shared-memory buckets, when used
         self._senders: dict[tuple[str, int], PieceSender] = {}  # by (dtype, bucket bytes)
         # the engine's weight names and full shapes, in send order (a gather for the
         # non-FSDP kinds, so taken here, where every rank runs, and kept)
@@ -268,16 +271,42 @@ class TrainerWorker:
 
     def gather_buckets(self, dtype: str, bucket_bytes: int):
         """The whole model as flat numpy buckets (rank 0; others return None): what the shared
-        memory transport puts in Ray's object store. Returns ``(buckets, checksum)``."""
+        memory transport puts in Ray's object store when an engine cannot map rank 0's file
+        (:meth:`share_buckets`). Returns ``(buckets, checksum)``."""
+        buckets, total = self._filled(self._buckets(dtype, bucket_bytes, shared=True))
+        # Ray copies them into the object store on return
+        return ([b.to_numpy() for b in buckets], total) if self.rank == 0 else None
+
+    def share_buckets(self, dtype: str, bucket_bytes: int) -> SharedBuckets | None:
+        """The whole model gathered into rank 0's shared-memory file, which it keeps from sync
+        to sync (:mod:`treadle.cluster.shared_buckets`); rank 0 returns where its buckets are
+        (others None). Every rank calls. None on every rank where the file cannot be shared
+        (:func:`~treadle.cluster.shared_buckets.available`: not Linux), having gathered nothing."""
+        if not shared_buckets.available():
+            return None
+        key = ("shared", dtype, bucket_bytes)
+        if key not in self._gatherers:
+            arena = self._arena = SharedArena()
+            gatherer = ShardGatherer(
+                self.rank, self.world, dtype, bucket_bytes, None, arena.allocate
+            )
+            self._gatherers[key] = gatherer
+        stream = self._gatherers[key].buckets(self.weight_stream(), shared=True)
+        buckets, total = self._filled(stream)
+        return self._arena.describe(buckets, total) if self.rank == 0 else None
+
+    @staticmethod
+    def _filled(stream: Iterator[Bucket | None]) -> tuple[list[Bucket], float]:
+        """Every bucket of ``stream`` (rank 0's; none elsewhere) and their checksum."""
         out, total, index = [], 0.0, 0
-        for bucket in self._buckets(dtype, bucket_bytes, shared=True):
+        for bucket in stream:
             if bucket is None:
                 continue
             for _, tensor in bucket.tensors():
                 total += fingerprint_term(index, tensor)
                 index += 1
-            out.append(bucket.to_numpy())  # Ray copies it into the object store on return
-        return (out, total) if self.rank == 0 else None
+            out.append(bucket)
+        return out, total
 
     def save_safetensors(self, path: str, dtype: str) -> float | None:
         """Rank 0 writes every weight to one safetensors file (atomically) and returns its
