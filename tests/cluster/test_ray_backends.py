@@ -98,11 +98,14 @@ def test_a_group_of_backend_ranks_trains_as_one_process(name, cluster, tmp_path,
         # 5e-5: as tests/cluster/test_ray.py's FSDP2 bound (3 Adam steps move a weight ~3e-3)
         assert len(diffs) == len(ours) and max(diffs) <= 5e-5
         assert max_diff(reference.compute_logprobs(samples), initial) < 1e-5
-        # A collective sync from rank 0's gathered weights: the engine scores as the group.
-        sync = RaySync("collective", group, engines, "float32", bucket_mb=1)
-        sync.sync(engines.policy_version + 1)
-        served = engines.prompt_logprobs([s.token_ids for s in samples[:8]])
-        assert max_diff(served, group.compute_logprobs(samples[:8])) < 1e-4
+        # A sync of rank 0's gathered weights by each transport, after a step of its own:
+        # the engine scores as the group.
+        for transport in ("shared_memory", "collective"):
+            group.train_step(samples, OBJECTIVE)
+            sync = RaySync(transport, group, engines, "float32", bucket_mb=1)
+            sync.sync(engines.policy_version + 1)
+            served = engines.prompt_logprobs([s.token_ids for s in samples[:8]])
+            assert max_diff(served, group.compute_logprobs(samples[:8])) < 1e-4, transport
     finally:
         group.close()
 

@@ -1,6 +1,6 @@
-"""The shared-memory transport's buckets (treadle/cluster/shared_buckets.py): trainer rank 0's
-gathers write into one shared file that an engine maps once and reads at every sync, in
-another process too; and the transport's choice between that file and Ray's object store."""
+"""The shared-memory transport (treadle/cluster/shared_buckets.py): every trainer rank writes its
+pieces into trainer rank 0's file, which an engine maps once and reads at every sync, in another
+process too; and the transport's choice between that file and Ray's object store."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from treadle.cluster import shared_buckets
-from treadle.cluster.buckets import Bucket, Received, fingerprint
-from treadle.cluster.shard_gather import ShardGatherer
-from treadle.cluster.shared_buckets import SharedArena, SharedView
+from treadle.cluster.buckets import Received, fingerprint
+from treadle.cluster.piece_sync import fingerprint_of_shares
+from treadle.cluster.shared_buckets import SharedArena, SharedView, SharedWriter
 from treadle.train.convert import Layout
 
 pytestmark = pytest.mark.skipif(not shared_buckets.available(), reason="needs Linux memfd")
@@ -28,23 +28,40 @@ print({n: t.float().tolist() for n, t in SharedView().tensors(shared)})
 """
 
 
-def _stream(a, b):
-    return [("a", a, Layout("full", (5, 2))), ("b", b, Layout("full", (3,)))]
+def _streams(a: torch.Tensor, b: torch.Tensor) -> list[list]:
+    """Two FSDP2 ranks' streams: "a" [5, 2] in dim-0 chunks of ceil(5 / 2) = 3 rows (rank 0:
+    elements 0..5, rank 1: 6..9), "b" [3] whole on each (rank 0 writes it)."""
+    return [
+        [("a", a[:3], Layout("dim_shard", (5, 2), 0, 2)), ("b", b, Layout("full", (3,)))],
+        [("a", a[3:], Layout("dim_shard", (5, 2), 1, 2)), ("b", b, Layout("full", (3,)))],
+    ]
 
 
-def test_an_engine_maps_the_buckets_once_and_reads_every_rewrite():
-    arena = SharedArena()
-    gatherer = ShardGatherer(0, 1, "bfloat16", 16, allocate=arena.allocate)
+def _write(writers, streams, file):
+    """Both ranks' writes: ``(shares per rank, rank 0's description)``."""
+    out = [w.write(s, file) for w, s in zip(writers, streams, strict=True)]
+    return [shares for shares, _ in out], out[0][1]
+
+
+def test_each_rank_writes_its_pieces_and_an_engine_maps_the_file_once():
+    writers = [SharedWriter(r, "bfloat16", 16, SharedView()) for r in (0, 1)]
     a, b = torch.arange(10.0).reshape(5, 2), torch.tensor([1.5, -2.0, 3.0])
+    layouts = [(n, lay) for n, _, lay in _streams(a, b)[0]]
     # 16-byte buckets: a (10 bf16 = 20 B) alone, b (6 B) in the next; end to end in one file
     # of 10 + 3 = 13 elements, b's bucket from element 10
-    buckets = list(gatherer.buckets(_stream(a, b), shared=True))
-    shared = arena.describe(buckets, fingerprint(t for bk in buckets for t in bk.tensors()))
-    assert shared.numel == 13 and [start for *_, start in shared.buckets] == [0, 10]
+    arena = SharedArena()
+    file = arena.create(writers[0].file_size(layouts), "bfloat16")
+    assert file.numel == 13
+    shares, shared = _write(writers, _streams(a, b), file)
+    assert [start for *_, start in shared.buckets] == [0, 10]
+    # rank 1's share: a's elements 6..9 (values 6..9) of 10, every one sampled, at ramp
+    # 1 + i / 9: 30 + (6 * 15 + 7 * 16 + 8 * 17) / 9 + 9 * 2 = 85.555...; b it left to rank 0
+    assert shares[1] == [pytest.approx(30 + 338 / 9 + 18, rel=1e-12), 0.0]
     view = SharedView()
     got = dict(view.tensors(shared))
     assert torch.equal(got["a"], a.bfloat16()) and torch.equal(got["b"], b.bfloat16())
-    assert fingerprint(view.tensors(shared)) == shared.checksum
+    # the ranks' checksum shares sum to the engine's checksum of what it reads
+    assert fingerprint_of_shares(shares) == pytest.approx(fingerprint(view.tensors(shared)))
 
     # another process (an engine worker) reads the same pages
     out = subprocess.run(
@@ -54,23 +71,22 @@ def test_an_engine_maps_the_buckets_once_and_reads_every_rewrite():
     assert out.stdout.strip() == str({"a": a.tolist(), "b": b.tolist()})
 
     # the next sync rewrites the same file: the kept mapping sees it, nothing is mapped again
-    mapping = view._flat
+    mapping = view.flat
     a.add_(1.0)
-    buckets = list(gatherer.buckets(_stream(a, b), shared=True))
-    again = arena.describe(buckets, 0.0)
-    assert (again.fd, again.file) == (shared.fd, shared.file)
-    assert torch.equal(dict(view.tensors(again))["a"], a.bfloat16()) and view._flat is mapping
+    _, again = _write(writers, _streams(a, b), file)
+    assert torch.equal(dict(view.tensors(again))["a"], a.bfloat16()) and view.flat is mapping
 
     # a new file of the same size (the old descriptor number is free again): mapped anew
-    renamed = [("c", a * 0 + 7, Layout("full", (5, 2))), ("b", b, Layout("full", (3,)))]
-    buckets = list(gatherer.buckets(renamed, shared=True))
-    moved = arena.describe(buckets, 0.0)
-    assert moved.file != shared.file and moved.numel == 13
-    assert torch.equal(dict(view.tensors(moved))["c"], torch.full((5, 2), 7.0).bfloat16())
+    moved = arena.create(13, "bfloat16")
+    assert moved.file != file.file
+    _, shared = _write(writers, _streams(a * 0 + 7, b), moved)
+    assert torch.equal(dict(view.tensors(shared))["a"], torch.full((5, 2), 7.0).bfloat16())
+    assert view.flat is not mapping
 
-    with pytest.raises(ValueError, match="outside the shared file"):
-        arena.describe([Bucket(["x"], [(1,)], [0], torch.zeros(1))], 0.0)
+    with pytest.raises(ValueError, match="hold 13 elements"):
+        writers[0].write(_streams(a, b)[0], arena.create(12, "bfloat16"))
     arena.close()
+    assert not SharedView().can_map(moved)  # its holder closed it
 
 
 # --- the transport's choice, on fake groups ---------------------------------------------------
@@ -93,28 +109,46 @@ class _Actor:
 
 
 def _roles(log: list, maps: bool, available: bool = True):
-    shared = shared_buckets.SharedBuckets(1, 3, 13, "torch.float32", 0, [], 2.5)
-    report = Received(7, 2.5, 52, 2.5)
-    trainer = _Actor(log, share_buckets=lambda *_: shared if available else None)
-    engine = _Actor(log, can_map=lambda s: maps, load_shared=lambda s, v: report,
+    """A trainer group of 2 ranks and an engine group of 1, fakes, logging each call."""
+    file = shared_buckets.SharedFile(1, 3, 0, 13, "float32")
+    report = Received(7, 4.0, 52, expected=4.0)  # expected: what came with the buckets
+    ranks = [
+        _Actor(log, shared_file=lambda *_: file if available else None, can_map=lambda f: True,
+               write_shared=lambda f, b, r=r: ([1.0, 0.25 * r], "described" if r == 0 else None))
+        for r in (0, 1)
+    ]  # fmt: skip
+    engine = _Actor(log, can_map=lambda f: maps, load_shared=lambda s, v: report,
                     load_buckets=lambda p, v: report)  # fmt: skip
-    trainers = types.SimpleNamespace(workers=[trainer], gather_buckets=lambda *_: ("packed", 2.5))
+    trainers = types.SimpleNamespace(workers=ranks, gather_buckets=lambda *_: ("packed", 2.5))
     return trainers, types.SimpleNamespace(workers=[engine], policy_version=0)
 
 
+FILE_SYNC = ["write_shared", "write_shared", "load_shared"]
+STORE_SYNC = ["load_buckets"]  # the fakes' gather_buckets is the group's (logs nothing)
+
+
 @pytest.mark.parametrize(
-    "maps, available, first, second",
+    "maps, available, first, second, checksum",
     [
-        # same node: asked once, then every sync loads from the file
-        (True, True, ["share_buckets", "can_map", "load_shared"], ["share_buckets", "load_shared"]),
-        # the engine cannot map it (another node): Ray's object store from then on
-        (False, True, ["share_buckets", "can_map", "load_buckets"], ["load_buckets"]),
-        # no memfd on the trainer's side: the object store, without asking the engines
-        (True, False, ["share_buckets", "load_buckets"], ["load_buckets"]),
+        # one node: made and asked once, then every sync writes and loads through the file;
+        # the trainer's checksum is the ranks' shares of tensors 1 and 2, index-weighted:
+        # 1 * (1.0 + 1.0) + 2 * (0.0 + 0.25) = 2.5
+        (True, True, ["shared_file", "can_map", "can_map", "can_map", *FILE_SYNC], FILE_SYNC, 2.5),
+        # the engine cannot map it (another node): Ray's object store from then on, the
+        # checksum the one that came with the buckets
+        (
+            False,
+            True,
+            ["shared_file", "can_map", "can_map", "can_map", *STORE_SYNC],
+            STORE_SYNC,
+            4.0,
+        ),
+        # no memfd on rank 0's side: the object store, without asking anyone
+        (True, False, ["shared_file", *STORE_SYNC], STORE_SYNC, 4.0),
     ],
 )
-def test_the_transport_uses_the_file_only_where_every_engine_maps_it(
-    monkeypatch, maps, available, first, second
+def test_the_transport_uses_the_file_only_where_every_process_maps_it(
+    monkeypatch, maps, available, first, second, checksum
 ):
     from treadle.cluster.transports import RaySync
 
@@ -122,13 +156,13 @@ def test_the_transport_uses_the_file_only_where_every_engine_maps_it(
     log: list[str] = []
     trainers, engines = _roles(log, maps, available)
     sync = RaySync("shared_memory", trainers, engines, "float32", 1)
-    assert sync._sync_once(7) == 52
-    assert log == first
+    expected, reports = sync._via_shared_memory(7)
+    assert log == first and reports[0].bytes == 52 and expected == checksum
     log.clear()
-    sync._sync_once(7)
+    sync._via_shared_memory(8)
     assert log == second
-    if maps and available:  # a replaced engine is asked again
+    if maps and available:  # a replaced engine is asked again; the file is the same
         engines.workers = [_roles(log, maps)[1].workers[0]]
         log.clear()
-        sync._sync_once(7)
-        assert log == first
+        sync._via_shared_memory(9)
+        assert log == ["can_map", "can_map", "can_map", *FILE_SYNC]

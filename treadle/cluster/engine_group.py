@@ -39,7 +39,7 @@ from treadle.cluster.buckets import (
     verify,
 )
 from treadle.cluster.piece_sync import PieceReceiver
-from treadle.cluster.shared_buckets import SharedBuckets, SharedView
+from treadle.cluster.shared_buckets import SharedBuckets, SharedFile, SharedView
 from treadle.cluster.trainer_group import TrainerGroup
 from treadle.core.protocols import EngineSpec, Finished, Request, SamplingParams, check_new_request
 from treadle.core.types import Completion, FinishReason
@@ -125,15 +125,11 @@ class EngineWorker:
 
         Raises:
             OSError: the file cannot be opened from here (another node)."""
-        return self._apply(self._shared.tensors(shared), version, expected=shared.checksum)
+        return self._apply(self._shared.tensors(shared), version)
 
-    def can_map(self, shared: SharedBuckets) -> bool:
-        """Whether this worker can map trainer rank 0's file (same node, same user)."""
-        try:
-            self._shared.tensors(shared)
-        except OSError:
-            return False
-        return True
+    def can_map(self, file: SharedFile) -> bool:
+        """Whether this worker can map trainer rank 0's ``file`` (same node, same user)."""
+        return self._shared.can_map(file)
 
     def load_safetensors(self, path: str, version: int) -> Received:
         """Disk transport: read the file trainer rank 0 wrote."""

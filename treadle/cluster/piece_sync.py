@@ -93,7 +93,7 @@ class PieceSender:
     def __init__(self, rank: int, dtype: str, bucket_bytes: int) -> None:
         self.rank, self.bucket_bytes = rank, bucket_bytes
         self.dtype_name, self.dtype = dtype, getattr(torch, dtype)
-        self._plan: tuple[tuple, list[list[Transfer]]] | None = None
+        self._plan: tuple[tuple, list[list[Transfer]], list[Bucket]] | None = None
         self._cast = torch.empty(0, dtype=self.dtype)
 
     def send(
@@ -109,6 +109,10 @@ class PieceSender:
             ValueError: from :func:`plan_transfers`.
         """
         by_bucket = self._plan_for(stream)
+        if any(t.dtype != self.dtype or t.device.type != "cpu" for _, t, _ in stream):
+            largest = max((b.flat.numel() for b in self._plan[2]), default=0)
+            if self._cast.numel() < largest:  # allocated once, at the first sync
+                self._cast = torch.empty(largest, dtype=self.dtype)
         shares = [0.0] * len(stream)
         failures: dict[int, str] = {}  # engine rank -> its first error; nothing more is sent it
         for mine in by_bucket:
@@ -133,7 +137,8 @@ class PieceSender:
         return shares, None if first is None else f"engine rank {first[0]}: {first[1]}"
 
     def _plan_for(self, stream) -> list[list[Transfer]]:
-        """This rank's transfers, bucket by bucket (planned once per stream layout)."""
+        """This rank's transfers, bucket by bucket (planned once per stream layout; the
+        engine's buckets, sizes only, are ``self._plan[2]``)."""
         key = tuple((n, lay) for n, _, lay in stream)
         if self._plan is None or self._plan[0] != key:
             layouts = [(n, replace(lay, rank=0)) for n, _, lay in stream]
@@ -142,10 +147,7 @@ class PieceSender:
             for x in transfers:
                 if x.src == self.rank:
                     by_bucket[x.bucket].append(x)
-            casts = any(t.dtype != self.dtype or t.device.type != "cpu" for _, t, _ in stream)
-            largest = max((b.flat.numel() for b in buckets), default=0)
-            self._cast = torch.empty(largest if casts else 0, dtype=self.dtype)
-            self._plan = key, by_bucket
+            self._plan = key, by_bucket, buckets
         return self._plan[1]
 
 

@@ -16,7 +16,7 @@ a send of the same bytes here (80 MB: 0.6-0.9 s against 0.12-0.19 s on a loaded 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -72,23 +72,11 @@ class ShardGatherer:
         dtype: the sync dtype (``float32``, ``bfloat16``).
         bucket_bytes: the engine's bucket size, bytes.
         group: the process group of the trainer ranks (None: the default group).
-        allocate: ``(numel, dtype) -> [numel] tensor``: rank 0's one buffer of all the buckets
-            in the ``shared`` mode of :meth:`buckets` (default ``torch.empty``; a
-            :class:`~treadle.cluster.shared_buckets.SharedArena` puts them in shared memory).
     """
 
-    def __init__(
-        self,
-        rank: int,
-        world: int,
-        dtype: str,
-        bucket_bytes: int,
-        group=None,
-        allocate: Callable[[int, torch.dtype], torch.Tensor] | None = None,
-    ) -> None:
+    def __init__(self, rank: int, world: int, dtype: str, bucket_bytes: int, group=None) -> None:
         self.rank, self.world, self.group = rank, world, group
         self.dtype, self.bucket_bytes = getattr(torch, dtype), bucket_bytes
-        self.allocate = allocate or (lambda n, dtype: torch.empty(n, dtype=dtype))
         self._plans: dict[bool, _Plan] = {}  # by ``shared``
 
     def _plan_for(self, stream: list[Piece], shared: bool) -> _Plan:
@@ -99,16 +87,11 @@ class ShardGatherer:
         layout = [(n, lay.shape, name) for n, _, lay in stream]
         buckets = plan_buckets(layout, self.bucket_bytes, device="meta")  # sizes
         if self.rank == 0:  # the other ranks fill no bucket
-            sizes = [b.flat.numel() for b in buckets]
-            # shared: the buckets end to end in one buffer; else one for all, bucket after bucket
-            if shared:
-                one = self.allocate(sum(sizes), self.dtype)
-            else:
-                one = torch.empty(max(sizes, default=0), dtype=self.dtype)
-            start = 0
-            for b, n in zip(buckets, sizes, strict=True):
-                b.flat = one[start : start + n]
-                start += n if shared else 0
+            largest = max((b.flat.numel() for b in buckets), default=0)
+            one = None if shared else torch.empty(largest, dtype=self.dtype)
+            for b in buckets:  # shared: a buffer each; else one for all, bucket after bucket
+                n = b.flat.numel()
+                b.flat = torch.empty(n, dtype=self.dtype) if one is None else one[:n]
         casts = self.rank != 0 and any(t.dtype != self.dtype for _, t, _ in stream)
         largest = max((b.flat.numel() for b in buckets), default=0)
         cast = torch.empty(largest if casts else 0, dtype=self.dtype)
@@ -117,10 +100,9 @@ class ShardGatherer:
 
     def buckets(self, stream: list[Piece], shared: bool = False) -> Iterator[Bucket | None]:
         """The engine's buckets, filled, one at a time (rank 0; other ranks get None for each,
-        after sending their pieces of it). With ``shared`` each bucket keeps a range of its own
-        of one buffer (all of them stay valid together, e.g. to return to Ray or to map from
-        another process); otherwise one buffer serves every bucket and a bucket is valid until
-        the next is yielded.
+        after sending their pieces of it). With ``shared`` each bucket keeps a buffer of its own
+        (all of them stay valid together, e.g. to return to Ray); otherwise one buffer serves
+        every bucket and a bucket is valid until the next is yielded.
 
         Raises:
             ValueError: a piece whose real elements are not one range of its full tensor (a

@@ -1,19 +1,27 @@
-"""Persistent shared-memory buckets: the ``shared_memory`` weight transport between trainer
-rank 0 and the engines on its node.
+"""The ``shared_memory`` weight transport on one node: every trainer rank writes its own pieces
+of the weights into one shared-memory file, and each engine maps the file once and loads from
+it.
 
-Trainer rank 0 holds every bucket of the engine's weights in one anonymous shared-memory file
-(``memfd_create``: no name in ``/dev/shm``, so no size limit of a container's ``/dev/shm`` and
-nothing left behind when the process dies). The rank's shard gathers write straight into it,
-and an engine on the same node maps the same pages once, through ``/proc/<pid>/fd/<fd>``, and
-loads its weights from them: per sync, the bytes are written once by the trainer and read once
-by each engine, and only a small :class:`SharedBuckets` description crosses Ray. (Before, rank 0
-returned fresh buckets through Ray's object store, which allocated and copied them at every
-sync: 0.13-0.46 of a raw gloo broadcast at 6M-150M parameters.)
+Trainer rank 0 makes the file at the first sync (``memfd_create``: no name in ``/dev/shm``, so
+no size limit of a container's ``/dev/shm``, and nothing left behind when the process dies) and
+keeps it. It holds the engine's buckets end to end (the bucket plan of
+:func:`~treadle.cluster.piece_sync.plan_transfers`, the engine's own). Every trainer rank maps
+it through ``/proc/<pid>/fd/<fd>`` and copies its dim-0 shards (FSDP2) into their ranges, cast
+to the sync dtype on the way; for the backends whose stream is whole tensors (DeepSpeed,
+Megatron) rank 0 writes everything. The ranks write side by side, no bytes cross a socket, and
+only small descriptions cross Ray. An engine maps the same pages once and loads its weights
+from them at every sync.
 
-The buckets are rewritten at the next sync only: the transport waits for every engine to load
-before it returns, so a rewrite never races a reader. Where the file cannot be shared (no
-``memfd_create``, no ``/proc``: not Linux; or an engine on another node) the transport falls
-back to Ray's object store (:mod:`treadle.cluster.transports`).
+This replaces gathering the shards on rank 0 and returning fresh buckets through Ray's object
+store, which allocated and copied them at every sync (0.13-0.46 of a raw gloo broadcast of the
+same bytes at 6M-150M parameters).
+
+The file is rewritten at the next sync only: the transport waits for every engine to load
+before it returns, so a rewrite never races a reader. The trainer's checksum is summed from
+each rank's share (:func:`~treadle.cluster.buckets.checksum_part`), as for the collective
+transport. Where the file cannot be shared (no ``memfd_create`` or ``/proc``: not Linux; a rank
+or an engine on another node) the transport goes through Ray's object store instead
+(:mod:`treadle.cluster.transports`).
 """
 
 from __future__ import annotations
@@ -25,109 +33,157 @@ from dataclasses import dataclass
 
 import torch
 
-from treadle.cluster.buckets import Bucket
+from treadle.cluster.buckets import Bucket, checksum_part
+from treadle.cluster.piece_sync import PieceSender
+from treadle.train.convert import Layout
 
 
 def available() -> bool:
-    """Whether this process can share its buckets this way (Linux's ``memfd_create`` and
-    ``/proc``)."""
+    """Whether this process can make a file to share (Linux's ``memfd_create`` and ``/proc``)."""
     return hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
 
 
 @dataclass(frozen=True)
-class SharedBuckets:
-    """What crosses Ray for one sync: where the buckets are and what they hold.
-
-    ``buckets`` holds, per bucket, ``(names, shapes, offsets, start)``: the names and shapes of
-    its tensors, their offsets (elements) in the bucket and the bucket's first element in the
-    file (all in elements of ``dtype``)."""
+class SharedFile:
+    """Where trainer rank 0's file is: what a process needs to map it."""
 
     pid: int
-    """The process holding the file (trainer rank 0)."""
+    """The process holding it (trainer rank 0)."""
     fd: int
     """Its descriptor of the file in that process."""
-    numel: int
-    """The file's size, in elements of ``dtype``."""
-    dtype: str
-    """The sync dtype, e.g. ``torch.float32``."""
     file: int
-    """Which of the holder's files this is (a new file may reuse a closed one's ``fd``)."""
+    """Which of that process's files it is (a new file may reuse a closed one's ``fd``)."""
+    numel: int
+    """Its size, in elements of ``dtype``."""
+    dtype: str
+    """The sync dtype, e.g. ``float32``."""
+
+
+@dataclass(frozen=True)
+class SharedBuckets:
+    """What an engine needs to read the weights from the file: per bucket ``(names, shapes,
+    offsets, start)``, the names and shapes of its tensors, their offsets in the bucket and the
+    bucket's first element in the file (elements of the sync dtype), in send order."""
+
+    file: SharedFile
     buckets: list[tuple[list[str], list[tuple[int, ...]], list[int], int]]
-    checksum: float
-    """The trainer's :func:`~treadle.cluster.buckets.fingerprint` of what it wrote."""
 
 
 class SharedArena:
-    """Trainer rank 0's side: one shared file for the buckets, made again only when their total
-    size or dtype changes (the previous one is released)."""
+    """Trainer rank 0's file, kept until :meth:`create` makes another or :meth:`close`."""
 
     _files = itertools.count()
 
     def __init__(self) -> None:
         self.fd: int | None = None
-        self.flat: torch.Tensor | None = None
-        self.file = -1
 
-    def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A flat ``[numel]`` tensor of ``dtype`` backed by a new shared file (the
-        ``allocate`` of a :class:`~treadle.cluster.shard_gather.ShardGatherer`)."""
+    def create(self, numel: int, dtype: str) -> SharedFile:
+        """A new file of ``numel`` elements of ``dtype`` (the previous one is released)."""
         self.close()
-        fd = os.memfd_create("treadle-weights", os.MFD_CLOEXEC)
-        size = max(1, numel) * torch.empty(0, dtype=dtype).element_size()
-        os.ftruncate(fd, size)
-        self.fd, self.file = fd, next(self._files)
-        self.flat = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=numel, dtype=dtype)
-        return self.flat
-
-    def describe(self, buckets: list[Bucket], checksum: float) -> SharedBuckets:
-        """The :class:`SharedBuckets` of ``buckets`` (views of this arena's file).
-
-        Raises:
-            ValueError: a bucket that is not in this arena's file.
-        """
-        base = self.flat.storage_offset() if self.flat is not None else 0
-        out = []
-        for b in buckets:
-            if self.flat is None or b.flat.untyped_storage().data_ptr() != (
-                self.flat.untyped_storage().data_ptr()
-            ):
-                raise ValueError("a bucket outside the shared file cannot be described")
-            out.append((b.names, b.shapes, b.offsets, b.flat.storage_offset() - base))
-        return SharedBuckets(
-            os.getpid(), self.fd, self.flat.numel(), str(self.flat.dtype), self.file, out, checksum
-        )
+        self.fd = os.memfd_create("treadle-weights", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, max(1, numel) * getattr(torch, dtype).itemsize)
+        return SharedFile(os.getpid(), self.fd, next(self._files), numel, dtype)
 
     def close(self) -> None:
-        """Release the file (mappings an engine holds stay valid until it drops them)."""
+        """Release the file (mappings other processes hold stay valid until they drop them)."""
         if self.fd is not None:
             os.close(self.fd)
-        self.fd = self.flat = None
+        self.fd = None
 
 
 class SharedView:
-    """An engine's side: the trainer's file, mapped once and kept while it is the same file."""
+    """A process's mapping of trainer rank 0's file, made once and kept while it is the same
+    file."""
 
     def __init__(self) -> None:
-        self._key: tuple | None = None
-        self._flat: torch.Tensor | None = None
+        self._file: SharedFile | None = None
+        self.flat: torch.Tensor | None = None
+
+    def map(self, file: SharedFile) -> torch.Tensor:
+        """The whole file as a flat ``[numel]`` tensor (writes reach every process mapping it).
+
+        Raises:
+            OSError: the file cannot be opened from this process (another node, or its holder
+                is gone).
+        """
+        if file != self._file:
+            self.flat = self._file = None  # drop the old mapping first
+            path = f"/proc/{file.pid}/fd/{file.fd}"
+            dtype = getattr(torch, file.dtype)
+            try:
+                self.flat = torch.from_file(path, shared=True, size=file.numel, dtype=dtype)
+            except RuntimeError as error:  # torch's "unable to open file"
+                raise OSError(f"cannot map the trainer's weight file {path}: {error}") from error
+            self._file = file
+        return self.flat
+
+    def can_map(self, file: SharedFile) -> bool:
+        """Whether this process can map ``file`` (same node, same user)."""
+        try:
+            self.map(file)
+        except OSError:
+            return False
+        return True
 
     def tensors(self, shared: SharedBuckets) -> list[tuple[str, torch.Tensor]]:
         """The weights ``shared`` describes, as views of the mapped file, in send order.
 
         Raises:
-            OSError: the file cannot be opened from this process (another node, or the trainer
-                process is gone).
+            OSError: from :meth:`map`.
         """
-        key = (shared.pid, shared.fd, shared.file, shared.numel, shared.dtype)
-        if key != self._key:
-            self._flat = None  # drop the old mapping first
-            dtype = getattr(torch, shared.dtype.removeprefix("torch."))
-            path = f"/proc/{shared.pid}/fd/{shared.fd}"
-            self._flat = torch.from_file(path, shared=True, size=shared.numel, dtype=dtype)
-            self._key = key
+        flat = self.map(shared.file)
         named = []
         for names, shapes, offsets, start in shared.buckets:
             size = sum(math.prod(s) for s in shapes)
-            bucket = Bucket(names, shapes, offsets, self._flat[start : start + size])
-            named += bucket.tensors()
+            named += Bucket(names, shapes, offsets, flat[start : start + size]).tensors()
         return named
+
+
+class SharedWriter(PieceSender):
+    """A trainer rank's end: writes its pieces of the weights into rank 0's file.
+
+    Args:
+        rank: this trainer rank.
+        dtype: the sync dtype (pieces in another dtype are cast as they are copied).
+        bucket_bytes: the engine's bucket size, bytes.
+        view: this process's mapping of the file.
+    """
+
+    def __init__(self, rank: int, dtype: str, bucket_bytes: int, view: SharedView) -> None:
+        super().__init__(rank, dtype, bucket_bytes)
+        self.view = view
+
+    def file_size(self, layouts: list[tuple[str, Layout]]) -> int:
+        """Elements of the file that holds the buckets of these weights (rank 0's layouts)."""
+        self._plan_for([(n, torch.empty(0), lay) for n, lay in layouts])
+        return sum(b.flat.numel() for b in self._plan[2])
+
+    def write(
+        self, stream: list[tuple[str, torch.Tensor, Layout]], file: SharedFile
+    ) -> tuple[list[float], SharedBuckets | None]:
+        """Copy this rank's pieces of ``stream`` (its :func:`local_stream`, every rank's in the
+        same order) into their ranges of ``file``. Returns this rank's share of each tensor's
+        checksum (0.0 where it writes nothing) and, on rank 0, what the engines read.
+
+        Raises:
+            ValueError: ``file`` is not the size of these weights' buckets.
+            OSError: from :meth:`SharedView.map`.
+        """
+        by_bucket = self._plan_for(stream)
+        buckets = self._plan[2]
+        starts = list(itertools.accumulate((b.flat.numel() for b in buckets), initial=0))
+        if starts[-1] != file.numel:
+            raise ValueError(f"the weights' buckets hold {starts[-1]} elements, the file {file}")
+        flat = self.view.map(file)
+        shares = [0.0] * len(stream)
+        for start, mine in zip(starts[:-1], by_bucket, strict=True):
+            for x in mine:
+                target = flat[start + x.offset : start + x.offset + x.count]
+                target.copy_(stream[x.tensor][1].reshape(-1)[: x.count])
+                shares[x.tensor] = checksum_part(target, x.region, x.numel)
+        if self.rank != 0:
+            return shares, None
+        places = [
+            (b.names, b.shapes, b.offsets, s) for b, s in zip(buckets, starts[:-1], strict=True)
+        ]
+        return shares, SharedBuckets(file, places)

@@ -39,7 +39,13 @@ from treadle.cluster.buckets import (
 )
 from treadle.cluster.piece_sync import PieceSender
 from treadle.cluster.shard_gather import Piece, ShardGatherer, local_stream
-from treadle.cluster.shared_buckets import SharedArena, SharedBuckets
+from treadle.cluster.shared_buckets import (
+    SharedArena,
+    SharedBuckets,
+    SharedFile,
+    SharedView,
+    SharedWriter,
+)
 from treadle.config import TrainerConfig
 from treadle.core.batch import StepTotals
 from treadle.core.errors import UserError
@@ -115,9 +121,11 @@ class TrainerWorker:
         self.models: dict[str, TorchBackend] = {"policy": self.backend}
         """The models this rank hosts by role: the policy, and any :meth:`add_model` added."""
         self._sync_group = None
-        self._gatherers: dict[tuple, ShardGatherer] = {}  # by ([shared,] dtype, bucket bytes)
-        self._arena: SharedArena | None = None  # rank 0's shared-memory buckets, when used
+        self._gatherers: dict[tuple[str, int], ShardGatherer] = {}  # by (dtype, bucket bytes)
         self._senders: dict[tuple[str, int], PieceSender] = {}  # by (dtype, bucket bytes)
+        self._writers: dict[tuple[str, int], SharedWriter] = {}  # by (dtype, bucket bytes)
+        self._shared_view = SharedView()  # rank 0's shared-memory file, mapped once
+        self._arena = SharedArena()  # rank 0's shared-memory file, once made
         # the engine's weight names and full shapes, in send order (a gather for the
         # non-FSDP kinds, so taken here, where every rank runs, and kept)
         self._shapes = [(n, lay.shape) for n, _, lay in self.weight_stream()]
@@ -271,42 +279,43 @@ class TrainerWorker:
 
     def gather_buckets(self, dtype: str, bucket_bytes: int):
         """The whole model as flat numpy buckets (rank 0; others return None): what the shared
-        memory transport puts in Ray's object store when an engine cannot map rank 0's file
-        (:meth:`share_buckets`). Returns ``(buckets, checksum)``."""
-        buckets, total = self._filled(self._buckets(dtype, bucket_bytes, shared=True))
-        # Ray copies them into the object store on return
-        return ([b.to_numpy() for b in buckets], total) if self.rank == 0 else None
-
-    def share_buckets(self, dtype: str, bucket_bytes: int) -> SharedBuckets | None:
-        """The whole model gathered into rank 0's shared-memory file, which it keeps from sync
-        to sync (:mod:`treadle.cluster.shared_buckets`); rank 0 returns where its buckets are
-        (others None). Every rank calls. None on every rank where the file cannot be shared
-        (:func:`~treadle.cluster.shared_buckets.available`: not Linux), having gathered nothing."""
-        if not shared_buckets.available():
-            return None
-        key = ("shared", dtype, bucket_bytes)
-        if key not in self._gatherers:
-            arena = self._arena = SharedArena()
-            gatherer = ShardGatherer(
-                self.rank, self.world, dtype, bucket_bytes, None, arena.allocate
-            )
-            self._gatherers[key] = gatherer
-        stream = self._gatherers[key].buckets(self.weight_stream(), shared=True)
-        buckets, total = self._filled(stream)
-        return self._arena.describe(buckets, total) if self.rank == 0 else None
-
-    @staticmethod
-    def _filled(stream: Iterator[Bucket | None]) -> tuple[list[Bucket], float]:
-        """Every bucket of ``stream`` (rank 0's; none elsewhere) and their checksum."""
+        memory transport puts in Ray's object store. Returns ``(buckets, checksum)``."""
         out, total, index = [], 0.0, 0
-        for bucket in stream:
+        for bucket in self._buckets(dtype, bucket_bytes, shared=True):
             if bucket is None:
                 continue
             for _, tensor in bucket.tensors():
                 total += fingerprint_term(index, tensor)
                 index += 1
-            out.append(bucket)
-        return out, total
+            out.append(bucket.to_numpy())  # Ray copies it into the object store on return
+        return (out, total) if self.rank == 0 else None
+
+    # --- the shared-memory file (every rank on one node; treadle.cluster.shared_buckets) -------
+
+    def shared_file(self, dtype: str, bucket_bytes: int) -> SharedFile | None:
+        """Rank 0 alone (no collective): a new shared-memory file for the engine's buckets of
+        the weights in ``dtype``, kept by this rank; None where none can be made (not Linux)."""
+        if not shared_buckets.available():
+            return None
+        size = self._writer(dtype, bucket_bytes).file_size(self.stream_layouts())
+        return self._arena.create(size, dtype)
+
+    def can_map(self, file: SharedFile) -> bool:
+        """Whether this rank can map rank 0's ``file`` (the same node)."""
+        return self._shared_view.can_map(file)
+
+    def write_shared(
+        self, file: SharedFile, bucket_bytes: int
+    ) -> tuple[list[float], SharedBuckets | None]:
+        """Every rank calls: write this rank's pieces of the weights into rank 0's ``file``
+        (:meth:`SharedWriter.write <treadle.cluster.shared_buckets.SharedWriter.write>`)."""
+        return self._writer(file.dtype, bucket_bytes).write(self.weight_stream(), file)
+
+    def _writer(self, dtype: str, bucket_bytes: int) -> SharedWriter:
+        key = (dtype, bucket_bytes)
+        if key not in self._writers:
+            self._writers[key] = SharedWriter(self.rank, dtype, bucket_bytes, self._shared_view)
+        return self._writers[key]
 
     def save_safetensors(self, path: str, dtype: str) -> float | None:
         """Rank 0 writes every weight to one safetensors file (atomically) and returns its

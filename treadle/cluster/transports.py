@@ -4,10 +4,11 @@
 
 Transports:
 
-- ``shared_memory`` (colocated): trainer rank 0 gathers the FSDP2 shards into flat buckets in a
-  shared-memory file it keeps from sync to sync; each engine on its node maps the file once and
-  loads from it (:mod:`treadle.cluster.shared_buckets`; only a description crosses Ray). An
-  engine on another node gets the buckets through Ray's object store instead.
+- ``shared_memory`` (colocated): every trainer rank writes its own FSDP2 shards into a
+  shared-memory file trainer rank 0 keeps; each engine on the node maps the file once and
+  loads from it (:mod:`treadle.cluster.shared_buckets`; only descriptions cross Ray). Where a
+  rank or an engine is on another node, rank 0 gathers the shards into buckets that go through
+  Ray's object store instead.
 - ``collective`` (disaggregated): a torch.distributed group of the trainer ranks and the
   engines; each trainer rank sends its own shards point to point into the engines' buckets of
   ``bucket_mb`` (:mod:`treadle.cluster.piece_sync`), so the bytes cross once.
@@ -77,8 +78,8 @@ class RaySync:
         self.dtype, self.bucket_bytes = dtype, bucket_mb * 2**20
         self.disk_dir = disk_dir
         self._group_members: tuple | None = None  # the engine actors the collective group holds
-        self._maps_file: bool | None = None  # whether the engines map rank 0's shared file
-        self._mappers: tuple | None = None  # the engine actors that answered it
+        self._file = None  # trainer rank 0's shared-memory file; False: not shared
+        self._mappers: tuple | None = None  # the engine actors known to map it
         self._layout = None
         self._generation = 0
 
@@ -116,24 +117,21 @@ class RaySync:
     def _via_shared_memory(self, version: int) -> tuple[float, list[Received]]:
         import ray
 
-        workers = self.engines.workers
-        if self._maps_file is not False:  # rank 0's kept file (treadle.cluster.shared_buckets)
-            refs = [
-                w.share_buckets.remote(self.dtype, self.bucket_bytes) for w in self.trainers.workers
-            ]
-            shared = ray.get(refs)[0]
-            if shared is None:  # no memfd_create or /proc there
-                self._maps_file = False
-            elif self._mappers != tuple(workers):  # first sync, or an engine was replaced
-                self._maps_file = all(ray.get([e.can_map.remote(shared) for e in workers]))
-                self._mappers = tuple(workers)
-            if self._maps_file:
-                reports = ray.get([e.load_shared.remote(shared, version) for e in workers])
-                return shared.checksum, reports
-        # through Ray's object store (an engine on another node)
-        packed = self.trainers.gather_buckets(self.dtype, self.bucket_bytes)
-        reports = ray.get([e.load_buckets.remote(packed, version) for e in workers])
-        return reports[0].expected, reports
+        trainers, engines = self.trainers.workers, self.engines.workers
+        if self._file is None:  # rank 0's file (treadle.cluster.shared_buckets), made once
+            self._file = ray.get(trainers[0].shared_file.remote(self.dtype, self.bucket_bytes))
+            self._file = self._file or False  # None: it cannot make one (not Linux)
+        if self._file and self._mappers != tuple(engines):  # first sync, or an engine replaced
+            if not all(ray.get([w.can_map.remote(self._file) for w in [*trainers, *engines]])):
+                self._file = False
+            self._mappers = tuple(engines)
+        if not self._file:  # a rank or an engine on another node: through Ray's object store
+            packed = self.trainers.gather_buckets(self.dtype, self.bucket_bytes)
+            reports = ray.get([e.load_buckets.remote(packed, version) for e in engines])
+            return reports[0].expected, reports
+        written = _settle([w.write_shared.remote(self._file, self.bucket_bytes) for w in trainers])
+        reports = ray.get([e.load_shared.remote(written[0][1], version) for e in engines])
+        return fingerprint_of_shares([shares for shares, _ in written]), reports
 
     def _via_collective(self, version: int) -> tuple[float, list[Received]]:
         import ray
