@@ -41,14 +41,16 @@ whole on each rank)."""
 TOL = 1e-5
 
 
-def staged(stage: int) -> TrainerConfig:
-    return dataclasses.replace(TRAINER, deepspeed=DeepSpeedConfig(zero_stage=stage))
+def staged(stage: int, bf16: bool = False) -> TrainerConfig:
+    zero = DeepSpeedConfig(zero_stage=stage)
+    return dataclasses.replace(TRAINER, deepspeed=zero, bf16_autocast=bf16)
 
 
-def deepspeed_backend(folder: Path, stage: int):
+def deepspeed_backend(folder: Path, stage: int, bf16: bool = False):
     from treadle.train.deepspeed_backend import DeepSpeedBackend
 
-    return DeepSpeedBackend(load_model(folder)[0], staged(stage), 10, ds_extra=FULL_ZERO3)
+    cfg = staged(stage, bf16)
+    return DeepSpeedBackend(load_model(folder)[0], cfg, 10, ds_extra=FULL_ZERO3)
 
 
 def one_step(backend, samples, **kwargs) -> dict:
@@ -164,10 +166,12 @@ def test_world_2_steps_are_the_torch_backends(folder, torch_step, tmp_path):
         assert max_abs(ranks[1][stage]["weights"], got["weights"]) == 0.0  # one model
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_a_checkpoint_resumes_to_the_same_next_loss(stage, folder, tmp_path, one_torch_thread):
+@pytest.mark.parametrize("stage, bf16", [(2, False), (3, False), (1, True)])  # 1, bf16:
+def test_a_checkpoint_resumes_to_the_same_next_loss(  # DeepSpeed's BF16_Optimizer
+    stage, bf16, folder, tmp_path, one_torch_thread
+):
     samples = batch()
-    backend = deepspeed_backend(folder, stage)
+    backend = deepspeed_backend(folder, stage, bf16)
     backend.train_step(samples, POLICY)
     backend.save_pretrained(tmp_path / "ckpt")
     load_model(folder)[1].save_pretrained(tmp_path / "ckpt")  # as a checkpoint holds it
@@ -175,7 +179,7 @@ def test_a_checkpoint_resumes_to_the_same_next_loss(stage, folder, tmp_path, one
     torch.save({"optimizer": state.optimizer, "scheduler": state.scheduler}, tmp_path / "t.pt")
     backend.train_step(samples, POLICY)  # its update reads the moments
     expected = float(backend.train_step(samples, POLICY)["loss"])  # of the weights after it
-    resumed = deepspeed_backend(tmp_path / "ckpt", stage)
+    resumed = deepspeed_backend(tmp_path / "ckpt", stage, bf16)
     saved = torch.load(tmp_path / "t.pt", weights_only=True)  # as treadle's checkpoints load
     from treadle.core.protocols import OptimizerState
 
@@ -204,23 +208,69 @@ def test_the_optimizer_state_moves_between_the_backends(folder, one_torch_thread
         assert torch.equal(got["exp_avg_sq"], want["exp_avg_sq"]), i
 
 
-def test_bf16_trains_bf16_weights_with_fp32_masters(folder, torch_step, one_torch_thread):
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_bf16_trains_bf16_weights_with_fp32_masters(stage, folder, torch_step, one_torch_thread):
     """DeepSpeed's bf16 mode: the model computes in bf16, the named weights are the fp32
     masters. Against the torch backend's fp32 step: the loss within 1e-4 (bf16's 8-bit
     mantissa over 3 micro-batches measured 2e-6), the gradients within 2% of the largest
     (measured 0.7%)."""
-    cfg = dataclasses.replace(staged(2), bf16_autocast=True)
-    from treadle.train.deepspeed_backend import DeepSpeedBackend
-
-    backend = DeepSpeedBackend(load_model(folder)[0], cfg, 10)
+    backend = deepspeed_backend(folder, stage, bf16=True)
     assert next(backend.model.parameters()).dtype == torch.bfloat16
     got = one_step(backend, batch())
     assert {t.dtype for t in got["weights"].values()} == {torch.float32}
     assert abs(got["loss"] - torch_step["loss"]) < 1e-4
     largest = max(g.abs().max().item() for g in torch_step["grads"])
     assert max_abs(got["grads"], torch_step["grads"]) < 0.02 * largest
-    bf16 = {n: t.float() for n, t in backend.model.state_dict().items()}
+    from deepspeed import zero
+
+    with zero.GatheredParameters(list(backend.model.parameters()), enabled=stage == 3):
+        bf16 = {n: t.float() for n, t in backend.model.state_dict().items()}
     assert max_abs(bf16, got["weights"]) < 2**-8 * max(t.abs().max() for t in bf16.values())
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_bf16_micro_batch_gradients_add_up_in_fp32(stage, one_torch_thread):
+    """A weight w of a loss c * w gets gradient c. Micro-batches with c = 1, then four with
+    c = 2^-9 (each exact in bf16): in fp32 they add up to 1 + 4 * 2^-9 = 1.0078125; in bf16
+    each 2^-9 is half an ulp of 1 (2^-8 wide near 1), rounds to even and is lost: 1.0 (measured
+    with DeepSpeed's default, ``grad_accum_dtype`` the model's). Adam's first moment after step
+    1 is (1 - beta1) g = 0.1 g."""
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    from treadle.train.deepspeed_backend import (
+        _forget_destroyed_groups,
+        ds_config,
+        import_deepspeed,
+        init_single_process_group,
+    )
+
+    deepspeed = import_deepspeed()
+    model = torch.nn.Linear(1, 1, bias=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    init_single_process_group()
+    _forget_destroyed_groups()
+    config = ds_config(dataclasses.replace(staged(stage, bf16=True), grad_clip=0.0))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    for c in [1.0, 2**-9, 2**-9, 2**-9, 2**-9]:
+        out = engine(torch.ones(1, 1, dtype=torch.bfloat16))
+        engine.backward(out.sum() * c, scale_wrt_gas=False)  # as DeepSpeedBackend.backward
+    engine.step()
+    (w,) = model.parameters()
+    assert safe_get_full_optimizer_state(w, "exp_avg").item() == pytest.approx(0.1 * 1.0078125)
+
+
+def test_a_bf16_policy_and_its_kl_reference_score_alike_before_training(folder, one_torch_thread):
+    """The frozen reference under DeepSpeed bf16 holds the policy's bf16 weights (not fp32
+    weights autocast to bf16), so before any step their logprobs are the same bit for bit and
+    the KL term starts at 0 (with fp32 reference weights they differed by up to 2.7e-3 here)."""
+    from treadle.train.backends import build_backend
+
+    policy = deepspeed_backend(folder, 2, bf16=True)
+    cfg = dataclasses.replace(staged(2, bf16=True), backend="deepspeed")
+    reference = build_backend(load_model(folder)[0], cfg, 1, trainable=False)
+    assert next(reference.model.parameters()).dtype == torch.bfloat16
+    samples = batch()
+    assert reference.compute_logprobs(samples) == policy.compute_logprobs(samples)
 
 
 def test_an_optimizer_state_of_another_model_is_refused(folder, one_torch_thread):

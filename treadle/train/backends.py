@@ -38,11 +38,18 @@ def build_backend(
 
     ``deepspeed``: a trainable model gets a ZeRO engine
     (:class:`~treadle.train.deepspeed_backend.DeepSpeedBackend`); a frozen reference
-    (``trainable=False``) has no optimizer to partition and stays a plain :class:`TorchBackend`.
+    (``trainable=False``) has no optimizer to partition and stays a plain :class:`TorchBackend`,
+    over bf16 weights under ``trainer.bf16_autocast`` as DeepSpeed's bf16 policy's (so a KL
+    reference and the policy it starts as score alike).
 
     Raises:
         UserError: ``trainer.backend`` names a backend this installation cannot run.
     """
+    if cfg.backend == "deepspeed" and not trainable and cfg.bf16_autocast:
+        # the bf16 weights of DeepSpeed's bf16 policy (its parameters; buffers such as RoPE's
+        # inv_freq stay fp32, as there): its twin at step 0, at half the size
+        for p in model.parameters():
+            p.data = p.data.to(torch.bfloat16)
     if cfg.backend == "torch" or (cfg.backend == "deepspeed" and not trainable):
         return TorchBackend(model, cfg, total_steps, temperature, trainable, head)
     if cfg.backend == "megatron":
