@@ -12,7 +12,7 @@ import dataclasses
 import importlib.util
 import os
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,11 +78,21 @@ def prepare_run_dir(cfg: Config, resume: Path | None) -> Path:
     """Create the run directory (or reuse ``resume``) and record the resolved config.
 
     Raises:
-        UserError: ``resume`` is not a run directory, or the new one already holds a run.
+        UserError: ``resume`` is not a run directory, or an override changes its ``model.*``
+            (its checkpoints hold that model's weights, or adapters of that shape); or the new
+            one already holds a run.
     """
     if resume is not None:
         if not (resume / "config.yaml").is_file():
             raise UserError(f"--resume {resume}: not a treadle run directory (no config.yaml)")
+        saved = yaml.safe_load((resume / "config.yaml").read_text()) or {}
+        now = yaml.safe_load(yaml.safe_dump(to_dict(cfg)))  # lists as the saved file has them
+        for key, was, is_ in _changed("model", saved.get("model", {}), now["model"]):
+            raise UserError(
+                f"--resume {resume}: {key}={is_} differs from the run's {key}={was} (its "
+                "checkpoints hold that model's weights); resume without that override, or "
+                "start a new run"
+            )
         return resume
     run_dir = Path(cfg.run.output_dir) / cfg.run.name
     if (run_dir / "config.yaml").exists():
@@ -93,6 +103,17 @@ def prepare_run_dir(cfg: Config, resume: Path | None) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     return run_dir
+
+
+def _changed(prefix: str, saved: dict, now: dict) -> Iterator[tuple[str, object, object]]:
+    """``(dotted key, saved value, current value)`` of each key of ``saved`` whose value
+    ``now`` changes (keys ``saved`` lacks, added to the config since, are not compared)."""
+    for key, was in saved.items():
+        is_ = now.get(key)
+        if isinstance(was, dict) and isinstance(is_, dict):
+            yield from _changed(f"{prefix}.{key}", was, is_)
+        elif was != is_:
+            yield f"{prefix}.{key}", was, is_
 
 
 def base_model(cfg: Config, data: Dataset, run_dir: Path) -> Path:
