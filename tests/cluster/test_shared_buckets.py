@@ -4,6 +4,7 @@ process too; and the transport's choice between that file and Ray's object store
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import subprocess
 import sys
@@ -83,10 +84,40 @@ def test_each_rank_writes_its_pieces_and_an_engine_maps_the_file_once():
     assert torch.equal(dict(view.tensors(shared))["a"], torch.full((5, 2), 7.0).bfloat16())
     assert view.flat is not mapping
 
-    with pytest.raises(ValueError, match="hold 13 elements"):
+    with pytest.raises(ValueError, match="hold 13 elements, the file 12"):
         writers[0].write(_streams(a, b)[0], arena.create(12, "bfloat16"))
     arena.close()
     assert not SharedView().can_map(moved)  # its holder closed it
+
+
+def test_a_rank_that_writes_nothing_maps_nothing():
+    # a DeepSpeed or Megatron rank other than 0: its stream is whole tensors, rank 0 writes them
+    writer = SharedWriter(1, "float32", 64, SharedView())
+    stream = [("b", torch.ones(3), Layout("full", (3,)))]
+    arena = SharedArena()
+    file = arena.create(writer.file_size([("b", Layout("full", (3,)))]), "float32")
+    assert writer.write(stream, file) == ([0.0], None) and writer.view.flat is None
+    arena.close()
+
+
+def test_a_descriptor_that_is_not_the_weight_file_is_never_opened(tmp_path):
+    """On another node or in another PID namespace, ``/proc/<pid>/fd/<fd>`` can be some other
+    process's file: it is checked (memfd name, inode, size) before it is mapped, and neither
+    opened for writing nor grown."""
+    log = tmp_path / "unrelated.log"
+    log.write_text("9 bytes..")
+    arena = SharedArena()
+    real = arena.create(1000, "float32")
+    with open(log, "rb") as f:
+        for wrong in [
+            dataclasses.replace(real, fd=f.fileno()),  # a regular file
+            dataclasses.replace(real, name="treadle-weights-0000"),  # another memfd's name
+            dataclasses.replace(real, inode=(real.inode[0], real.inode[1] + 1)),
+            dataclasses.replace(real, numel=2000),  # the size it would be grown to
+        ]:
+            assert not SharedView().can_map(wrong), wrong
+    assert log.read_text() == "9 bytes.." and SharedView().can_map(real)
+    arena.close()
 
 
 # --- the transport's choice, on fake groups ---------------------------------------------------
@@ -110,21 +141,24 @@ class _Actor:
 
 def _roles(log: list, maps: bool, available: bool = True):
     """A trainer group of 2 ranks and an engine group of 1, fakes, logging each call."""
-    file = shared_buckets.SharedFile(1, 3, 0, 13, "float32")
+    file = shared_buckets.SharedFile(1, 3, 0, 13, "float32", "treadle-weights-00", (1, 2))
     report = Received(7, 4.0, 52, expected=4.0)  # expected: what came with the buckets
     ranks = [
         _Actor(log, shared_file=lambda *_: file if available else None, can_map=lambda f: True,
-               write_shared=lambda f, b, r=r: ([1.0, 0.25 * r], "described" if r == 0 else None))
+               write_shared=lambda f, b, r=r: ([1.0, 0.25 * r], "described" if r == 0 else None),
+               drop_shared=lambda: None)
         for r in (0, 1)
     ]  # fmt: skip
     engine = _Actor(log, can_map=lambda f: maps, load_shared=lambda s, v: report,
-                    load_buckets=lambda p, v: report)  # fmt: skip
+                    load_buckets=lambda p, v: report, drop_shared=lambda: None)  # fmt: skip
     trainers = types.SimpleNamespace(workers=ranks, gather_buckets=lambda *_: ("packed", 2.5))
     return trainers, types.SimpleNamespace(workers=[engine], policy_version=0)
 
 
 FILE_SYNC = ["write_shared", "write_shared", "load_shared"]
 STORE_SYNC = ["load_buckets"]  # the fakes' gather_buckets is the group's (logs nothing)
+MAP_ASKED = ["can_map"] * 3  # of both ranks and the engine
+DROPPED = ["drop_shared"] * 3
 
 
 @pytest.mark.parametrize(
@@ -133,16 +167,10 @@ STORE_SYNC = ["load_buckets"]  # the fakes' gather_buckets is the group's (logs 
         # one node: made and asked once, then every sync writes and loads through the file;
         # the trainer's checksum is the ranks' shares of tensors 1 and 2, index-weighted:
         # 1 * (1.0 + 1.0) + 2 * (0.0 + 0.25) = 2.5
-        (True, True, ["shared_file", "can_map", "can_map", "can_map", *FILE_SYNC], FILE_SYNC, 2.5),
-        # the engine cannot map it (another node): Ray's object store from then on, the
-        # checksum the one that came with the buckets
-        (
-            False,
-            True,
-            ["shared_file", "can_map", "can_map", "can_map", *STORE_SYNC],
-            STORE_SYNC,
-            4.0,
-        ),
+        (True, True, ["shared_file", *MAP_ASKED, *FILE_SYNC], FILE_SYNC, 2.5),
+        # the engine cannot map it (another node): everyone releases it, and Ray's object store
+        # carries every sync from then on, the checksum the one that came with the buckets
+        (False, True, ["shared_file", *MAP_ASKED, *DROPPED, *STORE_SYNC], STORE_SYNC, 4.0),
         # no memfd on rank 0's side: the object store, without asking anyone
         (True, False, ["shared_file", *STORE_SYNC], STORE_SYNC, 4.0),
     ],
@@ -165,4 +193,4 @@ def test_the_transport_uses_the_file_only_where_every_process_maps_it(
         engines.workers = [_roles(log, maps)[1].workers[0]]
         log.clear()
         sync._via_shared_memory(9)
-        assert log == ["can_map", "can_map", "can_map", *FILE_SYNC]
+        assert log == [*MAP_ASKED, *FILE_SYNC]

@@ -96,6 +96,16 @@ def test_checksum_sees_updates_and_swaps():
         verify(5, nan, nan, "engine 0")  # a diverged trainer, not a broken transfer
 
 
+def test_checksum_reads_a_strided_sample_of_a_large_tensor():
+    # 100,000 elements: a stride of 100,000 // SAMPLES (4,096) = 24, so 4,167 elements are read
+    # (a few per cache line missed: a model's checksum costs milliseconds); a change at element
+    # 1 goes unseen (that is the price), one at element 24 shows
+    w = torch.zeros(100_000)
+    seen, unseen = w.clone(), w.clone()
+    unseen[1], seen[24] = 1.0, 1.0
+    assert checksum(unseen) == checksum(w) != checksum(seen)
+
+
 def test_checksum_shares_of_a_tensor_s_pieces_sum_to_its_checksum():
     g = torch.Generator().manual_seed(1)
     # 200,003 elements: a stride of 200,003 // SAMPLES (4,096) = 48, so cuts fall between samples

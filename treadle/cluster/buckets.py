@@ -17,12 +17,13 @@ import torch
 from treadle.core.errors import StaleWeightsError
 
 SAMPLES = 4096
-"""Elements of a tensor :func:`checksum` reads at most (evenly strided): a few per cache line
-missed, so a whole model's checksum costs a few milliseconds, not tens."""
+"""About how many elements of a tensor :func:`checksum` reads (every ``numel // SAMPLES``-th:
+between ``SAMPLES`` and ``2 * SAMPLES - 1`` of a larger tensor, all of a smaller one), a few per
+cache line missed, so a whole model's checksum costs a few milliseconds, not tens."""
 
 
 def checksum(tensor: torch.Tensor) -> float:
-    """A cheap fingerprint of ``tensor`` (float64): the sum and a ramp-weighted sum of at most
+    """A cheap fingerprint of ``tensor`` (float64): the sum and a ramp-weighted sum of about
     :data:`SAMPLES` evenly strided elements. An optimizer step changes nearly every element, so
     it changes this; so does a permuted or misplaced bucket. A change confined to elements
     between the strided samples (in tensors over :data:`SAMPLES` elements) can go unseen; it is

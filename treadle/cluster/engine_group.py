@@ -131,6 +131,10 @@ class EngineWorker:
         """Whether this worker can map trainer rank 0's ``file`` (same node, same user)."""
         return self._shared.can_map(file)
 
+    def drop_shared(self) -> None:
+        """Unmap trainer rank 0's file (the transport stopped using it)."""
+        self._shared.drop()
+
     def load_safetensors(self, path: str, version: int) -> Received:
         """Disk transport: read the file trainer rank 0 wrote."""
         from safetensors import safe_open

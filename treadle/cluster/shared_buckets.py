@@ -16,8 +16,9 @@ This replaces gathering the shards on rank 0 and returning fresh buckets through
 store, which allocated and copied them at every sync (0.13-0.46 of a raw gloo broadcast of the
 same bytes at 6M-150M parameters).
 
-The file is rewritten at the next sync only: the transport waits for every engine to load
-before it returns, so a rewrite never races a reader. The trainer's checksum is summed from
+The file is rewritten at the next sync only, and never while an engine reads it: an engine
+copies the weights into its own on load, and the transport waits for every engine's load to end,
+failed or not, before it writes again (a sync retried after an engine died included). The trainer's checksum is summed from
 each rank's share (:func:`~treadle.cluster.buckets.checksum_part`), as for the collective
 transport. Where the file cannot be shared (no ``memfd_create`` or ``/proc``: not Linux; a rank
 or an engine on another node) the transport goes through Ray's object store instead
@@ -29,6 +30,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import secrets
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +59,12 @@ class SharedFile:
     """Its size, in elements of ``dtype``."""
     dtype: str
     """The sync dtype, e.g. ``float32``."""
+    name: str
+    """Its ``memfd`` name, unique to it (``treadle-weights-<random hex>``): what a process
+    checks before it maps ``/proc/<pid>/fd/<fd>``, which on another node or in another PID
+    namespace can be some other process's file."""
+    inode: tuple[int, int]
+    """Its ``(st_dev, st_ino)``."""
 
 
 @dataclass(frozen=True)
@@ -80,9 +88,12 @@ class SharedArena:
     def create(self, numel: int, dtype: str) -> SharedFile:
         """A new file of ``numel`` elements of ``dtype`` (the previous one is released)."""
         self.close()
-        self.fd = os.memfd_create("treadle-weights", os.MFD_CLOEXEC)
+        name = f"treadle-weights-{secrets.token_hex(8)}"
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
         os.ftruncate(self.fd, max(1, numel) * getattr(torch, dtype).itemsize)
-        return SharedFile(os.getpid(), self.fd, next(self._files), numel, dtype)
+        stat = os.fstat(self.fd)
+        inode = (stat.st_dev, stat.st_ino)
+        return SharedFile(os.getpid(), self.fd, next(self._files), numel, dtype, name, inode)
 
     def close(self) -> None:
         """Release the file (mappings other processes hold stay valid until they drop them)."""
@@ -110,12 +121,17 @@ class SharedView:
             self.flat = self._file = None  # drop the old mapping first
             path = f"/proc/{file.pid}/fd/{file.fd}"
             dtype = getattr(torch, file.dtype)
+            _check_identity(path, file)  # never open (and grow) some other process's file
             try:
                 self.flat = torch.from_file(path, shared=True, size=file.numel, dtype=dtype)
             except RuntimeError as error:  # torch's "unable to open file"
                 raise OSError(f"cannot map the trainer's weight file {path}: {error}") from error
             self._file = file
         return self.flat
+
+    def drop(self) -> None:
+        """Unmap the file (once nothing else holds a view of it)."""
+        self.flat = self._file = None
 
     def can_map(self, file: SharedFile) -> bool:
         """Whether this process can map ``file`` (same node, same user)."""
@@ -137,6 +153,19 @@ class SharedView:
             size = sum(math.prod(s) for s in shapes)
             named += Bucket(names, shapes, offsets, flat[start : start + size]).tensors()
         return named
+
+
+def _check_identity(path: str, file: SharedFile) -> None:
+    """Raise OSError unless ``path`` is ``file``: the memfd of its name, inode and size."""
+    target = os.readlink(path)  # OSError where there is no such descriptor
+    stat = os.stat(path)
+    size = max(1, file.numel) * getattr(torch, file.dtype).itemsize
+    if (
+        not target.startswith(f"/memfd:{file.name}")
+        or (stat.st_dev, stat.st_ino) != file.inode
+        or stat.st_size != size
+    ):
+        raise OSError(f"{path} is not the trainer's weight file {file.name} here ({target})")
 
 
 class SharedWriter(PieceSender):
@@ -173,9 +202,13 @@ class SharedWriter(PieceSender):
         buckets = self._plan[2]
         starts = list(itertools.accumulate((b.flat.numel() for b in buckets), initial=0))
         if starts[-1] != file.numel:
-            raise ValueError(f"the weights' buckets hold {starts[-1]} elements, the file {file}")
-        flat = self.view.map(file)
+            raise ValueError(
+                f"the weights' buckets hold {starts[-1]} elements, the file {file.numel}"
+            )
         shares = [0.0] * len(stream)
+        if self.rank != 0 and not any(by_bucket):  # DeepSpeed, Megatron: rank 0 writes all
+            return shares, None
+        flat = self.view.map(file)
         for start, mine in zip(starts[:-1], by_bucket, strict=True):
             for x in mine:
                 target = flat[start + x.offset : start + x.offset + x.count]

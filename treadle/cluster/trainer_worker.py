@@ -301,8 +301,16 @@ class TrainerWorker:
         return self._arena.create(size, dtype)
 
     def can_map(self, file: SharedFile) -> bool:
-        """Whether this rank can map rank 0's ``file`` (the same node)."""
-        return self._shared_view.can_map(file)
+        """Whether this rank can map rank 0's ``file`` (the same node), or need not: a rank
+        other than 0 of the DeepSpeed and Megatron kinds writes nothing (rank 0 writes their
+        gathered tensors)."""
+        return (self.kind != "torch" and self.rank != 0) or self._shared_view.can_map(file)
+
+    def drop_shared(self) -> None:
+        """Release rank 0's file and this rank's mapping of it (the transport stopped using
+        it)."""
+        self._arena.close()
+        self._shared_view.drop()
 
     def write_shared(
         self, file: SharedFile, bucket_bytes: int

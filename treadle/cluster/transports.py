@@ -122,15 +122,18 @@ class RaySync:
             self._file = ray.get(trainers[0].shared_file.remote(self.dtype, self.bucket_bytes))
             self._file = self._file or False  # None: it cannot make one (not Linux)
         if self._file and self._mappers != tuple(engines):  # first sync, or an engine replaced
-            if not all(ray.get([w.can_map.remote(self._file) for w in [*trainers, *engines]])):
-                self._file = False
+            everyone = [*trainers, *engines]
+            if not all(ray.get([w.can_map.remote(self._file) for w in everyone])):
+                ray.get([w.drop_shared.remote() for w in everyone])  # its memory, released
+                self._file = False  # for the rest of the run
             self._mappers = tuple(engines)
         if not self._file:  # a rank or an engine on another node: through Ray's object store
             packed = self.trainers.gather_buckets(self.dtype, self.bucket_bytes)
             reports = ray.get([e.load_buckets.remote(packed, version) for e in engines])
             return reports[0].expected, reports
         written = _settle([w.write_shared.remote(self._file, self.bucket_bytes) for w in trainers])
-        reports = ray.get([e.load_shared.remote(written[0][1], version) for e in engines])
+        # every load waited for, failed or not: a retry's writes never meet a reader
+        reports = _settle([e.load_shared.remote(written[0][1], version) for e in engines])
         return fingerprint_of_shares([shares for shares, _ in written]), reports
 
     def _via_collective(self, version: int) -> tuple[float, list[Received]]:

@@ -78,9 +78,9 @@ def prepare_run_dir(cfg: Config, resume: Path | None) -> Path:
     """Create the run directory (or reuse ``resume``) and record the resolved config.
 
     Raises:
-        UserError: ``resume`` is not a run directory, or an override changes its ``model.*``
-            (its checkpoints hold that model's weights, or adapters of that shape); or the new
-            one already holds a run.
+        UserError: ``resume`` is not a run directory, or an override changes the shape of
+            what its checkpoints hold (:data:`_FIXED_ON_RESUME`: the LoRA adapters' rank, scale
+            and targets; the built tiny model's config); or the new one already holds a run.
     """
     if resume is not None:
         if not (resume / "config.yaml").is_file():
@@ -88,6 +88,10 @@ def prepare_run_dir(cfg: Config, resume: Path | None) -> Path:
         saved = yaml.safe_load((resume / "config.yaml").read_text()) or {}
         now = yaml.safe_load(yaml.safe_dump(to_dict(cfg)))  # lists as the saved file has them
         for key, was, is_ in _changed("model", saved.get("model", {}), now["model"]):
+            if not key.startswith(_FIXED_ON_RESUME) or (
+                key.startswith("model.tiny.") and now["model"]["path"] is not None
+            ):
+                continue
             raise UserError(
                 f"--resume {resume}: {key}={is_} differs from the run's {key}={was} (its "
                 "checkpoints hold that model's weights); resume without that override, or "
@@ -105,11 +109,20 @@ def prepare_run_dir(cfg: Config, resume: Path | None) -> Path:
     return run_dir
 
 
+_FIXED_ON_RESUME = ("model.lora.r", "model.lora.alpha", "model.lora.target_modules", "model.tiny.")
+"""Config keys a resumed run keeps: a checkpoint's LoRA adapter loads with its own shape (PEFT
+reads it from the adapter's config, an override would be silently ignored), and a built tiny
+model (``model.path`` unset) exists already in the run directory."""
+
+
 def _changed(prefix: str, saved: dict, now: dict) -> Iterator[tuple[str, object, object]]:
-    """``(dotted key, saved value, current value)`` of each key of ``saved`` whose value
-    ``now`` changes (keys ``saved`` lacks, added to the config since, are not compared)."""
+    """``(dotted key, saved value, current value)`` of each key both ``saved`` and ``now`` have
+    whose value ``now`` changes (a key only one has was added or renamed since the run began:
+    the loaded config has it under its new name)."""
     for key, was in saved.items():
-        is_ = now.get(key)
+        if key not in now:
+            continue
+        is_ = now[key]
         if isinstance(was, dict) and isinstance(is_, dict):
             yield from _changed(f"{prefix}.{key}", was, is_)
         elif was != is_:
