@@ -259,6 +259,50 @@ def test_bf16_micro_batch_gradients_add_up_in_fp32(stage, one_torch_thread):
     assert safe_get_full_optimizer_state(w, "exp_avg").item() == pytest.approx(0.1 * 1.0078125)
 
 
+def _bf16_rank(rank: int, init: str, out: Path) -> None:
+    """One of two gloo ranks of the toy above: micro-batches c = [1, 2^-9, 2^-9] on rank 0,
+    [3, 2^-9, 2^-9] on rank 1; Adam's first moment per ZeRO stage."""
+    torch.set_num_threads(1)
+    os.environ["LOCAL_RANK"] = str(rank)
+    torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    from treadle.train.deepspeed_backend import (
+        _forget_destroyed_groups,
+        ds_config,
+        import_deepspeed,
+    )
+
+    deepspeed = import_deepspeed()
+    moments = {}
+    for stage in (1, 2, 3):
+        model = torch.nn.Linear(1, 1, bias=False)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        _forget_destroyed_groups()
+        config = ds_config(dataclasses.replace(staged(stage, bf16=True), grad_clip=0.0))
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        for c in [1.0 + 2.0 * rank, 2**-9, 2**-9]:
+            y = engine(torch.ones(1, 1, dtype=torch.bfloat16))
+            engine.backward(y.sum() * c, scale_wrt_gas=False)
+        engine.step()
+        (w,) = model.parameters()
+        moments[stage] = safe_get_full_optimizer_state(w, "exp_avg").item()
+    torch.save(moments, out / f"rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_bf16_gradients_are_averaged_over_ranks_in_fp32(tmp_path):
+    """Each rank's fp32 sum (1 + 2^-8 and 3 + 2^-8) averaged over the 2 ranks: 2 + 2^-8 =
+    2.00390625, Adam's first moment 0.1 of it. Reduced in bf16 (ZeRO-1's BF16_Optimizer
+    without ``communication_data_type: fp32``, measured) the 2^-8 is lost: 0.2."""
+    init = f"file://{tmp_path / 'rendezvous'}"
+    torch.multiprocessing.spawn(_bf16_rank, (init, tmp_path), nprocs=2, join=True)
+    for rank in (0, 1):
+        moments = torch.load(tmp_path / f"rank{rank}.pt")
+        assert moments == {s: pytest.approx(0.1 * 2.00390625, rel=1e-7) for s in (1, 2, 3)}
+
+
 def test_a_bf16_policy_and_its_kl_reference_score_alike_before_training(folder, one_torch_thread):
     """The frozen reference under DeepSpeed bf16 holds the policy's bf16 weights (not fp32
     weights autocast to bf16), so before any step their logprobs are the same bit for bit and

@@ -13,8 +13,9 @@ DeepSpeed engine with ZeRO stage 1, 2 or 3 (Rajbhandari et al. 2020, arXiv:1910.
   denominator :meth:`TorchBackend.optimizer_step` gives it and ``engine.step()`` (one per
   optimizer step, :meth:`apply_gradients`) is the accumulation boundary;
 - ``trainer.bf16_autocast``: DeepSpeed's bf16 mode (weights and gradients bf16, fp32 master
-  weights and moments in the ZeRO optimizer, the micro-batches' gradients accumulated in fp32:
-  ``data_types.grad_accum_dtype``; the frozen KL reference holds the same bf16 weights,
+  weights and moments in the ZeRO optimizer, the micro-batches' gradients accumulated and
+  reduced over ranks in fp32: ``data_types.grad_accum_dtype``, ``communication_data_type``;
+  the frozen KL reference holds the same bf16 weights,
   :func:`~treadle.train.backends.build_backend`); :meth:`named_weights` and checkpoints are the
   fp32 masters, so a resumed run starts from exactly the weights the run had;
 - :meth:`optimizer_state` is GATHERED into ``torch.optim.AdamW.state_dict()``'s layout (one
@@ -137,9 +138,11 @@ def ds_config(cfg: TrainerConfig, extra: dict[str, Any] | None = None) -> dict[s
         "zero_optimization": zero,
         "bf16": {"enabled": cfg.bf16_autocast},
         # bf16 gradients of the micro-batches add up in fp32 (DeepSpeed's default is the model
-        # dtype: a micro-batch's gradient under 1/512 of the running sum is lost); ZeRO-1 then
-        # runs as DeepSpeed's BF16_Optimizer
+        # dtype: a micro-batch's gradient under 1/512 of the running sum is lost; ZeRO-1 then
+        # runs as DeepSpeed's BF16_Optimizer), and the ranks' sums are reduced in fp32 (ZeRO-1
+        # would reduce them in bf16)
         "data_types": {"grad_accum_dtype": "fp32"},
+        "communication_data_type": "fp32",
         "zero_allow_untested_optimizer": True,  # torch's AdamW
         "zero_force_ds_cpu_optimizer": False,  # offload with torch's AdamW, no cpu_adam build
         "steps_per_print": 2**31 - 1,
