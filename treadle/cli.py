@@ -228,10 +228,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "config":  # pure data: answered without importing torch
         return _config(args.section)
+    import torch
     import transformers
 
     # Our own progress bars report the run; transformers' per-save/load bars only add noise.
     transformers.utils.logging.disable_progress_bar()
+    if not torch.cuda.is_available():
+        # accelerate imports DeepSpeed, where it is installed, whenever transformers saves a
+        # model; left to detect its accelerator it prints a warning on the console
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from treadle.core.errors import UserError
     from treadle.jobs.stopping import Stopped, stop_on_signal
 

@@ -22,6 +22,9 @@ def write_recipe(path: Path, recipe: dict) -> Path:
 def run_python(args: list[str], cwd: Path, timeout_s: float) -> subprocess.CompletedProcess:
     """Run ``python ARGS`` offline in a fresh process (a fresh process holds its own vLLM)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    # a user's shell has not got what this process's own DeepSpeed tests set (the CLI must
+    # choose DeepSpeed's CPU accelerator itself, or DeepSpeed warns on the console)
+    env.pop("DS_ACCELERATOR", None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     proc = subprocess.run(
         [sys.executable, *args],

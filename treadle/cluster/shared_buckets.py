@@ -17,11 +17,12 @@ store, which allocated and copied them at every sync (0.13-0.46 of a raw gloo br
 same bytes at 6M-150M parameters).
 
 The file is rewritten at the next sync only, and never while an engine reads it: an engine
-copies the weights into its own on load, and the transport waits for every engine's load to end,
-failed or not, before it writes again (a sync retried after an engine died included). The trainer's checksum is summed from
-each rank's share (:func:`~treadle.cluster.buckets.checksum_part`), as for the collective
-transport. Where the file cannot be shared (no ``memfd_create`` or ``/proc``: not Linux; a rank
-or an engine on another node) the transport goes through Ray's object store instead
+copies the weights into its own on load, and the transport waits for every engine's load to
+end, failed or not, before it writes again (a sync retried after an engine died included). The
+trainer's checksum is summed from each rank's share
+(:func:`~treadle.cluster.buckets.checksum_part`), as for the collective transport. Where the
+file cannot be shared (no ``memfd_create`` or ``/proc``: not Linux; a rank or an engine on
+another node) the transport goes through Ray's object store instead
 (:mod:`treadle.cluster.transports`).
 """
 
