@@ -79,7 +79,7 @@ def test_each_rank_writes_its_pieces_and_an_engine_maps_the_file_once():
 
     # a new file of the same size (the old descriptor number is free again): mapped anew
     moved = arena.create(13, "bfloat16")
-    assert moved.file != file.file
+    assert moved.name != file.name
     _, shared = _write(writers, _streams(a * 0 + 7, b), moved)
     assert torch.equal(dict(view.tensors(shared))["a"], torch.full((5, 2), 7.0).bfloat16())
     assert view.flat is not mapping
@@ -141,7 +141,7 @@ class _Actor:
 
 def _roles(log: list, maps: bool, available: bool = True):
     """A trainer group of 2 ranks and an engine group of 1, fakes, logging each call."""
-    file = shared_buckets.SharedFile(1, 3, 0, 13, "float32", "treadle-weights-00", (1, 2))
+    file = shared_buckets.SharedFile(1, 3, 13, "float32", "treadle-weights-00", (1, 2))
     report = Received(7, 4.0, 52, expected=4.0)  # expected: what came with the buckets
     ranks = [
         _Actor(log, shared_file=lambda *_: file if available else None, can_map=lambda f: True,

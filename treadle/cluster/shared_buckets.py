@@ -28,8 +28,8 @@ another node) the transport goes through Ray's object store instead
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-import math
 import os
 import secrets
 from dataclasses import dataclass
@@ -53,9 +53,7 @@ class SharedFile:
     pid: int
     """The process holding it (trainer rank 0)."""
     fd: int
-    """Its descriptor of the file in that process."""
-    file: int
-    """Which of that process's files it is (a new file may reuse a closed one's ``fd``)."""
+    """Its descriptor of the file in that process (a new file may reuse a closed one's)."""
     numel: int
     """Its size, in elements of ``dtype``."""
     dtype: str
@@ -63,9 +61,15 @@ class SharedFile:
     name: str
     """Its ``memfd`` name, unique to it (``treadle-weights-<random hex>``): what a process
     checks before it maps ``/proc/<pid>/fd/<fd>``, which on another node or in another PID
-    namespace can be some other process's file."""
+    namespace can be some other process's file, or a later file of the holder's under a reused
+    ``fd``."""
     inode: tuple[int, int]
     """Its ``(st_dev, st_ino)``."""
+
+    @property
+    def nbytes(self) -> int:
+        """Its size in bytes (at least 1: ``ftruncate`` to 0 would leave nothing to map)."""
+        return max(1, self.numel) * getattr(torch, self.dtype).itemsize
 
 
 @dataclass(frozen=True)
@@ -81,8 +85,6 @@ class SharedBuckets:
 class SharedArena:
     """Trainer rank 0's file, kept until :meth:`create` makes another or :meth:`close`."""
 
-    _files = itertools.count()
-
     def __init__(self) -> None:
         self.fd: int | None = None
 
@@ -91,10 +93,10 @@ class SharedArena:
         self.close()
         name = f"treadle-weights-{secrets.token_hex(8)}"
         self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
-        os.ftruncate(self.fd, max(1, numel) * getattr(torch, dtype).itemsize)
+        file = SharedFile(os.getpid(), self.fd, numel, dtype, name, inode=(0, 0))
+        os.ftruncate(self.fd, file.nbytes)
         stat = os.fstat(self.fd)
-        inode = (stat.st_dev, stat.st_ino)
-        return SharedFile(os.getpid(), self.fd, next(self._files), numel, dtype, name, inode)
+        return dataclasses.replace(file, inode=(stat.st_dev, stat.st_ino))
 
     def close(self) -> None:
         """Release the file (mappings other processes hold stay valid until they drop them)."""
@@ -151,8 +153,7 @@ class SharedView:
         flat = self.map(shared.file)
         named = []
         for names, shapes, offsets, start in shared.buckets:
-            size = sum(math.prod(s) for s in shapes)
-            named += Bucket(names, shapes, offsets, flat[start : start + size]).tensors()
+            named += Bucket(names, shapes, offsets, flat[start:]).tensors()
         return named
 
 
@@ -160,11 +161,10 @@ def _check_identity(path: str, file: SharedFile) -> None:
     """Raise OSError unless ``path`` is ``file``: the memfd of its name, inode and size."""
     target = os.readlink(path)  # OSError where there is no such descriptor
     stat = os.stat(path)
-    size = max(1, file.numel) * getattr(torch, file.dtype).itemsize
     if (
         not target.startswith(f"/memfd:{file.name}")
         or (stat.st_dev, stat.st_ino) != file.inode
-        or stat.st_size != size
+        or stat.st_size != file.nbytes
     ):
         raise OSError(f"{path} is not the trainer's weight file {file.name} here ({target})")
 
