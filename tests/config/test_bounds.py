@@ -27,7 +27,7 @@ AT_LEAST = {
     "algorithm.clip_eps_low": 0.0, "algorithm.clip_eps_high": 0.0, "algorithm.dual_clip": 0.0,
     "algorithm.kl.coef": 0.0, "algorithm.entropy_coef": 0.0, "algorithm.gamma": 0.0,
     "algorithm.lam": 0.0, "algorithm.max_sampling_rounds": 1, "algorithm.overlong_cache": 0,
-    "algorithm.critic.value_clip": 0.0,
+    "algorithm.critic.value_clip": 0.0, "algorithm.off_policy_mask": 0.0,
     "algorithm.mismatch.max_kl_k3": 0.0, "algorithm.mismatch.max_abs_logprob_diff": 0.0,
     "trainer.weight_decay": 0.0, "trainer.grad_clip": 0.0, "trainer.warmup_steps": 0,
     "trainer.micro_batch_tokens": 16, "trainer.mini_batches": 1, "trainer.peak_tflops": 0.0,

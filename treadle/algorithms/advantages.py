@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -52,6 +53,12 @@ class AdvantageParams:
     implementation detail that verl and OpenRLHF apply by default)."""
     eps: float = 1e-6
     """Added to a standard deviation before dividing by it."""
+    credit: Literal["auto", "sequence", "to_go"] = "auto"
+    """How ``reinforce_pp_baseline`` and ``remax`` credit per-token rewards (a KL penalty in the
+    reward): ``sequence`` puts the whole sequence reward ``R_i`` on every token, ``to_go`` gives
+    each token the reward that follows it. ``auto`` is each estimator's paper form (``to_go``
+    for REINFORCE++-baseline, ``sequence`` for ReMax); the other one is verl's. The other
+    estimators have one form and ignore it."""
 
 
 @dataclass(frozen=True)
@@ -159,7 +166,9 @@ def rloo(batch: AdvantageInput, params: AdvantageParams) -> tuple[Advantages, di
 def remax(batch: AdvantageInput, params: AdvantageParams) -> tuple[Advantages, dict[str, float]]:
     """ReMax: greedy-decoding baseline (Li et al., arXiv:2310.10505, algorithm 1).
 
-    ``A_i = R_i - R(greedy completion of the prompt)``.
+    ``A_i = R_i - R(greedy completion of the prompt)`` on every token of sample ``i``; with
+    ``params.credit == "to_go"`` (verl's form) token ``t`` gets ``G_t - R(greedy)`` instead,
+    ``G_t`` its reward-to-go (they differ only when per-token rewards carry a KL penalty).
 
     Raises:
         ValueError: ``batch.baselines`` is None (the loop must score a greedy completion).
@@ -168,7 +177,12 @@ def remax(batch: AdvantageInput, params: AdvantageParams) -> tuple[Advantages, d
         raise ValueError("remax: needs the greedy baseline reward of each prompt (baselines)")
     r = sequence_rewards(batch)
     count, _, std = _group_stats(r, batch.groups)
-    adv = _broadcast(r - batch.baselines.to(torch.float64), batch.mask)
+    baseline = batch.baselines.to(torch.float64)
+    if params.credit == "to_go":  # verl's form: each token's reward-to-go minus the baseline
+        to_go = _returns_to_go(_token_rewards(batch, batch.rewards), batch.mask, 1.0)
+        adv = ((to_go - baseline[:, None]) * batch.mask).to(torch.float32)
+    else:
+        adv = _broadcast(r - baseline, batch.mask)
     return Advantages(adv, None), _metrics(adv, batch.mask, count, std)
 
 
@@ -231,16 +245,24 @@ def reinforce_pp_baseline(
     outcome from each outcome, then REINFORCE++'s token returns and global normalisation.
 
     ``r'_i = r_i - mean_g(r)`` (the group mean of the outcome rewards, as in OpenRLHF), then as
-    :func:`reinforce_pp`.
+    :func:`reinforce_pp`. With ``params.credit == "sequence"`` (verl's form) the group mean of
+    the sequence rewards ``R`` (outcome plus per-token KL penalties) is subtracted from ``R_i``
+    and the difference is put on every token before the whitening.
 
     Raises:
         ValueError: a group has one sample (its mean baseline would zero the outcome).
     """
-    outcome = batch.rewards.to(torch.float64)
-    count, mean, std = _group_stats(outcome, batch.groups)
-    _require_groups(count, "reinforce_pp_baseline")
-    rewards = _token_rewards(batch, outcome - mean)
-    returns = _returns_to_go(rewards, batch.mask, params.gamma)
+    if params.credit == "sequence":  # verl's form: R_i - mean_g(R) on every token
+        r = sequence_rewards(batch)
+        count, mean, std = _group_stats(r, batch.groups)
+        _require_groups(count, "reinforce_pp_baseline")
+        returns = (r - mean)[:, None] * batch.mask
+    else:
+        outcome = batch.rewards.to(torch.float64)
+        count, mean, std = _group_stats(outcome, batch.groups)
+        _require_groups(count, "reinforce_pp_baseline")
+        rewards = _token_rewards(batch, outcome - mean)
+        returns = _returns_to_go(rewards, batch.mask, params.gamma)
     adv = _whiten(returns, batch.mask, params.eps).to(torch.float32)
     return Advantages(adv, None), _metrics(adv, batch.mask, count, std)
 

@@ -47,9 +47,18 @@ def seq_mean_token_sum(per_token, mask, segments, totals: StepTotals) -> torch.T
 
 def seq_mean_token_sum_norm(per_token, mask, segments, totals: StepTotals) -> torch.Tensor:
     """``sum_{i,t} m l / (num_samples * C)`` with a constant ``C`` (the generation budget):
-    Dr. GRPO's unbiased aggregation (arXiv:2503.20783, section 3.2; verl's
-    ``seq-mean-token-sum-norm``, TRL's ``loss_type="dr_grpo"``)."""
+    Dr. GRPO's unbiased aggregation (arXiv:2503.20783, section 3.2; TRL's
+    ``loss_type="dr_grpo"``). verl's mode of the same name does not divide by the number of
+    samples: that is :func:`token_sum_norm`."""
     return _masked(per_token, mask).sum() / (max(totals.sequences, 1) * totals.constant)
+
+
+def token_sum_norm(per_token, mask, segments, totals: StepTotals) -> torch.Tensor:
+    """``sum_{i,t} m l / C``: verl's ``seq-mean-token-sum-norm`` as its ``agg_loss`` computes
+    it (the step's token sum over the constant ``C`` alone, not also over the number of
+    samples), so its value is ``num_samples`` times :func:`seq_mean_token_sum_norm`'s. Choose it
+    to reproduce a verl run's loss scale (and so its effective learning rate) exactly."""
+    return _masked(per_token, mask).sum() / totals.constant
 
 
 AGGREGATIONS: dict[str, Aggregation] = {
@@ -57,5 +66,6 @@ AGGREGATIONS: dict[str, Aggregation] = {
     "seq-mean-token-mean": seq_mean_token_mean,
     "seq-mean-token-sum": seq_mean_token_sum,
     "seq-mean-token-sum-norm": seq_mean_token_sum_norm,
+    "token-sum-norm": token_sum_norm,
 }
 """``algorithm.loss_agg`` names; every member has the :data:`Aggregation` signature."""

@@ -101,6 +101,61 @@ IS_CORRECTIONS: dict[str, ISWeights] = {
 """``algorithm.importance_sampling`` names (besides ``none``)."""
 
 
+def rejected_tokens(
+    old: torch.Tensor,
+    behavior: torch.Tensor,
+    mask: torch.Tensor,
+    segments: torch.Tensor,
+    correction: str,
+    threshold: float,
+) -> torch.Tensor:
+    """``[N]`` bool: the trained tokens a masking correction (``mis_token``, ``mis_seq``,
+    ``decoupled``) gives weight 0, i.e. rejects. With ``algorithm.mis_denominator=kept`` the loop
+    takes them out of the loss mask before the update, so they leave every denominator too
+    (verl's rollout rejection sampling, ``rollout_corr_helper.compute_rollout_rejection_mask``);
+    by default they stay in it (OpenRLHF's ICEPOP, TRL's ``token_mask``).
+
+    Raises:
+        ValueError: ``correction`` does not mask (``tis_*`` truncate and reject nothing).
+    """
+    if correction not in ("mis_token", "mis_seq", "decoupled"):
+        raise ValueError(f"{correction} rejects no token: only mis_token, mis_seq, decoupled do")
+    weights, _ = IS_CORRECTIONS[correction](old, behavior, mask, segments, threshold)
+    return mask & (weights == 0)
+
+
+def off_policy_sequence_mask(
+    logprobs: torch.Tensor,
+    behavior_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    segments: torch.Tensor,
+    threshold: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Off-policy sequence masking (DeepSeek-V3.2, arXiv:2512.02556, eq. 9; TRL's
+    ``off_policy_mask_threshold``): a token of a negative advantage is dropped when its sample's
+    mean ``mu - logp`` (a k1 estimate of KL(behaviour || policy), nats per token) exceeds
+    ``threshold``: a sample the current policy has drifted far from, scored bad, teaches
+    little and destabilises. Positive-advantage tokens are always kept.
+
+    Args:
+        logprobs: ``[N]`` current-policy logprobs (used without their gradient).
+        behavior_logprobs: ``[N]`` the engine's logprobs of the sampled tokens.
+        advantages: ``[N]`` (a sample's outcome advantage on each of its tokens).
+        mask: ``[N]`` bool, trained tokens; segments: ``[N]`` sample index of each token.
+    Returns:
+        ``[N]`` float keep-mask (1 keep, 0 drop) that multiplies the per-token policy loss, and
+        ``off_policy_mask/dropped_fraction`` over the trained tokens.
+    """
+    m = mask.to(logprobs.dtype)
+    drift = segment_sum((behavior_logprobs - logprobs.detach()) * m, segments)
+    mean_drift = drift / segment_sum(m, segments).clamp(min=1)
+    keep = (advantages >= 0) | (mean_drift[segments] <= threshold)
+    return keep.to(logprobs.dtype), {
+        "off_policy_mask/dropped_fraction": masked_mean((~keep).float(), mask)
+    }
+
+
 def mismatch_metrics(
     trainer_logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, mask: torch.Tensor
 ) -> dict[str, float]:

@@ -93,12 +93,26 @@ class AlgorithmConfig:
     dual_clip: float = bounded(at_least(0.0), off_or_above(1), default=0.0)
     """Dual-clip bound c (> 1) on negative-advantage tokens' loss (verl uses 3); 0: off."""
     loss_agg: Literal[
-        "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+        "token-mean",
+        "seq-mean-token-mean",
+        "seq-mean-token-sum",
+        "seq-mean-token-sum-norm",
+        "token-sum-norm",
     ] = "token-mean"
-    """How per-token losses become the step's loss (``-norm`` divides by rollout.max_tokens)."""
+    """How per-token losses become the step's loss (``-norm`` divides by rollout.max_tokens;
+    ``token-sum-norm`` is verl's ``seq-mean-token-sum-norm``, see ALGORITHMS.md)."""
     kl: KLConfig = field(default_factory=KLConfig)
     entropy_coef: float = bounded(at_least(0.0), default=0.0)
     """Entropy bonus weight (the loss subtracts ``coef * entropy``); entropy is always logged."""
+    entropy_agg: Literal["token-mean", "loss_agg"] = "token-mean"
+    """How the entropy bonus is averaged. ``token-mean``: ``coef * mean token entropy`` whatever
+    ``loss_agg`` is (as TRL). ``loss_agg``: aggregated like the policy loss (verl), so under
+    ``seq-mean-token-sum`` the bonus grows with completion length."""
+    token_reward_credit: Literal["auto", "sequence", "to_go"] = "auto"
+    """How ``reinforce_pp_baseline`` and ``remax`` credit per-token rewards (a KL penalty in
+    the reward). ``auto``: each paper's form (token reward-to-go for REINFORCE++-baseline, the
+    sequence reward for ReMax); ``sequence`` / ``to_go`` pick one, verl's forms being
+    ``sequence`` for REINFORCE++-baseline and ``to_go`` for ReMax."""
     gamma: float = bounded(at_least(0.0), at_most(1), default=1.0)
     """Per-token discount (GAE, REINFORCE++)."""
     lam: float = bounded(at_least(0.0), at_most(1), default=0.95)
@@ -123,6 +137,15 @@ class AlgorithmConfig:
     is_threshold: float = bounded(finite(), above(1), default=2.0)
     """C of the correction: TIS truncates weights at C; MIS drops weights outside [1/C, C];
     ``decoupled`` drops weights above C."""
+    mis_denominator: Literal["all", "kept"] = "all"
+    """Where the tokens that ``mis_token``, ``mis_seq`` or ``decoupled`` drop are counted.
+    ``all``: they stay in the aggregation's denominators with weight 0 (OpenRLHF's ICEPOP,
+    TRL). ``kept``: they leave the loss mask before the update, and every denominator (verl's
+    rollout rejection sampling)."""
+    off_policy_mask: float = bounded(at_least(0.0), default=0.0)
+    """Off-policy sequence masking (DeepSeek-V3.2, eq. 9; TRL's ``off_policy_mask_threshold``):
+    a negative-advantage sample whose mean ``behaviour - current`` logprob exceeds this many nats
+    per token adds no policy loss. 0: off."""
     mismatch: MismatchConfig = field(default_factory=MismatchConfig)
     """The alarm on the engine/trainer mismatch (``mismatch/kl_k3``,
     ``mismatch/max_abs_logprob_diff``): warn or stop the run."""

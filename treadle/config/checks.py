@@ -9,7 +9,7 @@ from __future__ import annotations
 import string
 import typing
 
-from treadle.config.algorithm import GROUP_BASELINES
+from treadle.config.algorithm import GROUP_BASELINES, AlgorithmConfig
 from treadle.config.data import DataSource, SourceConfig
 from treadle.config.fields import check_fields
 from treadle.config.sections import Config, EngineName
@@ -244,6 +244,25 @@ def _check_algorithm(cfg: Config) -> None:
         raise UserError(
             f"config algorithm.overlong_cache: must be at most rollout.max_tokens "
             f"({cfg.rollout.max_tokens}), got {a.overlong_cache}"
+        )
+    _check_peer_options(a)
+
+
+def _check_peer_options(a: AlgorithmConfig) -> None:
+    """The options that reproduce a peer framework's form apply to some settings only; set
+    elsewhere they would silently do nothing."""
+    credited = ("reinforce_pp_baseline", "remax")
+    if a.token_reward_credit != "auto" and a.advantage not in credited:
+        raise UserError(
+            f"config algorithm.token_reward_credit={a.token_reward_credit}: only "
+            f"{' and '.join(credited)} have two forms; algorithm.advantage={a.advantage} has "
+            "one (leave it auto)"
+        )
+    rejecting = ("mis_token", "mis_seq", "decoupled")
+    if a.mis_denominator == "kept" and a.importance_sampling not in rejecting:
+        raise UserError(
+            f"config algorithm.mis_denominator=kept: only {', '.join(rejecting)} drop tokens; "
+            f"algorithm.importance_sampling={a.importance_sampling} drops none (leave it all)"
         )
 
 

@@ -32,7 +32,12 @@ from treadle.rewards.pool import RewardPool
 from treadle.rollout.environments.rollout import AgentRollout, EpisodeRollout
 from treadle.rollout.evaluate import EvalResult, evaluate
 from treadle.rollout.generate import generate, score
-from treadle.rollout.samples import assign_advantages, build_samples, outcome_rewards
+from treadle.rollout.samples import (
+    assign_advantages,
+    build_samples,
+    drop_rejected,
+    outcome_rewards,
+)
 from treadle.store.buffer import RolloutBuffer
 from treadle.store.checkpoint import RunState, save_checkpoint
 from treadle.store.data import TaskSampler
@@ -143,6 +148,7 @@ def rl_step(
             with timed(t, "old_logprobs"):
                 for s, lp in zip(samples, p.policy.compute_logprobs(samples), strict=True):
                     s.old_logprobs = lp
+            sample_metrics |= drop_rejected(samples, algo)  # mis_denominator=kept only
         if p.reference is not None:
             with timed(t, "ref_logprobs"):
                 for s, ref in zip(samples, p.reference.compute_logprobs(samples), strict=True):

@@ -13,6 +13,7 @@ from treadle.algorithms.advantages import (
     AdvantageParams,
     group_index,
 )
+from treadle.algorithms.correction import rejected_tokens
 from treadle.algorithms.losses import KL_ESTIMATORS, sequence_entropy_proxy
 from treadle.algorithms.shaping import soft_overlong_penalty, varied_groups
 from treadle.config import AlgorithmConfig
@@ -136,10 +137,30 @@ def assign_advantages(
         values=_padded([s.values for s in samples], width) if cfg.advantage == "gae" else None,
         baselines=baselines,
     )
-    params = AdvantageParams(gamma=cfg.gamma, lam=cfg.lam)
+    params = AdvantageParams(gamma=cfg.gamma, lam=cfg.lam, credit=cfg.token_reward_credit)
     out, adv_metrics = ADVANTAGE_ESTIMATORS[cfg.advantage](batch, params)
     for i, s in enumerate(samples):
         s.advantages = out.advantages[i, : len(s)].tolist()
         if out.returns is not None:
             s.returns = out.returns[i, : len(s)].tolist()
     return metrics | adv_metrics
+
+
+def drop_rejected(samples: Sequence[TrainSample], cfg: AlgorithmConfig) -> dict[str, float]:
+    """With ``cfg.mis_denominator == "kept"``, take the tokens that the importance-sampling
+    correction rejects (weight 0) out of each sample's ``loss_mask`` in place, so they leave the
+    step's denominators (verl's rollout rejection sampling); else do nothing. Needs each
+    sample's ``old_logprobs``. Returns ``is/rejected_tokens`` (how many were taken out)."""
+    if cfg.mis_denominator != "kept" or not samples:
+        return {}
+    lengths = [len(s) for s in samples]
+    old = torch.tensor([v for s in samples for v in s.old_logprobs], dtype=torch.float32)
+    behavior = torch.tensor([v for s in samples for v in s.behavior_logprobs], dtype=torch.float32)
+    mask = torch.tensor([v for s in samples for v in s.loss_mask], dtype=torch.bool)
+    segments = torch.repeat_interleave(torch.arange(len(samples)), torch.tensor(lengths))
+    rejected = rejected_tokens(
+        old, behavior, mask, segments, cfg.importance_sampling, cfg.is_threshold
+    )
+    for s, r in zip(samples, rejected.split(lengths), strict=True):
+        s.loss_mask = [m and not bool(x) for m, x in zip(s.loss_mask, r, strict=True)]
+    return {"is/rejected_tokens": float(rejected.sum())}

@@ -16,7 +16,7 @@ from typing import ClassVar
 import torch
 
 from treadle.algorithms.aggregation import AGGREGATIONS
-from treadle.algorithms.correction import IS_CORRECTIONS
+from treadle.algorithms.correction import IS_CORRECTIONS, off_policy_sequence_mask
 from treadle.algorithms.losses import (
     KL_ESTIMATORS,
     POLICY_LOSSES,
@@ -46,8 +46,13 @@ class PolicyObjective:
     """Weight of the KL loss term; 0 when KL is off or placed in the reward."""
     kl_estimator: str
     entropy_coef: float
+    entropy_agg: str
+    """``token-mean``: the bonus is ``coef * mean token entropy``; ``loss_agg``: aggregated
+    with the policy loss."""
     importance_sampling: str
     is_threshold: float
+    off_policy_mask: float = 0.0
+    """Threshold of the off-policy sequence mask (nats per token); 0 is off."""
     engine_sampled: ClassVar[bool] = True
     """RL samples carry the engine's logprobs: the backend reports the mismatch."""
 
@@ -62,8 +67,10 @@ class PolicyObjective:
             kl_coef=cfg.kl.coef if cfg.kl.placement == "loss" else 0.0,
             kl_estimator=cfg.kl.estimator,
             entropy_coef=cfg.entropy_coef,
+            entropy_agg=cfg.entropy_agg,
             importance_sampling=cfg.importance_sampling,
             is_threshold=cfg.is_threshold,
+            off_policy_mask=cfg.off_policy_mask,
         )
 
     @property
@@ -87,6 +94,12 @@ class PolicyObjective:
             )
             per_token = per_token * weights
             metrics |= is_metrics
+        if self.off_policy_mask > 0:
+            keep, mask_metrics = off_policy_sequence_mask(
+                lp, batch.behavior_logprobs, batch.advantages, mask, segments, self.off_policy_mask
+            )
+            per_token = per_token * keep
+            metrics |= mask_metrics
         if self.kl_coef > 0:
             if batch.ref_logprobs is None:
                 raise ValueError("a KL loss term needs reference logprobs on every sample")
@@ -94,10 +107,15 @@ class PolicyObjective:
             per_token = per_token + self.kl_coef * kl
             metrics[f"kl/{self.kl_estimator}"] = masked_mean(kl, mask)
         metrics["entropy/mean"] = masked_mean(out.entropy, mask)
-        if self.entropy_coef != 0:
+        bonus = torch.zeros(())
+        if self.entropy_coef != 0 and self.entropy_agg == "loss_agg":
             per_token = per_token - self.entropy_coef * out.entropy
+        elif self.entropy_coef != 0:  # coef x the step's mean token entropy, whatever loss_agg
+            bonus = self.entropy_coef * AGGREGATIONS["token-mean"](
+                out.entropy, mask, segments, totals
+            )
         totals = dataclasses.replace(totals, constant=self.loss_constant)
-        return AGGREGATIONS[self.loss_agg](per_token, mask, segments, totals), metrics
+        return AGGREGATIONS[self.loss_agg](per_token, mask, segments, totals) - bonus, metrics
 
 
 @dataclass(frozen=True)
