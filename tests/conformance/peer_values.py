@@ -19,6 +19,7 @@ import argparse
 import importlib.abc
 import importlib.machinery
 import json
+import re
 import sys
 import types
 from collections import defaultdict
@@ -463,8 +464,6 @@ def main() -> None:
 def dump(doc) -> str:
     """JSON with each innermost list on one line (a row of a tensor reads as a row)."""
     text = json.dumps(doc, indent=1)
-    import re
-
     return (
         re.sub(
             r"\[\s*([-0-9.eE, \s]+?)\s*\]",
