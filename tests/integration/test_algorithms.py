@@ -62,7 +62,23 @@ VARIANTS = {
         "algorithm.kl.estimator=low_var_k3",
         "algorithm.dual_clip=0",
     ],
+    "verl_and_trl_forms": [  # the options that reproduce a peer (ALGORITHMS.md, Conformance)
+        "algorithm.importance_sampling=mis_token",
+        "algorithm.mis_denominator=kept",
+        "algorithm.loss_agg=token-sum-norm",
+        "algorithm.entropy_coef=0.01",
+        "algorithm.entropy_agg=loss_agg",
+        "algorithm.off_policy_mask=0.5",
+    ],
+    "remax_to_go": [  # verl's ReMax with a per-token KL penalty in the reward
+        "algorithm.kl.coef=0.01",
+        "algorithm.kl.placement=reward",
+        "algorithm.kl.estimator=k1",
+        "algorithm.token_reward_credit=to_go",
+    ],
 }
+BASE = {"remax_to_go": "remax"}
+"""The recipe a variant starts from (grpo when not named)."""
 
 
 @pytest.mark.parametrize("recipe", RECIPES + [v for v in VARIANTS if v != "grpo"])
@@ -70,7 +86,7 @@ def test_recipe_runs_three_steps_and_trains(recipe, tmp_path, one_torch_thread):
     overrides = [*TINY_RUN, *FAST, f"run.output_dir={tmp_path}", "algorithm.max_sampling_rounds=2"]
     if recipe in VARIANTS:
         overrides += [*VARIANTS[recipe], f"run.name={recipe}"]
-    file = "grpo" if recipe in VARIANTS else recipe
+    file = BASE.get(recipe, "grpo") if recipe in VARIANTS else recipe
     cfg = load_config(REPO / "recipes" / f"{file}.yaml", overrides)
     train(cfg, console=Console(file=io.StringIO()))
     run_dir = tmp_path / recipe
@@ -102,8 +118,11 @@ def test_recipe_runs_three_steps_and_trains(recipe, tmp_path, one_torch_thread):
         assert all(r["critic/grad_norm"] > 0 for r in rows.values())
     if recipe == "dapo":
         assert all("filter/kept_groups" in r for r in rows.values())
-    if recipe in VARIANTS and recipe != "grpo":
+    if any(o.startswith("algorithm.importance_sampling") for o in VARIANTS.get(recipe, [])):
         assert all("is/weight_mean" in r for r in rows.values())
+    if recipe == "verl_and_trl_forms":
+        assert all("is/rejected_tokens" in r for r in rows.values())
+        assert all("off_policy_mask/dropped_fraction" in r for r in rows.values())
     if recipe == "remax":
         assert all(r["time/baseline_s"] > 0 for r in rows.values())
 

@@ -141,7 +141,7 @@ class AlgorithmConfig:
     """Where the tokens that ``mis_token``, ``mis_seq`` or ``decoupled`` drop are counted.
     ``all``: they stay in the aggregation's denominators with weight 0 (OpenRLHF's ICEPOP,
     TRL). ``kept``: they leave the loss mask before the update, and every denominator (verl's
-    rollout rejection sampling)."""
+    rollout rejection sampling); the ``mismatch/*`` metrics then cover the kept tokens only."""
     off_policy_mask: float = bounded(at_least(0.0), default=0.0)
     """Off-policy sequence masking (DeepSeek-V3.2, eq. 9; TRL's ``off_policy_mask_threshold``):
     a negative-advantage sample whose mean ``behaviour - current`` logprob exceeds this many nats
