@@ -98,8 +98,14 @@ def test_mis_denominator_kept_takes_rejected_tokens_out_of_the_loss_mask():
         {"algorithm.importance_sampling": "mis_token", "algorithm.mis_denominator": "kept"}
     )
     sample = _sample()
-    assert drop_rejected([sample], cfg) == {"is/rejected_tokens": 1.0}
+    metrics = drop_rejected([sample], cfg)
     assert sample.loss_mask == [True, False, True]
+    assert metrics["is/rejected_tokens"] == 1.0
+    assert metrics["is/rejected_fraction"] == pytest.approx(1 / 3)
+    # the mismatch metrics still see the rejected token: |logp - mu| = 1 there, 0 elsewhere,
+    # so the largest is 1.0 and the mean 1/3 (the trainer's own would say 0 on the kept two)
+    assert metrics["mismatch/max_abs_logprob_diff"] == pytest.approx(1.0)
+    assert metrics["mismatch/abs_logprob_diff"] == pytest.approx(1 / 3)
     default = treadle_side.algorithm({"algorithm.importance_sampling": "mis_token"})
     sample = _sample()
     assert drop_rejected([sample], default) == {} and sample.loss_mask == [True] * 3

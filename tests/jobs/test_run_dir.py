@@ -42,3 +42,24 @@ def test_a_resume_that_changes_the_model_is_refused_before_anything_loads(tmp_pa
     (run_dir / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
     old = load_config(run_dir / "config.yaml")
     assert old.rollout.dtype == cfg.rollout.dtype and prepare_run_dir(old, run_dir) == run_dir
+
+
+def test_a_run_saved_before_entropy_agg_resumes_only_with_its_choice_said(tmp_path):
+    # a run from before algorithm.entropy_agg existed: an entropy bonus under seq-mean-token-sum
+    # was aggregated like the loss, which is no longer the default
+    overrides = [f"run.output_dir={tmp_path}", "run.name=r", "algorithm.entropy_coef=0.01"]
+    cfg = load_config(None, [*overrides, "algorithm.loss_agg=seq-mean-token-sum"])
+    run_dir = prepare_run_dir(cfg, None)
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    del saved["algorithm"]["entropy_agg"]
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(saved))
+    with pytest.raises(
+        UserError, match=r"add algorithm\.entropy_agg=loss_agg to resume it as it was"
+    ):
+        prepare_run_dir(load_config(run_dir / "config.yaml"), run_dir)
+    as_it_was = load_config(run_dir / "config.yaml", ["algorithm.entropy_agg=loss_agg"])
+    assert prepare_run_dir(as_it_was, run_dir) == run_dir
+    # under token-mean, or without a bonus, the two aggregations are one: nothing to say
+    saved["algorithm"]["loss_agg"] = "token-mean"
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(saved))
+    assert prepare_run_dir(load_config(run_dir / "config.yaml"), run_dir) == run_dir

@@ -56,8 +56,9 @@ def seq_mean_token_sum_norm(per_token, mask, segments, totals: StepTotals) -> to
 def token_sum_norm(per_token, mask, segments, totals: StepTotals) -> torch.Tensor:
     """``sum_{i,t} m l / C``: verl's ``seq-mean-token-sum-norm`` as its ``agg_loss`` computes
     it (the step's token sum over the constant ``C`` alone, not also over the number of
-    samples), so its value is ``num_samples`` times :func:`seq_mean_token_sum_norm`'s. Choose it
-    to reproduce a verl run's loss scale (and so its effective learning rate) exactly."""
+    samples), so its value is ``num_samples`` times :func:`seq_mean_token_sum_norm`'s. verl's
+    trainers scale each micro-batch's share further (by their gradient-accumulation or
+    data-parallel factor); this is the aggregation itself, as ``agg_loss`` returns it."""
     return _masked(per_token, mask).sum() / totals.constant
 
 

@@ -97,6 +97,7 @@ def prepare_run_dir(cfg: Config, resume: Path | None) -> Path:
                 "checkpoints hold that model's weights); resume without that override, or "
                 "start a new run"
             )
+        _check_entropy_agg(resume, saved.get("algorithm", {}), cfg)
         return resume
     run_dir = Path(cfg.run.output_dir) / cfg.run.name
     if (run_dir / "config.yaml").exists():
@@ -113,6 +114,20 @@ _FIXED_ON_RESUME = ("model.lora.r", "model.lora.alpha", "model.lora.target_modul
 """Config keys a resumed run keeps: a checkpoint's LoRA adapter loads with its own shape (PEFT
 reads it from the adapter's config, an override would be silently ignored), and a built tiny
 model (``model.path`` unset) exists already in the run directory."""
+
+
+def _check_entropy_agg(resume: Path, saved: dict, cfg: Config) -> None:
+    """A run saved before ``algorithm.entropy_agg`` existed aggregated its entropy bonus like
+    its loss; resumed under the new default, a bonus under another ``loss_agg`` than token-mean
+    would change scale mid-run, so the resume must say which it wants."""
+    changes = saved.get("entropy_coef", 0) > 0 and saved.get("loss_agg") != "token-mean"
+    if "entropy_agg" not in saved and changes and cfg.algorithm.entropy_agg != "loss_agg":
+        raise UserError(
+            f"--resume {resume}: the run began before algorithm.entropy_agg existed and "
+            f"aggregated its entropy bonus with loss_agg={saved.get('loss_agg')}; add "
+            "algorithm.entropy_agg=loss_agg to resume it as it was (or "
+            "algorithm.entropy_agg=token-mean and a new run.name to change it)"
+        )
 
 
 def _changed(prefix: str, saved: dict, now: dict) -> Iterator[tuple[str, object, object]]:

@@ -148,7 +148,6 @@ def rl_step(
             with timed(t, "old_logprobs"):
                 for s, lp in zip(samples, p.policy.compute_logprobs(samples), strict=True):
                     s.old_logprobs = lp
-            sample_metrics |= drop_rejected(samples, algo)  # mis_denominator=kept only
         if p.reference is not None:
             with timed(t, "ref_logprobs"):
                 for s, ref in zip(samples, p.reference.compute_logprobs(samples), strict=True):
@@ -159,6 +158,7 @@ def rl_step(
                     s.values = v
         with timed(t, "advantages"):
             adv_metrics = assign_advantages(samples, rewards, algo, baselines)
+        rejected = drop_rejected(samples, algo)  # mis_denominator=kept: out of the loss only
         with timed(t, "update"):
             update_metrics = p.policy.train_step(samples, objective)
         if p.critic is not None:
@@ -168,7 +168,7 @@ def rl_step(
         with timed(t, "sync"):  # the engine serves the new weights from now on
             sync_metrics = source.sync(p.weight_sync, version=step + 1)
     metrics = rollout_metrics(batch.groups) | batch.metrics | sample_metrics | reward_metrics
-    metrics |= adv_metrics | update_metrics | sync_metrics | t
+    metrics |= adv_metrics | update_metrics | rejected | sync_metrics | t
     metrics |= p.engine.metrics()  # e.g. the workers an engine group replaced
     metrics |= generation_throughput(batch.groups, metrics)
     if "async/engine_busy" in metrics:  # the trainer waited only for "generate"

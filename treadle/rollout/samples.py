@@ -13,7 +13,7 @@ from treadle.algorithms.advantages import (
     AdvantageParams,
     group_index,
 )
-from treadle.algorithms.correction import rejected_tokens
+from treadle.algorithms.correction import mismatch_metrics, rejected_tokens
 from treadle.algorithms.losses import KL_ESTIMATORS, sequence_entropy_proxy
 from treadle.algorithms.shaping import soft_overlong_penalty, varied_groups
 from treadle.config import AlgorithmConfig
@@ -149,8 +149,18 @@ def assign_advantages(
 def drop_rejected(samples: Sequence[TrainSample], cfg: AlgorithmConfig) -> dict[str, float]:
     """With ``cfg.mis_denominator == "kept"``, take the tokens that the importance-sampling
     correction rejects (weight 0) out of each sample's ``loss_mask`` in place, so they leave the
-    step's denominators (verl's rollout rejection sampling); else do nothing. Needs each
-    sample's ``old_logprobs``. Returns ``is/rejected_tokens`` (how many were taken out)."""
+    step's loss and its denominators (verl's rollout rejection sampling); else do nothing.
+
+    Call it after the advantages: they are computed over every trained token (verl, too, puts
+    the KL penalty in the reward before rejecting), and only the update skips rejected tokens.
+    Needs each sample's ``old_logprobs``.
+
+    Returns:
+        ``is/rejected_tokens`` and ``is/rejected_fraction`` (of the trained tokens), and the
+        ``mismatch/*`` metrics over all trained tokens before the rejection, which replace the
+        trainer's (those cover the kept tokens only, so the mismatch alarm would not see the
+        tokens rejected for being off).
+    """
     if cfg.mis_denominator != "kept" or not samples:
         return {}
     lengths = [len(s) for s in samples]
@@ -163,4 +173,7 @@ def drop_rejected(samples: Sequence[TrainSample], cfg: AlgorithmConfig) -> dict[
     )
     for s, r in zip(samples, rejected.split(lengths), strict=True):
         s.loss_mask = [m and not bool(x) for m, x in zip(s.loss_mask, r, strict=True)]
-    return {"is/rejected_tokens": float(rejected.sum())}
+    metrics: dict[str, float] = dict(mismatch_metrics(old, behavior, mask))
+    metrics["is/rejected_tokens"] = float(rejected.sum())
+    metrics["is/rejected_fraction"] = float(rejected.sum() / mask.sum().clamp(min=1))
+    return metrics
