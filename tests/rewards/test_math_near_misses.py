@@ -52,7 +52,8 @@ def test_near_miss_scores_zero(pair: dict, no_timeouts: None) -> None:
     # Why each kind must score 0 is the audit's "kinds" entry, shown when the pair fails: in
     # short, an exact value has exactly one right answer however tiny or huge it is (magnitude,
     # off_by_a_little, sign, tiny_term, binomial_factorial), two decimals as written are exact
-    # (last_digit), a decimal for an exact value must be within relative 5e-6 (coarse_decimal),
+    # (last_digit), a decimal for an exact value must be within relative 5e-6 (coarse_decimal)
+    # unless a decimal can write that value, when it must equal it (decimal_for_finite_decimal),
     # and the same holds for the numbers inside a tuple, set, interval or equation (structure).
     gold, wrong = pair["gold"], pair["wrong"]
     why = f"{pair['kind']}: {AUDIT['kinds'][pair['kind']]}"
@@ -132,6 +133,12 @@ DECIMALS_AS_WRITTEN = [
     ("18.9", "18.90"),
     ("\\$18.90", "18.9"),
     ("1000", "1,000"),
+    ("\\frac{1}{4}", "0.25"),  # a decimal that writes the exact value
+    ("1500", "1.5 \\times 10^{3}"),  # scientific notation is a decimal as written
+    ("0.3", "0.3000000000000000"),  # trailing zeros past 15 digits
+    ("12.5", "12.50000000000000000"),
+    ("2^{15000}", "4^{7500}"),  # integers over Python's 4,300-digit printing limit
+    ("\\frac{1}{2^{20000}}", "\\frac{1}{4^{10000}}"),
 ]
 # Structures and equations that math-verify matches, whose numbers are equal under the number
 # policy: 1. Percentages stay math-verify's (its rule: 9% = 9).

@@ -16,15 +16,22 @@ answers:
   Floats never decide equality: a 30-digit evaluation (``evalf(strict=True)``, so its digits are
   right) only rules out values that already differ there, which also keeps ``10^{10^{10}}`` from
   being expanded. An equality sympy cannot prove within the timeout scores 0.
-* **A decimal against an exact value** (either side) is equal within relative 5e-6 of the exact
-  value: half a unit in the sixth significant digit, so a decimal correctly rounded to six
-  significant digits always passes (0.333333 for 1/3, 0.666667 for 2/3, 3.14159 for pi), while
-  0.3333 (1e-4 off) or 0.33333 (1e-5 off) for 1/3 do not. 5e-6 is the smallest tolerance that
-  passes every such rounding (1.00001 for 1.000005 is 5e-6 off). Six digits is math-verify's own
-  default (``float_rounding=6``, six decimal *places*) made relative, so it means the same at
-  10^{-30} as at 10^{30}: 0.00199 no longer passes for 2/1005 (three digits; math-verify took
-  it), and 904.779 now passes for 288 pi (math-verify wanted 904.778684). The tolerance is on
-  the value, not on the digits written: 3.1416 for pi is 2.3e-6 off and passes.
+* **Every decimal is the exact value it writes** (``100.0004`` is 250001/2500,
+  ``1.5\\times10^{3}`` is 1500, ``0.3000000000000000`` is 3/10). A decimal against a value
+  that a decimal writes exactly (every integer, 1/4, 1/8: a rational whose denominator is
+  ``2^a 5^b``) must equal it: ``100.0004`` != 100, ``0.250001`` != 1/4, ``1.5\\times10^{3}`` =
+  1500.
+* **A decimal against an exact value no decimal writes** (1/3, pi, sqrt 2) is equal within
+  relative 5e-6 of the exact value, so a decimal correctly rounded to six significant digits
+  always passes (0.333333 for 1/3, 0.666667 for 2/3, 3.14159 for pi), while 0.3333 (1e-4 off) or
+  0.33333 (1e-5 off) for 1/3 do not. Relative 5e-6 is up to five units in the sixth digit for a
+  leading 1 and half a unit for a leading 9, so 0.333334 passes for 1/3 too. 5e-6 is the
+  smallest tolerance that passes every such rounding (1.00001 for 1.000005 is 5e-6 off). Six
+  digits is math-verify's own default (``float_rounding=6``, six decimal *places*) made
+  relative, so it means the same at 10^{-30} as at 10^{30}: 0.00199 no longer passes for 2/1005
+  (three digits; math-verify took it), and 904.779 now passes for 288 pi (math-verify wanted
+  904.778684). The tolerance is on the value, not on the digits written: 3.1416 for pi is 2.3e-6
+  off and passes.
 * **Two decimal literals** are two exact decimals: 18.9 = 18.90, 3.14159 != 3.14158. Neither
   approximates the other, so there is nothing to be tolerant about.
 * **Everything else** (tuples, sets, intervals, matrices, equations, text, percentages such as
@@ -173,12 +180,15 @@ def _aligned(gold: object, target: object) -> list[tuple[object, object]]:
 
 
 def _numbers_equal(gold: sympy.Expr, target: sympy.Expr) -> bool:
-    """The number policy of the module docstring: exact, decimal-vs-exact, decimal-vs-decimal."""
+    """The number policy of the module docstring: each decimal is taken as the exact value it
+    writes; two values that are then both finite decimals (integers included) compare exactly,
+    a decimal against a value without a finite decimal expansion (1/3, pi) within relative
+    5e-6, and two exact values exactly."""
     if gold == target:
         return True
-    if isinstance(gold, sympy.Float) and isinstance(target, sympy.Float):
-        return False  # two decimals as written, and == just found them different
-    if _has_decimal(gold) or _has_decimal(target):
+    decimal = _has_decimal(gold) or _has_decimal(target)
+    gold, target = _as_written(gold), _as_written(target)
+    if decimal and not (_finite_decimal(gold) and _finite_decimal(target)):
         return _relatively_close(gold, target, _DECIMAL_RTOL)
     if not _relatively_close(gold, target, _DIFFERENT_RTOL, strict=True):
         return False  # cheap and certain: 30-digit values that differ early
@@ -189,18 +199,40 @@ def _numbers_equal(gold: sympy.Expr, target: sympy.Expr) -> bool:
     return difference.equals(0) is True
 
 
+def _as_written(expr: sympy.Expr) -> sympy.Expr:
+    """``expr`` with each decimal literal replaced by the rational it writes (``100.0004`` is
+    250001/2500, ``1.5\\times10^{3}`` is 1500, ``0.3000000000000000`` is 3/10): sympy prints
+    a Float with the digits it was parsed with, which give back the literal."""
+    return expr.xreplace({f: sympy.Rational(str(f)) for f in expr.atoms(sympy.Float)})
+
+
+def _finite_decimal(expr: sympy.Expr) -> bool:
+    """Whether ``expr`` is a rational whose reduced denominator is ``2^a 5^b`` (every integer,
+    1/4, 0.125): a value a decimal can write exactly, so a decimal answer must equal it."""
+    if not expr.is_Rational:
+        return False
+    q = int(expr.q)
+    for p in (2, 5):
+        while q % p == 0:
+            q //= p
+    return q == 1
+
+
 def _relatively_close(
     gold: sympy.Expr, target: sympy.Expr, rtol: sympy.Rational, strict: bool = False
 ) -> bool:
     """``|gold - target| <= rtol * max(|gold|, |target|)``, from 30-digit values.
 
     With ``strict``, a value sympy cannot evaluate to 30 correct digits (cancellation beyond its
-    100-digit limit) counts as close: the caller then decides exactly.
+    100-digit limit, or an integer over Python's 4,300-digit printing limit in sympy's message)
+    counts as close: the caller then decides exactly. Without it, such a value is not close.
     """
     try:
         values = [x.evalf(_EVAL_DIGITS, strict=strict) for x in (gold, target, gold - target)]
     except PrecisionExhausted:
         return True
+    except ValueError:  # sympy printing a huge integer into its PrecisionExhausted message
+        return strict
     a, b, difference = values
     return bool(abs(difference) <= rtol * max(abs(a), abs(b)))
 
