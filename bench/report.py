@@ -45,21 +45,30 @@ def environment() -> str:
             versions.append(f"{name} {importlib.metadata.version(name)}")
         except importlib.metadata.PackageNotFoundError:
             continue
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else _cpu_model()
-    return (
-        f"{platform.node()}: {os.cpu_count()} cores, {device}, Python "
-        f"{platform.python_version()}; " + ", ".join(versions)
+    if torch.cuda.is_available():
+        device = f"{os.cpu_count()} cores, {torch.cuda.get_device_name(0)}"
+    else:
+        device = cpu_line()
+    return f"{platform.node()}: {device}, Python {platform.python_version()}; " + ", ".join(
+        versions
     )
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "CPU"
+def cpu_line() -> str:
+    """The CPU as treadle sees it (model, cores, best instruction-set kind, whether bf16 is
+    native: :mod:`treadle.core.cpu`), plus what caps it when ``--isa`` emulates a lesser one."""
+    from treadle.core.cpu import ISA_ENV, detect
+
+    cpu = detect()
+    capped = os.environ.get(ISA_ENV)
+    return cpu.describe() + (f" [emulated: instruction sets capped at {capped}]" if capped else "")
+
+
+def cpu_record() -> dict:
+    """:func:`treadle.core.cpu.detect` as a dict, for a benchmark's JSON."""
+    from treadle.core.cpu import detect
+
+    return detect().as_dict()
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -83,7 +92,7 @@ def emit(
     never leaves half a table behind."""
     env, command = environment(), command_line()
     print(f"\n{env}\n\n{markdown}\n")
-    record = {"command": command, "environment": env, **results}
+    record = {"command": command, "environment": env, "cpu": cpu_record(), **results}
     json_path.write_text(json.dumps(record, indent=1))
     if append:
         date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")

@@ -49,7 +49,7 @@ def test_config_of_a_section_and_of_a_key():
     ]
     r = treadle("config", "rollout.dtype")
     assert r.returncode == 0
-    assert r.stdout.startswith("rollout.dtype  (float32|bfloat16, default float32)\n")
+    assert r.stdout.startswith("rollout.dtype  (auto|float32|bfloat16, default float32)\n")
     assert "fp32 master weights" in r.stdout  # the whole description, not its first sentence
 
 

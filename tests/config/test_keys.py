@@ -47,7 +47,7 @@ def test_every_leaf_key_is_listed_once_with_a_meaning():
         ("trainer.lr", "float", "0.0001"),  # 1e-4 written as YAML
         ("rollout.n", "int", "8"),
         ("rollout.mode", "sync|one_step_off|async", "sync"),
-        ("rollout.dtype", "float32|bfloat16", "float32"),
+        ("rollout.dtype", "auto|float32|bfloat16", "float32"),
         ("trainer.betas", "tuple[float, float]", "[0.9, 0.99]"),
         ("model.path", "str | None", "null"),
         ("algorithm.kl.coef", "float", "0.0"),

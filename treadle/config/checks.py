@@ -376,7 +376,7 @@ def _check_lora(cfg: Config) -> None:
             "is not supported yet (the adapter sync and export read unpartitioned weights); use "
             "trainer.deepspeed.zero_stage=1 or 2"
         )
-    if lora.sync == "adapter" and cfg.rollout.engine != "vllm":
+    if lora.sync == "adapter" and cfg.rollout.engine not in ("vllm", "auto"):  # auto: vllm
         raise UserError(
             f"config model.lora.sync=adapter: only rollout.engine=vllm serves adapters (got "
             f"{cfg.rollout.engine}); use model.lora.sync=merged"

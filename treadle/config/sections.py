@@ -17,7 +17,7 @@ def routes_to(domains: Collection[str], domain: str) -> bool:
     return not domains or domain in domains
 
 
-EngineName = Literal["vllm", "sglang", "hf"]
+EngineName = Literal["auto", "vllm", "sglang", "hf"]
 """The inference engines treadle ships."""
 
 ParamScalar = bool | int | float | str
@@ -197,13 +197,23 @@ class RolloutConfig:
     engine: EngineName | str = "vllm"
     """``vllm``, ``sglang`` (GPU only: SGLang does not install on CPU) or ``hf``, or your own
     engine class's import path ``package.module:Class`` (an ``InferenceEngine`` built as
-    ``Class(spec)``; see :mod:`treadle.rollout.engines`)."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    ``Class(spec)``; see :mod:`treadle.rollout.engines`). ``auto`` (opt-in): on a CPU ``hf``
+    for a model under 1M parameters (transformers ``generate`` is faster there), else
+    ``vllm``; ``vllm`` always in the asynchronous modes, with environments, LoRA adapter
+    syncs, tensor parallel, Ray placement or a GPU (:mod:`treadle.rollout.engines.choice`;
+    printed at start-up)."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "float32"
     """Dtype of the inference engine's weights and compute (vLLM's ``dtype``, verl's
     ``actor_rollout_ref.rollout.dtype``), and of its KV cache. The trainer (RL, SFT, DPO) keeps
     fp32 master weights whatever this is, cast to it by the engine at each weight sync; for bf16
-    compute in training use ``trainer.bf16_autocast``. Was ``model.dtype``, still read
-    with a warning."""
+    compute in training use ``trainer.bf16_autocast``. ``auto`` (opt-in): ``bfloat16`` for a
+    model of 100M parameters or more where bf16 runs natively (a GPU; a CPU with AMX or
+    AVX512-BF16), else ``float32`` (bf16 is emulated, and slower, on an AVX2-only CPU). Was
+    ``model.dtype``, still read with a warning."""
+    preload: bool = True
+    """Preload tcmalloc and Intel OpenMP (what vLLM's CPU backend asks for) into the vLLM
+    engine's own process (``engine_process=own``) where ``scripts/install.sh`` put them; the
+    trainer's process keeps torch's own allocator and OpenMP."""
     prompts_per_step: int = bounded(at_least(1), default=64)
     """Prompts per RL step, each sampled ``n`` times: a step trains on ``prompts_per_step * n``
     completions (verl's ``data.train_batch_size``)."""

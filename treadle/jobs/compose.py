@@ -23,6 +23,7 @@ from rich.console import Console
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from treadle.config import Config, to_dict
+from treadle.core.cpu import detect as detect_cpu
 from treadle.core.errors import UserError
 from treadle.core.plugins import import_path, is_import_path
 from treadle.core.protocols import EngineSpec, InferenceEngine, TrainingBackend, WeightSync
@@ -30,6 +31,13 @@ from treadle.jobs.loop import RLParts
 from treadle.jobs.sources import max_running
 from treadle.rewards.pool import RewardPool, check_reward_functions
 from treadle.rollout.engines import build_engine, engine_class
+from treadle.rollout.engines.choice import (
+    MachineChoice,
+    choose,
+    needs_vllm,
+    resolved,
+    with_preload,
+)
 from treadle.rollout.engines.engine_process import EngineProcess
 from treadle.rollout.engines.sglang_engine import load_sglang
 from treadle.rollout.engines.sizing import kv_cache_gib
@@ -57,6 +65,7 @@ from treadle.store.models import (
     build_tokenizer,
     load_critic,
     load_model,
+    parameter_count,
     require_model_folder,
     tiny_config,
 )
@@ -212,10 +221,12 @@ def check_inputs(cfg: Config, data: Dataset) -> None:
         check_environment(cfg)
     if is_import_path(cfg.rollout.engine):  # imported now, and checked against the Protocol
         engine_class(cfg.rollout.engine, cfg.rollout.mode != "sync" or cfg.environment.enabled)
-    elif cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+    elif (cfg.rollout.engine == "vllm" or (cfg.rollout.engine == "auto" and needs_vllm(cfg))) and (
+        importlib.util.find_spec("vllm") is None
+    ):
         raise UserError(
-            "rollout.engine vllm: the vllm package is not installed; install treadle[vllm] "
-            "(scripts/install.sh does) or set rollout.engine=hf"
+            f"rollout.engine {cfg.rollout.engine}: the vllm package is not installed; install "
+            "treadle[vllm] (scripts/install.sh does) or set rollout.engine=hf"
         )
     elif cfg.rollout.engine == "sglang":
         load_sglang()  # one line with the fix where SGLang does not load (this CPU)
@@ -305,10 +316,13 @@ def build_roles(
     run_dir: Path,
     console: Console,
     start: Path | None = None,
+    preload: Sequence[str] = (),
 ) -> Roles:
     """The policy's trainer over ``weights`` and an engine serving them as policy ``version``:
     in this process (``placement.mode=single``), or placed with Ray. With LoRA the engine
-    starts from ``start`` (the base model) and is synced once when ``weights`` is an adapter."""
+    starts from ``start`` (the base model) and is synced once when ``weights`` is an adapter.
+    An engine in a process of its own preloads ``preload`` there
+    (:func:`~treadle.rollout.engines.choice.with_preload`)."""
     if cfg.placement.mode == "single":
         # The trainer keeps fp32 master weights whatever dtype the engine serves in.
         model, tokenizer = policy_model(cfg, weights, start or weights)
@@ -321,7 +335,7 @@ def build_roles(
             if cores is None:
                 engine = build_engine(cfg.rollout.engine, spec)
             else:  # it generates while this process trains
-                engine = EngineProcess(cfg.rollout.engine, spec, cores)
+                engine = EngineProcess(cfg.rollout.engine, spec, cores, preload)
         if cores is not None:
             console.print(
                 f"engine in a process of its own on cores {_span(cores)}; the trainer keeps the "
@@ -389,6 +403,18 @@ def reference_and_critic(cfg: Config, roles: Roles, start: Path, ckpt: Path | No
     return build_ray_models(cfg, roles.policy, start, ckpt)
 
 
+def for_this_machine(cfg: Config, model: Path, console: Console) -> tuple[Config, MachineChoice]:
+    """``cfg`` with ``rollout.engine`` and ``rollout.dtype`` resolved for this machine and the
+    model in folder ``model`` (:mod:`treadle.rollout.engines.choice`), and the choice, printed
+    in one line."""
+    cuda = torch.cuda.is_available()
+    choice = choose(cfg, parameter_count(model), detect_cpu(), cuda)
+    cfg = resolved(cfg, choice)
+    choice = with_preload(choice, engine_in_own_process(cfg), cfg.rollout.preload)
+    console.print(choice.describe())
+    return cfg, choice
+
+
 def engine_in_own_process(cfg: Config) -> bool:
     """``rollout.engine_process`` resolved: ``auto`` is ``own`` for vLLM in the asynchronous
     modes on a CPU with one process's placement, at tensor parallel 1."""
@@ -427,6 +453,7 @@ def compose(
     max_model_len: int,
     console: Console,
     longest_prompt: int,
+    preload: Sequence[str] = (),
 ) -> tuple[RLParts, int]:
     """The RL run's parts, starting from ``start`` (the policy before RL) or from the run's last
     checkpoint; returns them and the RL steps already done (0 for a new run).
@@ -452,7 +479,7 @@ def compose(
             f"{ckpt}: the run is at step {version}, past run.steps={cfg.run.steps}; resume with "
             f"run.steps={version} or more (treadle train --resume {run_dir} run.steps={version})"
         )
-    roles = build_roles(cfg, weights, spec, version, run_dir, console, start)
+    roles = build_roles(cfg, weights, spec, version, run_dir, console, start, preload)
     reference, critic = reference_and_critic(cfg, roles, start, ckpt)
     state: RunState | None = load_trainer_state(ckpt, roles.policy) if ckpt else None
     done = state.step if state else 0

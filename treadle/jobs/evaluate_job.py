@@ -38,7 +38,7 @@ from treadle.config import Config, PlacementConfig, load_config, to_dict
 from treadle.core.errors import UserError
 from treadle.core.protocols import EngineSpec, InferenceEngine, SamplingParams
 from treadle.core.types import Task
-from treadle.jobs.compose import check_inputs, engine_kv_gib, seed_everything
+from treadle.jobs.compose import check_inputs, engine_kv_gib, for_this_machine, seed_everything
 from treadle.jobs.loop import eval_sampling
 from treadle.jobs.train import check_model
 from treadle.rewards.pool import RewardPool
@@ -158,6 +158,7 @@ def run_eval(
             "--output DIR for another folder"
         )
     tasks = eval_tasks(cfg)
+    cfg, machine = for_this_machine(cfg, target.model_dir, console)  # rollout.engine/dtype auto
     spec = engine_spec(cfg, target.model_dir, tasks)
     params = eval_sampling(cfg)
     what = f"{len(tasks)} prompts ({cfg.eval.split}): {params.n} samples each at temperature "
@@ -176,6 +177,7 @@ def run_eval(
         finally:
             engine.close()
         summary = eval_summary(result, target, cfg, params, time.perf_counter() - started)
+        summary["machine"] = machine.as_dict()
         write_output(tmp, output, result, summary, cfg)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -40,6 +40,7 @@ from treadle.jobs.compose import (
     check_inputs,
     close,
     compose,
+    for_this_machine,
     prepare_run_dir,
     seed_everything,
     starting_config,
@@ -96,11 +97,15 @@ def train(cfg: Config, resume: Path | None = None, console: Console | None = Non
         with remove_on_error(created):  # a failed start leaves nothing behind
             start = base_model(cfg, data, run_dir)
             max_model_len, longest = checked or check_model(cfg, data, start)
+        cfg, machine = for_this_machine(cfg, start, console)  # rollout.engine/dtype auto
         if cfg.sft.steps > 0:
             start = warm_up(cfg, data, start, run_dir, console)
-        parts, done = compose(cfg, data, run_dir, start, max_model_len, console, longest)
+        parts, done = compose(
+            cfg, data, run_dir, start, max_model_len, console, longest, machine.preload
+        )
         summary = _run_parts(parts, data, done, stop, console)
     summary["wall_time_s"] = time.perf_counter() - started
+    summary["machine"] = machine.as_dict()
     plot_run(run_dir / "metrics.jsonl", run_dir / "plot.png", summary=summary)
     write_summary(run_dir, summary)  # last: a summary marks the run finished
     print_summary(console, summary)

@@ -184,6 +184,25 @@ def require_readable_model(folder: Path) -> None:
             raise UserError(f"{file} cannot be read ({e}); copy the weights again") from None
 
 
+def parameter_count(folder: str | Path) -> int:
+    """Parameters stored in a model folder's ``*.safetensors`` files, read from their headers
+    (no weights are loaded); 0 for a folder with none (``pytorch_model*.bin`` only). A tied
+    output layer is stored once and counted once. A file whose header cannot be read counts 0
+    (:func:`require_readable_model` names it)."""
+    import json
+    import math
+
+    total = 0
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        try:
+            with file.open("rb") as f:
+                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+            total += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+    return total
+
+
 def require_chat_template(tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
     """Prompts are rendered with the tokenizer's chat template: it must have one.
 

@@ -160,6 +160,8 @@ def summary_table(summary: Summary, *, title: str = "Run summary") -> Table:
     table.add_column("result", style="bold")
     table.add_column("value", justify="right")
     for name, value in summary.items():
+        if isinstance(value, dict):  # a record (``machine``), printed where it was decided
+            continue
         table.add_row(name, format_summary_value(name, value))
     return table
 

@@ -251,6 +251,21 @@ def _shared_memory_folder(size: int) -> Path | None:
 # -- this process's side -----------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _preloaded(libraries: Sequence[str]):
+    """``LD_PRELOAD`` with ``libraries`` ahead of its value while inside, as it was after."""
+    before = os.environ.get("LD_PRELOAD")
+    if libraries:
+        os.environ["LD_PRELOAD"] = ":".join([*libraries, *([before] if before else [])])
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("LD_PRELOAD", None)
+        else:
+            os.environ["LD_PRELOAD"] = before
+
+
 class EngineProcess:
     """An :class:`~treadle.core.protocols.InferenceEngine` and
     :class:`~treadle.core.protocols.RequestEngine` whose engine runs in a child process
@@ -266,6 +281,9 @@ class EngineProcess:
         name: the engine (a key of :data:`~treadle.rollout.engines.ENGINES` or an import path).
         spec: what the engine starts from.
         cores: CPU cores the child is bound to (empty: the same as this process).
+        preload: shared libraries the child process preloads (``LD_PRELOAD``, ahead of any it
+            inherits): the allocator and OpenMP runtime vLLM's CPU backend asks for
+            (:mod:`~treadle.rollout.engines.choice`); this process keeps its own.
 
     Raises:
         UserError: the engine refused its spec (as it would in this process).
@@ -273,7 +291,9 @@ class EngineProcess:
             or its exit code).
     """
 
-    def __init__(self, name: str, spec: EngineSpec, cores: Sequence[int] = ()) -> None:
+    def __init__(
+        self, name: str, spec: EngineSpec, cores: Sequence[int] = (), preload: Sequence[str] = ()
+    ) -> None:
         ctx = multiprocessing.get_context("spawn")  # no fork of a process running OpenMP threads
         self._conn, child = ctx.Pipe()
         self._process = ctx.Process(
@@ -282,7 +302,8 @@ class EngineProcess:
             name="treadle-engine",
             daemon=True,
         )
-        self._process.start()
+        with _preloaded(preload):  # the spawned interpreter reads it as it starts
+            self._process.start()
         child.close()
         self._lock = threading.RLock()
         self._live: set[str] = set()  # submitted here, not yet returned by step or abort
