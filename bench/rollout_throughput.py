@@ -2,7 +2,14 @@
 transformers ``generate`` on the same model, prompts and sampling settings, in one run.
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/rollout_throughput.py [--sizes 0.5M,3M,25M,0.5B]
-        [--prompts 64] [--new-tokens 64] [--reps 3] [--append]
+        [--dtypes float32,bfloat16] [--prompts 64] [--new-tokens 64] [--reps 3] [--append]
+
+treadle's side is its vLLM engine in a process of its own (``EngineProcess``, the engine of the
+asynchronous modes) with the libraries treadle preloads there (tcmalloc and Intel OpenMP, where
+``scripts/install.sh`` put them: :mod:`treadle.rollout.engines.choice`); transformers runs in
+this process as a user writes it. Each row says what ``rollout.engine=auto`` and
+``rollout.dtype=auto`` pick for that model on this CPU, and the table's environment line names
+the CPU's instruction sets (BENCHMARKS.md keeps one table per kind of CPU).
 
 Each size is a Qwen2-shape model with random weights (0.5B: the Qwen2.5-0.5B shape with the
 real Qwen3 tokenizer from ../shared/data; that size is skipped without it). Both sides get the
@@ -81,18 +88,34 @@ def hf_generate(model, prompts: list[list[int]], new_tokens: int, pad: int, eos:
     return sum(row.index(eos) + 1 if eos in row else len(row) for row in new)
 
 
-def measure(name: str, args, tmp: Path) -> dict:
+def auto_picks(params: int) -> str:
+    """What ``rollout.engine=auto`` and ``rollout.dtype=auto`` choose for a sync run of a model
+    of ``params`` parameters on this machine."""
+    from treadle.config import load_config
+    from treadle.core.cpu import detect
+    from treadle.rollout.engines.choice import choose
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "default.yaml"
+    cfg = load_config(recipe, ["rollout.engine=auto", "rollout.dtype=auto"])
+    choice = choose(cfg, params, detect(), torch.cuda.is_available())
+    return f"{choice.engine}, {choice.dtype}"
+
+
+def measure(name: str, dtype: str, args, tmp: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
     from treadle.core.protocols import EngineSpec, SamplingParams
-    from treadle.rollout.engines import build_engine
+    from treadle.rollout.engines.choice import preload_libraries
+    from treadle.rollout.engines.engine_process import EngineProcess
 
     folder = tmp / name
-    params = build(name, folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    params = _params(folder) if folder.exists() else build(name, folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
     vocab = model.config.vocab_size
     prompts = prompts_for(vocab, args.prompts)
-    engine = build_engine("vllm", EngineSpec(str(folder), max_model_len=1024, kv_cache_gib=2))
+    preload, _ = preload_libraries()
+    spec = EngineSpec(str(folder), dtype=dtype, max_model_len=1024, kv_cache_gib=2)
+    engine = EngineProcess("vllm", spec, (), preload)
     sampling = SamplingParams(n=1, temperature=1.0, max_tokens=args.new_tokens, seed=None)
 
     def ours() -> int:
@@ -115,7 +138,10 @@ def measure(name: str, args, tmp: Path) -> dict:
     engine.close()
     row = {
         "model": name,
+        "dtype": dtype,
         "parameters": params,
+        "preload": [Path(p).name for p in preload],
+        "auto": auto_picks(params),
         **{k: statistics.median(v) for k, v in rates.items()},
     }
     row["runs"] = rates
@@ -123,9 +149,16 @@ def measure(name: str, args, tmp: Path) -> dict:
     return row
 
 
+def _params(folder: Path) -> int:
+    from treadle.store.models import parameter_count
+
+    return parameter_count(folder)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", default="0.5M,3M,25M,0.5B")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)
@@ -138,12 +171,15 @@ def main() -> None:
             if VOCAB[name] is None and not SHARED.exists():
                 print(f"skipping {name}: needs the Qwen3 tokenizer in {SHARED}", file=sys.stderr)
                 continue
-            rows.append(measure(name, args, Path(tmp)))
-            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    header = ["model", "params", "treadle (vLLM) tok/s", "transformers generate tok/s", "ratio"]
+            for dtype in args.dtypes.split(","):
+                rows.append(measure(name, dtype, args, Path(tmp)))
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    header = ["model", "params", "dtype", "treadle (vLLM) tok/s", "transformers generate tok/s",
+              "ratio", "preloaded", "auto picks"]  # fmt: skip
     lines = [
-        [r["model"], f"{r['parameters'] / 1e6:.1f}M", f"{r['treadle']:.0f}",
-         f"{r['hf_generate']:.0f}", f"{r['ratio']:.2f}x"]
+        [r["model"], f"{r['parameters'] / 1e6:.1f}M", r["dtype"], f"{r['treadle']:.0f}",
+         f"{r['hf_generate']:.0f}", f"{r['ratio']:.2f}x", ", ".join(r["preload"]) or "-",
+         r["auto"]]
         for r in rows
     ]  # fmt: skip
     md = (

@@ -145,6 +145,12 @@ def test_summary_table_rows_and_print() -> None:
     assert "eval/pass@1_after" in text and "40.0%" in text
 
 
+def test_summary_table_leaves_out_records() -> None:
+    # summary.json's machine record is printed at start-up, not as a row of numbers
+    summary = {"rl_steps": 60, "machine": {"engine": "hf", "dtype": "float32"}}
+    assert list(summary_table(summary).columns[0].cells) == ["rl_steps"]
+
+
 def test_write_summary_is_json_in_order(tmp_path: Path) -> None:
     path = write_summary(tmp_path, {"z_first": 1.5, "a_second": "text", "bad": math.inf})
     assert path == tmp_path / "summary.json"
