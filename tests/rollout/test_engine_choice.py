@@ -65,6 +65,10 @@ def test_gpu_and_missing_vllm():
     assert (gpu.engine, gpu.dtype) == ("vllm", "float32")  # small: fp32 even on a GPU
     assert choose(cfg(), QWEN_05B, AVX2, cuda=True, vllm_installed=True).dtype == "bfloat16"
     assert choose(cfg(), QWEN_05B, AMX, cuda=False, vllm_installed=False).engine == "hf"
+    # a run that needs vllm keeps it, so the start-up check names the missing package
+    assert choose(cfg("rollout.mode=async"), QWEN_05B, AMX, False, False).engine == "vllm"
+    unknown = choose(cfg(), 0, AVX2, cuda=False, vllm_installed=True)  # *.bin weights only
+    assert (unknown.engine, unknown.dtype) == ("vllm", "float32")
 
 
 def test_explicit_values_are_kept():

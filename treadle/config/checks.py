@@ -185,10 +185,11 @@ def _check_model(cfg: Config) -> None:
         raise UserError("config model.tiny.hidden_size: must be a multiple of num_attention_heads")
     if t.num_key_value_heads < 1 or t.num_attention_heads % t.num_key_value_heads:
         raise UserError("config model.tiny.num_key_value_heads: must divide num_attention_heads")
-    if cfg.rollout.engine == "vllm" and t.hidden_size // t.num_attention_heads < 32:
+    # auto may resolve to vLLM (asynchronous modes, larger models)
+    if cfg.rollout.engine in ("vllm", "auto") and t.hidden_size // t.num_attention_heads < 32:
         raise UserError(
             "config model.tiny.num_attention_heads: vLLM's CPU attention needs a head dim "
-            "(hidden_size / num_attention_heads) of at least 32"
+            "(hidden_size / num_attention_heads) of at least 32; or set rollout.engine=hf"
         )
 
 

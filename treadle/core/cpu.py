@@ -15,6 +15,8 @@ import platform
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from treadle.core.errors import UserError
+
 ISA_ENV = "TREADLE_CPU_ISA"
 """Caps the detected instruction sets at one kind (``avx2``, ``avx512``, ``avx512_bf16``,
 ``amx``) to see what treadle would choose on a lesser CPU; the math libraries are capped with
@@ -66,7 +68,7 @@ def detect(cpuinfo: str | None = None, cap: str | None = None) -> CpuFeatures:
     Linux) no feature is claimed.
 
     Raises:
-        ValueError: ``cap`` is not one of :data:`ORDER`.
+        UserError: ``cap`` is not one of :data:`ORDER`.
     """
     if cpuinfo is None:
         try:
@@ -82,7 +84,7 @@ def detect(cpuinfo: str | None = None, cap: str | None = None) -> CpuFeatures:
             flags = set(value.split())
     cap = os.environ.get(ISA_ENV) if cap is None else cap
     if cap and cap not in ORDER:
-        raise ValueError(f"{ISA_ENV}={cap!r}: choose one of {', '.join(ORDER[1:])}")
+        raise UserError(f"{ISA_ENV}={cap!r}: unknown; choose one of {', '.join(ORDER)}")
     top = ORDER.index(cap) if cap else len(ORDER) - 1
     allowed = set(ORDER[: top + 1])
     return CpuFeatures(

@@ -403,14 +403,18 @@ def reference_and_critic(cfg: Config, roles: Roles, start: Path, ckpt: Path | No
     return build_ray_models(cfg, roles.policy, start, ckpt)
 
 
-def for_this_machine(cfg: Config, model: Path, console: Console) -> tuple[Config, MachineChoice]:
+def for_this_machine(
+    cfg: Config, model: Path, console: Console, engine_here: bool = False
+) -> tuple[Config, MachineChoice]:
     """``cfg`` with ``rollout.engine`` and ``rollout.dtype`` resolved for this machine and the
     model in folder ``model`` (:mod:`treadle.rollout.engines.choice`), and the choice, printed
-    in one line."""
+    in one line. ``engine_here``: the job builds its engine in this process whatever
+    ``rollout.engine_process`` says (``treadle eval``), so nothing is preloaded."""
     cuda = torch.cuda.is_available()
     choice = choose(cfg, parameter_count(model), detect_cpu(), cuda)
     cfg = resolved(cfg, choice)
-    choice = with_preload(choice, engine_in_own_process(cfg), cfg.rollout.preload)
+    own = not engine_here and engine_in_own_process(cfg)
+    choice = with_preload(choice, own, cfg.rollout.preload)
     console.print(choice.describe())
     return cfg, choice
 
@@ -468,8 +472,7 @@ def compose(
         model_dir=str(start if cfg.model.lora.r > 0 else weights),  # LoRA: base, then a sync
         dtype=cfg.rollout.dtype,
         seed=cfg.run.seed,
-        # Room for the model's whole context, capped to bound the KV cache it reserves.
-        max_model_len=max_model_len,
+        max_model_len=max_model_len,  # the model's whole context, capped (check_model)
         kv_cache_gib=engine_kv_gib(cfg, start, longest_prompt, max_model_len),
         tensor_parallel=cfg.rollout.tensor_parallel,
     )

@@ -158,7 +158,7 @@ def run_eval(
             "--output DIR for another folder"
         )
     tasks = eval_tasks(cfg)
-    cfg, machine = for_this_machine(cfg, target.model_dir, console)  # rollout.engine/dtype auto
+    cfg, machine = for_this_machine(cfg, target.model_dir, console, engine_here=True)
     spec = engine_spec(cfg, target.model_dir, tasks)
     params = eval_sampling(cfg)
     what = f"{len(tasks)} prompts ({cfg.eval.split}): {params.n} samples each at temperature "

@@ -97,7 +97,7 @@ def train(cfg: Config, resume: Path | None = None, console: Console | None = Non
         with remove_on_error(created):  # a failed start leaves nothing behind
             start = base_model(cfg, data, run_dir)
             max_model_len, longest = checked or check_model(cfg, data, start)
-        cfg, machine = for_this_machine(cfg, start, console)  # rollout.engine/dtype auto
+            cfg, machine = for_this_machine(cfg, start, console)  # rollout.engine/dtype auto
         if cfg.sft.steps > 0:
             start = warm_up(cfg, data, start, run_dir, console)
         parts, done = compose(

@@ -128,10 +128,12 @@ def choose(
     engine = r.engine
     if engine == "auto":
         why_vllm = needs_vllm(cfg) or ("a GPU" if cuda else "")
-        if not vllm_installed:
-            engine, why = "hf", "vllm is not installed"
-        elif why_vllm:
+        if why_vllm:  # where vllm is missing, the start-up check says so in one line
             engine, why = "vllm", why_vllm
+        elif not vllm_installed:
+            engine, why = "hf", "vllm is not installed"
+        elif parameters == 0:  # no safetensors headers to read (pytorch_model*.bin)
+            engine, why = "vllm", "parameters unknown"
         elif parameters < HF_BELOW_PARAMS and not cpu.amx_bf16:
             engine, why = "hf", f"{parameters / 1e6:.2f}M parameters < 1M: generate is faster"
         elif parameters < HF_BELOW_PARAMS:
@@ -142,7 +144,7 @@ def choose(
     dtype = r.dtype
     if dtype == "auto":
         native = cuda or cpu.native_bf16
-        big = parameters >= BF16_FROM_PARAMS
+        big = parameters >= BF16_FROM_PARAMS  # 0 (unknown): fp32
         dtype = "bfloat16" if native and big else "float32"
         why = (
             "bf16 emulated on this CPU"
