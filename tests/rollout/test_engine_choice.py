@@ -76,6 +76,7 @@ def test_explicit_values_are_kept():
         cfg("rollout.engine=vllm", "rollout.dtype=bfloat16"), DEFAULT_MODEL, AVX2, False, True
     )
     assert (c.engine, c.dtype, c.reasons) == ("vllm", "bfloat16", ())
+    assert c.describe() == "machine: EPYC, 2 cores, avx2 (bf16 emulated); engine vllm, bfloat16"
     r = resolved(cfg(), choose(cfg(), QWEN_05B, AMX, False, True)).rollout
     assert (r.engine, r.dtype) == ("vllm", "bfloat16")
 

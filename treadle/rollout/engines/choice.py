@@ -68,7 +68,8 @@ class MachineChoice:
     def describe(self) -> str:
         """The start-up line."""
         where = "GPU" if self.cuda else self.cpu.describe()
-        return f"machine: {where}; engine {self.engine}, {self.dtype} ({'; '.join(self.reasons)})"
+        why = f" ({'; '.join(self.reasons)})" if self.reasons else ""
+        return f"machine: {where}; engine {self.engine}, {self.dtype}{why}"
 
     def as_dict(self) -> dict:
         """For ``summary.json``'s ``machine``."""
