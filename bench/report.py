@@ -56,12 +56,13 @@ def environment() -> str:
 
 def cpu_line() -> str:
     """The CPU as treadle sees it (model, cores, best instruction-set kind, whether bf16 is
-    native: :mod:`treadle.core.cpu`), plus what caps it when ``--isa`` emulates a lesser one."""
+    native: :mod:`treadle.core.cpu`), and the cap ``TREADLE_CPU_ISA`` sets on treadle's choices
+    (the libraries still use the whole CPU)."""
     from treadle.core.cpu import ISA_ENV, detect
 
     cpu = detect()
     capped = os.environ.get(ISA_ENV)
-    return cpu.describe() + (f" [emulated: instruction sets capped at {capped}]" if capped else "")
+    return cpu.describe() + (f" [treadle's choices capped at {capped}]" if capped else "")
 
 
 def cpu_record() -> dict:

@@ -107,9 +107,10 @@ def measure(name: str, dtype: str, args, tmp: Path) -> dict:
     from treadle.core.protocols import EngineSpec, SamplingParams
     from treadle.rollout.engines.choice import preload_libraries
     from treadle.rollout.engines.engine_process import EngineProcess
+    from treadle.store.models import parameter_count
 
-    folder = tmp / name
-    params = _params(folder) if folder.exists() else build(name, folder)
+    folder = tmp / name  # built once, for the first dtype
+    params = parameter_count(folder) if folder.exists() else build(name, folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
     vocab = model.config.vocab_size
     prompts = prompts_for(vocab, args.prompts)
@@ -147,12 +148,6 @@ def measure(name: str, dtype: str, args, tmp: Path) -> dict:
     row["runs"] = rates
     row["ratio"] = row["treadle"] / row["hf_generate"]
     return row
-
-
-def _params(folder: Path) -> int:
-    from treadle.store.models import parameter_count
-
-    return parameter_count(folder)
 
 
 def main() -> None:

