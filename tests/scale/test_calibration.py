@@ -1,0 +1,71 @@
+"""The scale model against published figures (SCALE.md): memory and simulated throughput."""
+
+import pytest
+
+from treadle.core.errors import UserError
+from treadle.scale.hardware import GIB, gpu
+from treadle.scale.memory import Layout, trainer
+from treadle.scale.plan import Question, plan
+from treadle.scale.shapes import NAMED
+from treadle.scale.simulate import Lengths, Setup, Workload, segment_s, simulate
+
+
+@pytest.mark.parametrize(("stage", "published_gb"), [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_zero_figure_1_model_states(stage, published_gb):
+    # ZeRO Fig. 1: 7.5B parameters, 64 GPUs, K = 12: (2 + 2 + 12) x 7.5 = 120 GB at stage 0,
+    # 2 x 7.5 + 2 x 7.5 + 12 x 7.5 / 64 = 31.4 at stage 1, ... 16 x 7.5 / 64 = 1.9 at stage 3
+    b = trainer(NAMED["gpt-7.5b"], Layout(dp=64, zero=stage, convention="mixed"), 1, 1024)
+    states = (b.parameters + b.gradients + b.optimizer) / 1e9
+    assert states == pytest.approx(published_gb, rel=0.10)
+
+
+def test_torchtitan_llama_8b_fsdp_peak():
+    # torchtitan (arXiv 2410.06511) Table 1: Llama 3.1 8B, FSDP on 8 H100, local batch 2,
+    # seq 8192, selective activation checkpointing: 82.4 GiB peak
+    b = trainer(NAMED["llama3.1-8b"], Layout(dp=8), 2, 8192, "selective")
+    assert b.total / GIB == pytest.approx(82.4, rel=0.10)
+
+
+def test_parameter_counts_match_the_model_cards():
+    # Llama 3.1 8B: 8.03B; Qwen2.5-7B: 7.62B; DeepSeek-V3: 671B total, 37B active
+    assert NAMED["llama3.1-8b"].params() / 1e9 == pytest.approx(8.03, abs=0.01)
+    assert NAMED["qwen2.5-7b"].params() / 1e9 == pytest.approx(7.62, abs=0.01)
+    assert NAMED["deepseek-v3"].params() / 1e9 == pytest.approx(671, rel=0.01)
+    assert NAMED["deepseek-v3"].active_params() / 1e9 == pytest.approx(37, rel=0.03)
+
+
+def test_segment_time_equals_the_step_by_step_sum():
+    # compute dominates first (1e-3 x 64 = 0.064 s > 0.005 s of weights), the KV bytes
+    # (2e-8 s per context token against 1e-8) overtake it later: the closed form splits there
+    costs = (1e-3, 1e-8, 2e-7, 1e-3)
+    b, c0, n = 64, 1000, 5000
+    brute = sum(
+        max(costs[0] * b + costs[1] * (c0 + b * j), 0.005 + costs[2] * (c0 + b * j)) + costs[3]
+        for j in range(n)
+    )
+    assert segment_s(costs, 0.005, b, c0, n) == pytest.approx(brute, rel=1e-9)
+
+
+AREAL = Workload(64, 16, 300, Lengths(5000, 8192, 0.8), minibatches=4)
+
+
+@pytest.mark.parametrize(("eta", "published"), [(0, 27.1e3), (1, 47.8e3), (16, 52.0e3)])
+def test_areal_throughput_by_staleness(eta, published):
+    # AReaL (arXiv 2505.24298): R1-Distill-Qwen-1.5B, 8 H800, 8k context, 64 x 16; assumed:
+    # 6 generation : 2 training GPUs, 300-token prompts, responses lognormal mean 5,000
+    mode = "sync" if eta == 0 else "async"
+    setup = Setup(gpu("h800"), 6, 2, mode=mode, staleness=eta, partial=eta > 0)
+    r = simulate(NAMED["r1-distill-qwen-1.5b"], AREAL, setup, steps=6)
+    assert r.tokens_per_s == pytest.approx(published, rel=0.20)
+
+
+def test_plan_refuses_more_tensor_parallel_ranks_than_heads():
+    q = Question(NAMED["llama3.1-8b"], gpu("h100"), 8, AREAL, tp=64)
+    with pytest.raises(UserError, match="does not divide the 32 attention heads"):
+        plan(q)
+
+
+def test_plan_refuses_a_model_that_fits_no_placement_and_says_what_would():
+    q = Question(NAMED["llama3.1-70b"], gpu("a100"), 4, AREAL)
+    with pytest.raises(UserError, match=r"it fits \d+ GPUs"):
+        plan(q)

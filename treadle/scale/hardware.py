@@ -1,0 +1,96 @@
+"""GPU types: datasheet figures, and the efficiencies that turn them into seconds.
+
+One :class:`Gpu` per type; nothing is fitted per experiment. The datasheet figures are dense
+bf16 tensor throughput, HBM bandwidth and interconnects (NVIDIA's H100/H800/H20/H200/A100
+datasheets); the efficiencies are one set for all GPUs of the generation (SCALE.md says how
+they were chosen and what each published figure then gives).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from treadle.core.errors import UserError
+
+GB = 1e9
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """What fraction of a datasheet figure real kernels reach, and fixed latencies."""
+
+    train_mfu: float = 0.40
+    """Model FLOPs utilisation of a training pass with enough tokens per GPU (FSDP/Megatron,
+    bf16, flash attention; torchtitan reports 38-44% on H100 for Llama 3.1 8B)."""
+    train_half_tokens: float = 4096.0
+    """Tokens per GPU per pass at which a training pass reaches half its MFU: small batches
+    leave the GPU waiting on collectives and launches (a saturating curve t / (t + this))."""
+    prefill_mfu: float = 0.50
+    decode_bandwidth: float = 0.65
+    """Fraction of HBM bandwidth a decode step reaches reading weights and KV cache."""
+    decode_mfu: float = 0.45
+    """Ceiling of decode FLOPs utilisation, reached at large batches."""
+    layer_latency_s: float = 40e-6
+    """Fixed time per layer per decode step (kernel launches, CUDA graphs' floor, TP
+    all-reduce latency): what a batch-1 step costs beyond its bytes."""
+    kv_memory_fraction: float = 0.85
+    """GPU memory an engine may use (vLLM's gpu_memory_utilization)."""
+    max_batch: int = 256
+    """Requests one engine decodes at once at most (vLLM's max_num_seqs)."""
+    sync_overhead_s: float = 2.0
+    """Fixed cost of one weight update of the engines: pause, flush the KV cache, resume."""
+    interconnect: float = 0.7
+    """Fraction of link bandwidth a collective reaches."""
+    pcie_gbps: float = 25.0
+    """Host <-> GPU copies, GB/s (offloading in a colocated placement)."""
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One GPU type. Rates are per GPU; GB/s and TFLOP/s are decimal (1e9, 1e12)."""
+
+    name: str
+    memory_gib: float
+    bf16_tflops: float
+    """Dense bf16 tensor-core peak (no sparsity)."""
+    hbm_tbps: float
+    nvlink_gbps: float
+    """NVLink bandwidth per GPU, one direction."""
+    network_gbps: float
+    """Inter-node bandwidth per GPU (InfiniBand / RoCE), one direction."""
+    per_node: int = 8
+    efficiency: Efficiency = Efficiency()
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gib * GIB
+
+
+GPUS: dict[str, Gpu] = {
+    g.name: g
+    for g in (
+        Gpu("h100", 79.6, 989.0, 3.35, 450.0, 50.0),
+        Gpu("h100-95g", 94.5, 989.0, 3.9, 450.0, 50.0),  # torchtitan's H100 (95 GiB HBM)
+        Gpu("h800", 79.6, 989.0, 3.35, 200.0, 50.0),  # China variant: NVLink 400 GB/s bidir
+        Gpu("h20", 95.0, 148.0, 4.0, 450.0, 50.0),  # China variant: 96 GB, 148 TFLOP/s
+        Gpu("h200", 139.8, 989.0, 4.8, 450.0, 50.0),
+        Gpu("a100", 79.2, 312.0, 2.04, 300.0, 25.0),
+    )
+}
+"""GPU types by name. 79.6 GiB is what an 80 GB H100 reports to torch."""
+
+
+def gpu(name: str, **efficiency: float) -> Gpu:
+    """The GPU type ``name``, with efficiencies overridden by keyword.
+
+    Raises:
+        UserError: an unknown name (lists the known ones) or an unknown efficiency field.
+    """
+    if name not in GPUS:
+        raise UserError(f"--gpu {name}: unknown GPU type; known: {', '.join(GPUS)}")
+    base = GPUS[name]
+    unknown = set(efficiency) - set(Efficiency.__dataclass_fields__)
+    if unknown:
+        raise UserError(f"unknown efficiency field {sorted(unknown)[0]!r}")
+    return replace(base, efficiency=replace(base.efficiency, **efficiency))

@@ -1,0 +1,180 @@
+"""Memory per GPU of each role: parameters, gradients, optimizer states, activations, logits,
+KV cache and framework overhead, for a data/tensor/pipeline-parallel layout.
+
+Sources: ZeRO (Rajbhandari et al. 2020, arXiv 1910.02054, Sec. 3.1 and 5: 2 + 2 + K bytes per
+parameter with K = 12 for mixed-precision Adam, each term divided by the data-parallel degree
+from its stage on); activations per layer after Korthikanti et al. 2022 (arXiv 2205.05198,
+Eq. 1 to 6), counted for today's layers (RMSNorm, SwiGLU, grouped-query attention, flash
+attention, no dropout): for a GPT layer this gives 32 sbh bytes, their 34 sbh less the two
+dropout masks, and flash attention keeps none of their 5 a s^2 b score bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from treadle.core.errors import UserError
+from treadle.scale.hardware import GIB, Gpu
+from treadle.scale.shapes import ModelShape
+
+Recompute = Literal["none", "selective", "full"]
+Convention = Literal["mixed", "fsdp"]
+OVERHEAD_BYTES = 1.0 * GIB
+"""CUDA context, cuBLAS workspaces and NCCL buffers per process."""
+FRAGMENTATION = 0.05
+"""What the caching allocator reserves beyond what tensors hold (torch's reserved / allocated)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one role's model is split over GPUs: dp x tp x pp GPUs (ep shards the experts over
+    the data-parallel ranks, as Megatron's expert parallelism does)."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    zero: int = 3
+    """ZeRO stage 0-3 over the dp ranks; 3 is FSDP's full sharding."""
+    convention: Convention = "fsdp"
+    """``mixed``: bf16 parameters and gradients, fp32 master copy and Adam moments (ZeRO's
+    2 + 2 + 12 bytes). ``fsdp``: fp32 sharded parameters, gradients and Adam moments
+    (4 + 4 + 8), with bf16 copies of the layers being all-gathered (torchtitan's FSDP2)."""
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Bytes per GPU of one role, term by term."""
+
+    role: str
+    parameters: float = 0.0
+    gradients: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    logits: float = 0.0
+    kv_cache: float = 0.0
+    overhead: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return sum(self.terms().values())
+
+    def terms(self) -> dict[str, float]:
+        """Each term by name, in bytes."""
+        names = ("parameters", "gradients", "optimizer", "activations", "logits", "kv_cache")
+        return {n: getattr(self, n) for n in (*names, "overhead")}
+
+
+def check_layout(shape: ModelShape, layout: Layout) -> None:
+    """Raises UserError for a layout the model cannot take, naming the ones it can."""
+    if layout.tp < 1 or shape.heads % layout.tp:
+        fits = [t for t in (1, 2, 4, 8, 16, 32, 64, 128) if shape.heads % t == 0][-4:]
+        raise UserError(
+            f"tensor parallel {layout.tp} does not divide the {shape.heads} attention heads of "
+            f"{shape.name}; use --tp {' or '.join(map(str, fits))}"
+        )
+    if layout.pp > shape.layers:
+        raise UserError(
+            f"pipeline parallel {layout.pp} is more stages than {shape.name}'s {shape.layers} "
+            f"layers; use --pp {shape.layers} or fewer"
+        )
+
+
+def per_token_layer_bytes(shape: ModelShape, recompute: Recompute, context: int) -> float:
+    """Activation bytes one token keeps per layer for the backward pass (bf16).
+
+    ``none``: attention keeps its norm's input, the QKV input, Q/K/V and the attention output
+    (2h + 2h + 2(q + 2kv) + 2q); the MLP its norm's input, its input and for SwiGLU the gate, up,
+    activation and product outputs (2h + 2h + 8i; a GPT MLP 2h + 2h + 4i with i = 4h), plus
+    the 5 a s score bytes where attention is not flash (``context`` = s). ``selective``: the
+    layer input, the attention output and every second matmul output (torchtitan's op-level
+    selective checkpointing; norms and activations recomputed). ``full``: the layer input.
+    """
+    h, q, kv = shape.hidden, shape.q_dim, shape.kv_dim
+    i = shape.expert_intermediate * shape.experts_active if shape.experts else shape.intermediate
+    if recompute == "full":
+        return 2.0 * h
+    if recompute == "selective":
+        matmul_outputs = q + 2 * kv + h + (2 * i if shape.gated_mlp else i) + h
+        return 2.0 * h + 2.0 * q + matmul_outputs  # half of them, 2 bytes each
+    mlp = 4 * h + (8 * i if shape.gated_mlp else 4 * i)
+    return 4 * h + 2 * (q + 2 * kv) + 2 * q + mlp + 0 * context
+
+
+def trainer(
+    shape: ModelShape,
+    layout: Layout,
+    micro_batch: int,
+    seq: int,
+    recompute: Recompute = "selective",
+    role: str = "policy",
+    trainable: bool = True,
+) -> Breakdown:
+    """Bytes per GPU of a trained (policy, critic) or forward-only (reference, reward model)
+    role holding ``micro_batch`` sequences of ``seq`` tokens per pass.
+
+    Model states are divided by tp x pp, then per ZeRO stage by dp (experts also by ep). The
+    activations of L / pp layers are held for pp micro-batches in flight (1F1B's first stage),
+    divided by tp (sequence parallel). A critic has a value head instead of the vocabulary
+    logits. Forward-only roles keep bf16 weights and one layer's activations.
+    """
+    check_layout(shape, layout)
+    model_split = layout.tp * layout.pp
+    expert = shape.expert_params()
+    psi = (shape.params() - expert) / model_split + expert / (model_split * layout.ep)
+    tokens = micro_batch * seq
+    vocab = 1 if role in ("critic", "reward") else shape.vocab
+    if not trainable:
+        activations = 4 * tokens * shape.hidden / layout.tp
+        logits = tokens * vocab * (2 + 4) / layout.tp  # bf16 logits, fp32 log-softmax
+        return _with_overhead(Breakdown(role, 2 * psi, 0, 0, activations, logits))
+    z, dp = layout.zero, layout.dp
+    if layout.convention == "mixed":
+        params = 2 * psi / (dp if z >= 3 else 1)
+        grads = 2 * psi / (dp if z >= 2 else 1)
+        optimizer = 12 * psi / (dp if z >= 1 else 1)
+    else:
+        layer = (shape.params() - 2 * shape.vocab * shape.hidden) / shape.layers / model_split
+        gathered = 2 * 2 * layer + 2 * shape.vocab * shape.hidden / model_split  # 2 layers + head
+        params = 4 * psi / (dp if z >= 3 else 1) + (gathered if z >= 3 else 0)
+        grads = 4 * psi / (dp if z >= 2 else 1)
+        optimizer = 8 * psi / (dp if z >= 1 else 1)
+    per_layer = per_token_layer_bytes(shape, recompute, seq) * tokens
+    activations = per_layer * shape.layers / layout.tp
+    if recompute == "full":  # plus one layer recomputed at a time
+        activations += per_token_layer_bytes(shape, "none", seq) * tokens / layout.tp
+    # bf16 logits, their fp32 copy, cross-entropy's saved log-probabilities, the fp32 gradient
+    logits = tokens * vocab * (2 + 4 + 4 + 4) / layout.tp
+    return _with_overhead(Breakdown(role, params, grads, optimizer, activations, logits))
+
+
+def engine(
+    shape: ModelShape, gpu: Gpu, tp: int, ep: int = 1, budget: float | None = None
+) -> Breakdown:
+    """Bytes per GPU of an inference engine of ``tp`` GPUs (``ep`` shards its experts): bf16
+    weights, and a KV cache filling the rest of ``budget`` (default: the GPU's memory times
+    ``kv_memory_fraction``, vLLM's gpu_memory_utilization)."""
+    check_layout(shape, Layout(tp=tp))
+    expert = shape.expert_params()
+    weights = 2 * ((shape.params() - expert) / tp + expert / (tp * ep))
+    budget = gpu.memory_bytes * gpu.efficiency.kv_memory_fraction if budget is None else budget
+    kv = max(0.0, budget - weights - OVERHEAD_BYTES)
+    return Breakdown("engine", parameters=weights, kv_cache=kv, overhead=OVERHEAD_BYTES)
+
+
+def kv_bytes_per_token(shape: ModelShape, tp: int = 1) -> float:
+    """KV cache bytes of one token on one of ``tp`` GPUs (bf16; MLA's latent is not split)."""
+    return 2.0 * shape.kv_elements_per_token() / (1 if shape.mla else tp)
+
+
+def _with_overhead(b: Breakdown) -> Breakdown:
+    held = b.total
+    return Breakdown(
+        b.role, b.parameters, b.gradients, b.optimizer, b.activations, b.logits, b.kv_cache,
+        OVERHEAD_BYTES + FRAGMENTATION * held,
+    )  # fmt: skip

@@ -1,0 +1,196 @@
+"""Placements of an RL recipe's roles on N GPUs, the memory each needs per GPU, which fit,
+and their simulated step time.
+
+A *colocated* placement runs the engine and the trainer on the same GPUs in turns (verl's
+hybrid engine): during rollout the trainer's parameters, gradients and optimizer states stay
+resident beside the engine's weights and KV cache, and during the update the engine sleeps
+(its KV cache freed, its weights offloaded, vLLM's sleep mode). A *disaggregated* placement
+gives the engines their own GPUs (AReaL, verl's fully-async recipe).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from treadle.core.errors import UserError
+from treadle.scale.hardware import GIB, Gpu
+from treadle.scale.memory import Breakdown, Layout, Recompute, check_layout, engine, trainer
+from treadle.scale.shapes import ModelShape
+from treadle.scale.simulate import Result, Setup, Workload, simulate
+
+ROLES = ("policy", "reference", "critic", "reward", "engine")
+TRAINED = {"policy", "critic"}
+
+
+@dataclass(frozen=True)
+class Question:
+    """What ``treadle plan`` is asked."""
+
+    shape: ModelShape
+    gpu: Gpu
+    gpus: int
+    work: Workload
+    micro_batch: int = 1
+    """Sequences per training pass per data-parallel rank."""
+    roles: tuple[str, ...] = ("policy", "reference", "engine")
+    recompute: Recompute = "selective"
+    tp: int | None = None
+    """Training tensor-parallel degree; None: the smallest that fits."""
+    pp: int | None = None
+    zero: int = 3
+
+    @property
+    def seq(self) -> int:
+        return self.work.prompt_tokens + self.work.lengths.max
+
+
+@dataclass
+class Placement:
+    """One way to place the roles, with its memory per GPU and simulated step."""
+
+    kind: str
+    """``colocated`` or ``disaggregated``."""
+    rollout_gpus: int
+    train_gpus: int
+    layout: Layout
+    engine_tp: int
+    mode: str
+    memory: list[Breakdown] = field(default_factory=list)
+    """Per role, bytes per GPU of the GPUs that hold it."""
+    train_peak: float = 0.0
+    """Peak bytes per training GPU (colocated: the larger of the rollout and update phases)."""
+    engine_peak: float = 0.0
+    fits: bool = False
+    result: Result | None = None
+
+    @property
+    def label(self) -> str:
+        lay = self.layout
+        split = "" if self.kind == "colocated" else f" {self.rollout_gpus}:{self.train_gpus}"
+        return (
+            f"{self.kind}{split} {self.mode} | train dp{lay.dp} tp{lay.tp} pp{lay.pp} "
+            f"zero{lay.zero} | engine tp{self.engine_tp}"
+        )
+
+
+def measure(q: Question, p: Placement) -> Placement:
+    """Fill in ``p``'s memory per role and whether it fits ``q.gpu``."""
+    roles = [r for r in q.roles if r != "engine"]
+    seq = q.seq
+    p.memory = [
+        trainer(q.shape, p.layout, q.micro_batch, seq, q.recompute, r, trainable=r in TRAINED)
+        for r in roles
+    ]
+    states = sum(b.parameters + b.gradients + b.optimizer for b in p.memory)
+    update = sum(b.total for b in p.memory)
+    memory = q.gpu.memory_bytes
+    fraction = q.gpu.efficiency.kv_memory_fraction
+    if "engine" in q.roles:
+        budget = memory * fraction - (states if p.kind == "colocated" else 0.0)
+        eng = engine(q.shape, q.gpu, p.engine_tp, budget=budget)
+        p.memory.append(eng)
+        kv_needed = seq * _kv_per_token(q.shape, p.engine_tp)
+        engine_min = eng.parameters + eng.overhead + kv_needed
+        p.engine_peak = eng.total
+        engine_fits = eng.kv_cache >= kv_needed
+    else:
+        engine_min, engine_fits = 0.0, True
+    if p.kind == "colocated":
+        p.train_peak = max(update, states + engine_min)
+        p.engine_peak = p.train_peak
+    else:
+        p.train_peak = update
+    p.fits = engine_fits and p.train_peak <= memory
+    return p
+
+
+def _kv_per_token(shape: ModelShape, tp: int) -> float:
+    from treadle.scale.memory import kv_bytes_per_token
+
+    return kv_bytes_per_token(shape, tp)
+
+
+def candidates(q: Question) -> list[Placement]:
+    """Colocated and disaggregated placements (rollout shares of 1/4, 1/2 and 3/4), each
+    with the smallest training model-parallel layout and engine TP that fit."""
+    out = []
+    splits = [("colocated", q.gpus, q.gpus)]
+    if "engine" in q.roles and q.gpus >= 2:
+        for share in (0.25, 0.5, 0.75):
+            rollout = max(1, round(q.gpus * share))
+            if 0 < rollout < q.gpus:
+                splits.append(("disaggregated", rollout, q.gpus - rollout))
+    for kind, rollout, train in dict.fromkeys(splits):
+        placed = _smallest_fit(q, kind, rollout, train)
+        if placed is not None:
+            out.append(placed)
+    return out
+
+
+def _smallest_fit(q: Question, kind: str, rollout: int, train: int) -> Placement | None:
+    """The placement with the least model parallelism that fits, else the last one tried
+    (so a refusal can say how far it was)."""
+    tps = [q.tp] if q.tp else [t for t in (1, 2, 4, 8) if q.shape.heads % t == 0]
+    pps = [q.pp] if q.pp else [1, 2, 4, 8, 16]
+    engine_tps = [t for t in (1, 2, 4, 8, 16, 32, 64) if q.shape.heads % t == 0 and t <= rollout]
+    tried = None
+    for pp in pps:
+        for tp in tps:
+            if train % (tp * pp) or pp > q.shape.layers:
+                continue
+            layout = Layout(dp=train // (tp * pp), tp=tp, pp=pp, zero=q.zero)
+            ep = layout.dp if q.shape.experts else 1
+            layout = replace(layout, ep=ep)
+            for etp in engine_tps or [1]:
+                if rollout % etp:
+                    continue
+                mode = "sync" if kind == "colocated" else "async"
+                tried = measure(q, Placement(kind, rollout, train, layout, etp, mode))
+                if tried.fits:
+                    return tried
+    return tried
+
+
+def plan(q: Question, steps: int = 3) -> list[Placement]:
+    """The placements that fit, fastest first by simulated step time (colocated: sync;
+    disaggregated: asynchronous, staleness 1, partial rollouts).
+
+    Raises:
+        UserError: an explicit --tp the model cannot take, or no placement fits (says how
+            many GPUs of this type the smallest fitting placement needs).
+    """
+    if q.tp:
+        check_layout(q.shape, Layout(tp=q.tp, pp=q.pp or 1))
+    fits = [p for p in candidates(q) if p.fits]
+    if not fits:
+        raise UserError(_nothing_fits(q))
+    for p in fits:
+        setup = Setup(
+            q.gpu, p.rollout_gpus, p.train_gpus, colocated=p.kind == "colocated",
+            engine_tp=p.engine_tp, mode="sync" if p.kind == "colocated" else "async",
+            staleness=0 if p.kind == "colocated" else 1, partial=p.kind != "colocated",
+        )  # fmt: skip
+        if "engine" in q.roles:
+            p.result = simulate(q.shape, q.work, setup, steps=steps)
+    return sorted(fits, key=lambda p: p.result.step_s if p.result else 0.0)
+
+
+def _nothing_fits(q: Question) -> str:
+    """One line: what does not fit, and the smallest GPU count of this type that would."""
+    gpus = q.gpus
+    while gpus < 16384:
+        gpus *= 2
+        if any(p.fits for p in candidates(replace(q, gpus=gpus))):
+            break
+    best = min(candidates(q), key=lambda p: p.train_peak, default=None)
+    need = (
+        f"; the closest needs {best.train_peak / GIB:.0f} GiB per GPU ({best.label})"
+        if best
+        else ""
+    )
+    roles = ", ".join(q.roles)
+    return (
+        f"{q.shape.name} with {roles} at {q.seq:,} tokens per sequence does not fit "
+        f"{q.gpus} x {q.gpu.name} ({q.gpu.memory_gib:.0f} GiB) in any placement{need}: it fits "
+        f"{gpus} GPUs, or lower the sequence length, --micro-batch or use --recompute full"
+    )

@@ -1,0 +1,201 @@
+"""Model shapes: the sizes that decide parameters, FLOPs, activations and KV cache.
+
+A shape comes from a Hugging Face ``config.json`` (Llama, Qwen2/3, Mistral, and DeepSeek-V3's
+multi-head latent attention and mixture of experts) or from a name in :data:`NAMED`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from treadle.core.errors import UserError
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A decoder-only transformer's sizes. Counts are elements, not bytes."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    """FFN width of a dense layer (SwiGLU: three matrices of hidden x intermediate)."""
+    vocab: int
+    tied_embeddings: bool = False
+    qkv_bias: bool = False
+    gated_mlp: bool = True
+    """SwiGLU (three matrices); False: a GPT MLP of two matrices (Korthikanti et al.'s model)."""
+    experts: int = 0
+    """Routed experts per MoE layer; 0 for a dense model."""
+    experts_active: int = 0
+    shared_experts: int = 0
+    expert_intermediate: int = 0
+    dense_layers: int = 0
+    """Leading layers with a dense FFN in an MoE model (DeepSeek-V3: 3)."""
+    q_lora_rank: int = 0
+    """Multi-head latent attention (DeepSeek-V2/V3, arXiv 2405.04434): 0 for standard attention."""
+    kv_lora_rank: int = 0
+    rope_head_dim: int = 0
+    v_head_dim: int = 0
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the queries (heads x head_dim)."""
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the keys, and of the values (kv_heads x head_dim)."""
+        return self.kv_heads * self.head_dim
+
+    def attention_params(self) -> int:
+        """Parameters of one layer's attention, its norm included."""
+        h = self.hidden
+        if self.mla:
+            qk = self.head_dim + self.rope_head_dim  # head_dim is the no-RoPE part
+            q = h * self.q_lora_rank + self.q_lora_rank * self.heads * qk
+            kv = h * (self.kv_lora_rank + self.rope_head_dim)
+            kv += self.kv_lora_rank * self.heads * (self.head_dim + self.v_head_dim)
+            return q + kv + self.heads * self.v_head_dim * h + h
+        bias = (self.q_dim + 2 * self.kv_dim) if self.qkv_bias else 0
+        return h * (self.q_dim + 2 * self.kv_dim) + self.q_dim * h + bias + h
+
+    def ffn_params(self, width: int) -> int:
+        """Parameters of one FFN of ``width`` (its norm not included)."""
+        return (3 if self.gated_mlp else 2) * self.hidden * width
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.dense_layers if self.experts else 0
+
+    def params(self) -> int:
+        """All parameters (embeddings and output layer included)."""
+        dense = self.layers - self.moe_layers
+        expert = self.ffn_params(self.expert_intermediate)
+        moe = (self.experts + self.shared_experts) * expert + self.experts * self.hidden
+        total = self.layers * (self.attention_params() + self.hidden)  # + the FFN norm
+        total += dense * self.ffn_params(self.intermediate) + self.moe_layers * moe
+        embeddings = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+        return total + embeddings + self.hidden
+
+    def active_params(self) -> int:
+        """Parameters one token passes through: the routed experts it uses, not all of them;
+        the input embedding (a lookup, no FLOPs) left out. 2 x this is a token's forward FLOPs
+        (Kaplan et al. 2020, arXiv 2001.08361, Eq. 2.2, without the attention term)."""
+        expert = self.ffn_params(self.expert_intermediate)
+        unused = self.moe_layers * (self.experts - self.experts_active) * expert
+        return (
+            self.params() - unused - self.vocab * self.hidden * (0 if self.tied_embeddings else 1)
+        )
+
+    def expert_params(self) -> int:
+        """Parameters of all routed experts (what expert parallelism shards)."""
+        return self.moe_layers * self.experts * self.ffn_params(self.expert_intermediate)
+
+    def kv_elements_per_token(self) -> int:
+        """KV cache elements one token keeps, over all layers: 2 x kv_heads x head_dim per
+        layer, or MLA's compressed latent plus its RoPE key (kv_lora_rank + rope_head_dim)."""
+        per_layer = self.kv_lora_rank + self.rope_head_dim if self.mla else 2 * self.kv_dim
+        return self.layers * per_layer
+
+    def attention_flops_per_token(self, context: float) -> float:
+        """Forward FLOPs of the attention scores and their weighted sum for one token that
+        attends to ``context`` tokens: 2 matmuls x 2 FLOPs x q_dim x context, per layer."""
+        width = self.heads * (self.head_dim + self.rope_head_dim) if self.mla else self.q_dim
+        return 4.0 * self.layers * width * context
+
+
+NAMED: dict[str, ModelShape] = {
+    s.name: s
+    for s in (
+        # ZeRO (arXiv 1910.02054) Fig. 1's 7.5B model: Megatron GPT, 4h MLP
+        ModelShape("gpt-7.5b", 72, 2912, 32, 32, 91, 4 * 2912, 50257, True, False, False),
+        ModelShape("llama3.1-8b", 32, 4096, 32, 8, 128, 14336, 128256),
+        ModelShape("qwen2.5-0.5b", 24, 896, 14, 2, 64, 4864, 151936, True, True),
+        ModelShape("qwen2.5-1.5b", 28, 1536, 12, 2, 128, 8960, 151936, True, True),
+        ModelShape("r1-distill-qwen-1.5b", 28, 1536, 12, 2, 128, 8960, 151936, False, True),
+        ModelShape("qwen2.5-7b", 28, 3584, 28, 4, 128, 18944, 152064, False, True),
+        ModelShape("qwen2.5-math-7b", 28, 3584, 28, 4, 128, 18944, 152064, False, True),
+        ModelShape("qwen2.5-32b", 64, 5120, 40, 8, 128, 27648, 152064, False, True),
+        ModelShape("llama3.1-70b", 80, 8192, 64, 8, 128, 28672, 128256),
+        ModelShape(
+            "deepseek-v3", 61, 7168, 128, 128, 128, 18432, 129280,
+            experts=256, experts_active=8, shared_experts=1, expert_intermediate=2048,
+            dense_layers=3, q_lora_rank=1536, kv_lora_rank=512, rope_head_dim=64, v_head_dim=128,
+        ),
+    )
+}  # fmt: skip
+"""Named shapes, from each model's published ``config.json``."""
+
+
+def from_hf_config(config: dict, name: str) -> ModelShape:
+    """The shape of a Hugging Face ``config.json`` (already parsed).
+
+    Raises:
+        UserError: a key the shape needs is missing (names the key and the file).
+    """
+    try:
+        heads = config["num_attention_heads"]
+        hidden = config["hidden_size"]
+        shape = ModelShape(
+            name=name,
+            layers=config["num_hidden_layers"],
+            hidden=hidden,
+            heads=heads,
+            kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("qk_nope_head_dim") or config.get("head_dim") or hidden // heads,
+            intermediate=config["intermediate_size"],
+            vocab=config["vocab_size"],
+            tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=bool(config.get("attention_bias", config.get("model_type") == "qwen2")),
+        )
+    except KeyError as e:
+        raise UserError(f"{name}: config.json has no {e.args[0]!r}; pass a named shape") from None
+    routed = config.get("n_routed_experts") or config.get("num_experts") or 0
+    if routed:
+        shape = replace(
+            shape,
+            experts=routed,
+            experts_active=config.get("num_experts_per_tok", 0),
+            shared_experts=config.get("n_shared_experts") or 0,
+            expert_intermediate=config.get("moe_intermediate_size", 0),
+            dense_layers=config.get("first_k_dense_replace", 0),
+        )
+    if config.get("kv_lora_rank"):
+        shape = replace(
+            shape,
+            q_lora_rank=config.get("q_lora_rank") or 0,
+            kv_lora_rank=config["kv_lora_rank"],
+            rope_head_dim=config.get("qk_rope_head_dim", 0),
+            v_head_dim=config.get("v_head_dim", shape.head_dim),
+        )
+    return shape
+
+
+def resolve(model: str) -> ModelShape:
+    """A named shape, or the shape of a model folder (or its ``config.json``).
+
+    Raises:
+        UserError: neither a name in :data:`NAMED` nor a readable ``config.json``.
+    """
+    if model in NAMED:
+        return NAMED[model]
+    path = Path(model)
+    path = path / "config.json" if path.is_dir() else path
+    if not path.is_file():
+        names = ", ".join(NAMED)
+        raise UserError(f"model {model!r}: not a named shape ({names}) nor a config.json")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"model {path}: cannot read it as JSON ({e})") from None
+    return from_hf_config(config, path.parent.name or str(path))

@@ -1,0 +1,444 @@
+"""A discrete-event model of RL steps: engines decoding, rewards, training, weight sync.
+
+Engines decode continuous batches limited by their KV cache and ``max_batch``; a decode step
+costs ``max(FLOPs / (peak x mfu), bytes / (HBM x efficiency)) + layers x layer latency``
+(weights plus the batch's KV cache read once per step: the roofline of Williams et al. 2009
+applied to decoding, as in Pope et al. 2022, arXiv 2211.05102, Sec. 3). Events are request
+admissions and completions: between two, an engine's batch is fixed and its step time grows
+linearly with the context, so a segment's time is summed in closed form. Training costs its
+FLOPs (6N per token for forward and backward plus 2N per extra forward, Kaplan et al. 2020,
+arXiv 2001.08361, Eq. 2.1, and the causal attention term) at the GPU type's MFU; a weight
+sync costs a fixed pause plus bytes over the method's bandwidth.
+
+Modes, all one mechanism: batch j may start generating once the engines hold policy version
+j - eta (``sync``: eta = 0; ``one_step``: eta = 1; ``async``: the given staleness bound, as in
+AReaL, arXiv 2505.24298, Sec. 5.1). ``partial`` rollouts take new weights mid-response (their
+KV cache recomputed); otherwise an engine finishes its running requests before it updates.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Literal
+
+from treadle.core.errors import UserError
+from treadle.scale.hardware import Gpu
+from treadle.scale.memory import OVERHEAD_BYTES, kv_bytes_per_token
+from treadle.scale.shapes import ModelShape
+
+Mode = Literal["sync", "one_step", "async"]
+SyncMethod = Literal["colocated", "broadcast", "resharded"]
+SEGMENT_STEPS = 64
+"""Decode steps an engine runs before it looks again at the trainer's version: new weights
+reach a partial rollout within this many tokens."""
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """Response lengths (tokens): lognormal with this mean before the cap and shape
+    ``sigma`` (long-tailed), capped at ``max``; or ``measured`` lengths drawn with
+    replacement (e.g. a run's buffer)."""
+
+    mean: float
+    max: int
+    sigma: float = 0.8
+    measured: tuple[int, ...] = ()
+
+    def draw(self, rng: random.Random, n: int) -> list[int]:
+        """``n`` lengths, each in [1, max]."""
+        if self.measured:
+            return [min(self.max, max(1, rng.choice(self.measured))) for _ in range(n)]
+        mu = math.log(self.mean) - self.sigma**2 / 2
+        return [min(self.max, max(1, round(rng.lognormvariate(mu, self.sigma)))) for _ in range(n)]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One RL step's work."""
+
+    prompts: int
+    samples_per_prompt: int
+    prompt_tokens: int
+    lengths: Lengths
+    reward_s: float = 0.0
+    """Seconds to score one sample (graders run beside the engines, not on the GPUs)."""
+    extra_forwards: int = 1
+    """Forward passes besides the update's: 1 for the old policy's logprobs, +1 for a
+    reference, +1 for a critic's values."""
+    minibatches: int = 1
+    """Optimizer steps per RL step (ppo_mini_batch_size = batch / minibatches)."""
+
+    @property
+    def batch(self) -> int:
+        return self.prompts * self.samples_per_prompt
+
+
+@dataclass(frozen=True)
+class Setup:
+    """GPUs and how the roles use them."""
+
+    gpu: Gpu
+    rollout_gpus: int
+    train_gpus: int
+    colocated: bool = False
+    """Engines and trainer on the same GPUs, taking turns (rollout_gpus == train_gpus)."""
+    engine_tp: int = 1
+    mode: Mode = "sync"
+    staleness: float = 0.0
+    """eta for ``async``: batches the engines may run ahead of the trainer (AReaL's eta;
+    a fraction such as verl's staleness_threshold=0.5 lets half a batch run ahead)."""
+    partial: bool = False
+    oversample: float = 0.0
+    """Extra requests per batch (0.25: 25% more); a batch ends with its first ``batch``
+    finished samples and the rest are dropped."""
+    sync_method: SyncMethod | None = None
+    """Default: ``colocated`` for a colocated setup, else ``broadcast``."""
+
+    @property
+    def eta(self) -> float:
+        return {"sync": 0, "one_step": 1}.get(self.mode, self.staleness)
+
+
+@dataclass
+class Result:
+    """What a simulation measured, over the steps after the first (the pipeline's fill)."""
+
+    step_s: float
+    tokens_per_s: float
+    """Trained tokens (prompt + response) per second."""
+    engine_busy: float
+    trainer_busy: float
+    staleness_mean: float
+    staleness_max: int
+    generate_s: float
+    """Mean time from a batch's first admission to its last sample's completion."""
+    train_s: float
+    sync_s: float
+    timeline: list[tuple[str, float, float, str]] = field(default_factory=list)
+    """(lane, start s, end s, kind) bars: kind is decode, train, sync or idle."""
+
+
+def decode_rate(shape: ModelShape, gpu: Gpu, tp: int) -> tuple[float, float, float, float]:
+    """A decode step's cost terms for one engine of ``tp`` GPUs: (seconds per token of batch
+    from FLOPs, seconds per context token from FLOPs, seconds per context token from KV bytes,
+    fixed seconds from the layer latency). Weight bytes are :func:`weight_read_s`."""
+    e = gpu.efficiency
+    flops = tp * gpu.bf16_tflops * 1e12 * e.decode_mfu
+    bandwidth = tp * gpu.hbm_tbps * 1e12 * e.decode_bandwidth
+    per_token = 2.0 * shape.active_params() / flops
+    per_context_flops = shape.attention_flops_per_token(1.0) / flops
+    per_context_bytes = kv_bytes_per_token(shape, 1) / bandwidth
+    return per_token, per_context_flops, per_context_bytes, shape.layers * e.layer_latency_s
+
+
+def weight_read_s(shape: ModelShape, gpu: Gpu, tp: int, batch: int) -> float:
+    """Seconds to read the weights one decode step of ``batch`` requests touches: all dense
+    weights, and of each MoE layer the experts its tokens route to (1 - (1 - k/E)^batch)."""
+    bandwidth = tp * gpu.hbm_tbps * 1e12 * gpu.efficiency.decode_bandwidth
+    expert = shape.expert_params()
+    touched = 1 - (1 - shape.experts_active / shape.experts) ** batch if shape.experts else 0
+    return 2.0 * (shape.params() - expert + expert * touched) / bandwidth
+
+
+def segment_s(costs: tuple[float, float, float, float], weights_s: float, b: int, c0: float,
+              n: int) -> float:  # fmt: skip
+    """Seconds for ``n`` decode steps of a batch of ``b`` whose total context starts at ``c0``
+    tokens and grows by ``b`` per step: the sum of max(compute, memory) + latency, both
+    linear in the context, split where they cross."""
+    per_token, ctx_flops, ctx_bytes, latency = costs
+    a1, k1 = per_token * b, ctx_flops  # compute: a1 + k1 * c
+    a2, k2 = weights_s, ctx_bytes  # memory: a2 + k2 * c
+
+    def linear_sum(a: float, k: float, j0: int, j1: int) -> float:  # steps j0..j1-1
+        steps = j1 - j0
+        return steps * a + k * (steps * c0 + b * (j0 + j1 - 1) * steps / 2)
+
+    lines = [(a1, k1), (a2, k2)]
+    if a1 + k1 * c0 < a2 + k2 * c0:  # memory dominates the first step
+        lines.reverse()
+    root = ((a2 - a1) / (k1 - k2) - c0) / b if k1 != k2 else -1.0  # where they cross
+    split = math.ceil(root) if 0 < root < n else n
+    return linear_sum(*lines[0], 0, split) + linear_sum(*lines[1], split, n) + n * latency
+
+
+def train_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, lengths: list[int]) -> float:
+    """Seconds to train on one batch of responses of ``lengths`` tokens: forward FLOPs
+    (2N per token plus causal attention, 2 L q s^2 per sequence) times 3 for the update and
+    once per extra forward, on ``gpus`` GPUs at the MFU that the tokens per GPU and
+    optimizer step reach."""
+    fwd = 0.0
+    for response in lengths:
+        s = work.prompt_tokens + response
+        fwd += 2.0 * shape.active_params() * s + shape.attention_flops_per_token(s / 2) * s
+    flops = fwd * (3 + work.extra_forwards)
+    e = gpu.efficiency
+    tokens_per_gpu = sum(lengths) / (gpus * work.minibatches) + work.prompt_tokens
+    mfu = e.train_mfu * tokens_per_gpu / (tokens_per_gpu + e.train_half_tokens)
+    return flops / (gpus * gpu.bf16_tflops * 1e12 * mfu)
+
+
+def sync_s(shape: ModelShape, setup: Setup) -> float:
+    """Seconds of one weight update of the engines, bf16 weights: a fixed pause, plus
+    ``colocated``: each GPU's shard copied in place and the engine's weights woken from host
+    memory (PCIe); ``broadcast``: the whole model over one GPU's network link (a pipelined
+    broadcast reaches every engine at that rate); ``resharded``: each trainer GPU sends its
+    shard over its own link."""
+    g, e = setup.gpu, setup.gpu.efficiency
+    weights = 2.0 * shape.params()
+    method = setup.sync_method or ("colocated" if setup.colocated else "broadcast")
+    if method == "colocated":
+        per_gpu = weights / setup.engine_tp
+        return e.sync_overhead_s + per_gpu / (e.pcie_gbps * 1e9) + per_gpu / (g.hbm_tbps * 1e12)
+    link = (g.network_gbps if setup.train_gpus + setup.rollout_gpus > g.per_node else
+            g.nvlink_gbps) * 1e9 * e.interconnect  # fmt: skip
+    senders = 1 if method == "broadcast" else min(setup.train_gpus, setup.rollout_gpus)
+    return e.sync_overhead_s + weights / (senders * link)
+
+
+@dataclass
+class _Request:
+    sample: int
+    batch: int
+    length: int
+    done: int = 0
+    version: int = 0
+
+
+@dataclass
+class _Engine:
+    index: int
+    clock: float = 0.0
+    version: int = 0
+    running: list[_Request] = field(default_factory=list)
+    idle: bool = True
+    busy_s: float = 0.0
+
+
+class _Simulation:
+    """The event loop of :func:`simulate`; events are (time, order, kind, payload)."""
+
+    def __init__(self, shape: ModelShape, work: Workload, setup: Setup, steps: int, seed: int):
+        self.shape, self.work, self.setup, self.steps = shape, work, setup, steps
+        g = setup.gpu
+        self.costs = decode_rate(shape, g, setup.engine_tp)
+        free = g.memory_bytes * g.efficiency.kv_memory_fraction - OVERHEAD_BYTES
+        free -= 2.0 * shape.params() / setup.engine_tp
+        self.capacity = setup.engine_tp * free / kv_bytes_per_token(shape, setup.engine_tp)
+        self.prefill_per_token = (
+            2.0
+            * shape.active_params()
+            / (setup.engine_tp * g.bf16_tflops * 1e12 * g.efficiency.prefill_mfu)
+        )
+        self.sync = sync_s(shape, setup)
+        rng = random.Random(seed)
+        per_batch = self.per_batch = math.ceil(work.batch * (1 + setup.oversample))
+        self.queue = [
+            _Request(j * per_batch + i, j, length)
+            for j in range(steps + math.ceil(setup.eta) + 2)
+            for i, length in enumerate(work.lengths.draw(rng, per_batch))
+        ]
+        self.queue.reverse()  # pop() takes the next request
+        self.engines = [_Engine(i) for i in range(setup.rollout_gpus // setup.engine_tp)]
+        self.events: list[tuple[float, int, str, object]] = []
+        self.order = 0
+        self.finished: dict[int, int] = {}  # batch -> samples finished
+        self.full: set[int] = set()  # batches with all their samples: the rest are dropped
+        self.ready: list[_Request] = []  # scored, waiting for the trainer
+        self.version = 0  # updates the trainer has made
+        self.trainer_free = True
+        self.blocked_until = 0.0  # colocated: engines wait while the trainer holds the GPUs
+        self.first_admit: dict[int, float] = {}
+        self.generate: list[float] = []
+        self.step_ends: list[float] = []
+        self.train_times: list[float] = []
+        self.staleness: list[int] = []
+        self.trained_tokens: list[int] = []
+        self.timeline: list[tuple[str, float, float, str]] = []
+
+    def push(self, time: float, kind: str, payload: object = None) -> None:
+        self.order += 1
+        heapq.heappush(self.events, (time, self.order, kind, payload))
+
+    def run(self) -> None:
+        for engine in self.engines:
+            self.push(0.0, "wake", engine)
+        while self.version < self.steps:
+            if not self.events:
+                raise RuntimeError("simulation stalled: no event left")  # a bug, not input
+            time, _, kind, payload = heapq.heappop(self.events)
+            getattr(self, f"on_{kind}")(time, payload)
+
+    def bar(self, lane: str, start: float, end: float, kind: str) -> None:
+        last = self.timeline[-1] if self.timeline else None
+        if last and last[0] == lane and last[3] == kind and abs(last[2] - start) < 1e-9:
+            self.timeline[-1] = (lane, last[1], end, kind)
+        elif end > start:
+            self.timeline.append((lane, start, end, kind))
+
+    def on_wake(self, time: float, engine: _Engine) -> None:
+        if time < self.blocked_until:
+            self.push(self.blocked_until, "wake", engine)
+            return
+        engine.running = [r for r in engine.running if r.batch not in self.full]
+        time = self.take_weights(time, engine)
+        time = self.admit(time, engine)
+        if not engine.running:
+            engine.idle, engine.clock = True, time
+            return
+        engine.idle = False
+        n = min(SEGMENT_STEPS, min(r.length - r.done for r in engine.running))
+        context = sum(self.work.prompt_tokens + r.done for r in engine.running)
+        weights = weight_read_s(self.shape, self.setup.gpu, self.setup.engine_tp,
+                                len(engine.running))  # fmt: skip
+        end = time + segment_s(self.costs, weights, len(engine.running), context, n)
+        engine.busy_s += end - time
+        self.bar(f"engine {engine.index}", time, end, "decode")
+        for r in engine.running:
+            r.done += n
+            if r.done >= r.length:
+                self.push(end + self.work.reward_s, "scored", r)
+        engine.running = [r for r in engine.running if r.done < r.length]
+        engine.clock = end
+        self.push(end, "wake", engine)
+
+    def take_weights(self, time: float, engine: _Engine) -> float:
+        """The engine loads the trainer's newest weights when it may: at once with partial
+        rollouts (recomputing the running requests' KV cache), else once it has drained."""
+        if engine.version == self.version or (engine.running and not self.setup.partial):
+            return time
+        engine.version = self.version
+        if self.setup.colocated:  # the sync was part of the trainer's turn on these GPUs
+            return time
+        recompute = sum(self.work.prompt_tokens + r.done for r in engine.running)
+        end = time + self.sync + recompute * self.prefill_per_token
+        self.bar(f"engine {engine.index}", time, end, "sync")
+        return end
+
+    def admit(self, time: float, engine: _Engine) -> float:
+        """Start queued requests while the staleness bound, the batch limit and the KV cache
+        allow; their prompts' prefill delays the engine."""
+        if engine.running and not self.setup.partial and engine.version < self.version:
+            return time  # draining before the update
+        cap = self.setup.gpu.efficiency.max_batch
+        context = sum(self.work.prompt_tokens + r.done for r in engine.running)
+        prompts = 0
+        while self.queue and len(engine.running) < cap:
+            head = self.queue[-1]
+            if head.batch in self.full:
+                self.queue.pop()
+                continue
+            need = self.work.prompt_tokens + self.work.lengths.mean
+            allowed = (engine.version + 1 + self.setup.eta) * self.per_batch
+            if head.sample >= allowed or (context + need > self.capacity and engine.running):
+                break
+            self.queue.pop()
+            head.version = engine.version
+            engine.running.append(head)
+            context += self.work.prompt_tokens
+            prompts += self.work.prompt_tokens
+            self.first_admit.setdefault(head.batch, time)
+        end = time + prompts * self.prefill_per_token
+        engine.busy_s += end - time
+        self.bar(f"engine {engine.index}", time, end, "decode")
+        return end
+
+    def on_scored(self, time: float, r: _Request) -> None:
+        if r.batch in self.full:
+            return
+        self.finished[r.batch] = self.finished.get(r.batch, 0) + 1
+        self.ready.append(r)
+        if self.finished[r.batch] == self.work.batch:
+            self.full.add(r.batch)
+            self.generate.append(time - self.first_admit[r.batch])
+        self.try_train(time)
+
+    def try_train(self, time: float) -> None:
+        if not self.trainer_free or len(self.ready) < self.work.batch:
+            return
+        batch, self.ready = self.ready[: self.work.batch], self.ready[self.work.batch :]
+        self.staleness += [self.version - r.version for r in batch]
+        self.trained_tokens.append(sum(self.work.prompt_tokens + r.length for r in batch))
+        gpus = self.setup.train_gpus
+        duration = train_s(self.shape, self.setup.gpu, gpus, self.work, [r.length for r in batch])
+        self.trainer_free = False
+        self.train_times.append(duration)
+        end = time + duration
+        self.bar("trainer", time, end, "train")
+        self.bar("trainer", end, end + self.sync, "sync")
+        if self.setup.colocated:
+            self.blocked_until = end + self.sync
+        self.push(end, "trained", None)
+
+    def on_trained(self, time: float, _: object) -> None:
+        self.version += 1
+        self.step_ends.append(time + self.sync)
+        for engine in self.engines:
+            if engine.idle:
+                engine.idle = False
+                self.push(time, "wake", engine)
+        self.push(time + self.sync, "trainer_free", None)
+
+    def on_trainer_free(self, time: float, _: object) -> None:
+        self.trainer_free = True
+        self.try_train(time)
+
+
+def check(shape: ModelShape, work: Workload, setup: Setup) -> None:
+    """Raises UserError, naming the option to change, for a setup that cannot run."""
+    if setup.rollout_gpus < 1 or setup.train_gpus < 1:
+        raise UserError("--rollout-gpus and --train-gpus must be at least 1")
+    if setup.rollout_gpus % setup.engine_tp:
+        raise UserError(
+            f"--engine-tp {setup.engine_tp} does not divide --rollout-gpus {setup.rollout_gpus}"
+        )
+    if setup.colocated and (setup.mode != "sync" or setup.rollout_gpus != setup.train_gpus):
+        raise UserError(
+            "a colocated setup takes turns on the same GPUs: use --mode sync and one --gpus "
+            "count, or --placement disaggregated for one_step/async"
+        )
+    if shape.heads % setup.engine_tp:
+        raise UserError(f"--engine-tp {setup.engine_tp} does not divide {shape.heads} heads")
+    if setup.mode == "async" and setup.staleness <= 0 and setup.partial:
+        raise UserError("--partial needs --staleness above 0 (eta = 0 is synchronous)")
+    sim = _Simulation(shape, work, setup, 1, 0)
+    longest = work.prompt_tokens + work.lengths.max
+    if sim.capacity < longest:
+        weights = 2.0 * shape.params() / setup.engine_tp / 2**30
+        raise UserError(
+            f"one engine's KV cache holds {max(0, int(sim.capacity)):,} tokens after "
+            f"{weights:.1f} GiB of weights per GPU, fewer than one prompt + longest response "
+            f"({longest:,}): raise --engine-tp or use a GPU with more memory"
+        )
+
+
+def simulate(
+    shape: ModelShape, work: Workload, setup: Setup, steps: int = 8, seed: int = 0
+) -> Result:
+    """Simulate ``steps`` RL steps (at least 2; the first, filling the pipeline, is not
+    averaged). Deterministic for a seed.
+
+    Raises:
+        UserError: a setup :func:`check` refuses.
+    """
+    check(shape, work, setup)
+    sim = _Simulation(shape, work, setup, max(2, steps), seed)
+    sim.run()
+    ends = sim.step_ends
+    step = (ends[-1] - ends[0]) / (len(ends) - 1)
+    total = ends[-1]
+    mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
+    return Result(
+        step_s=step,
+        tokens_per_s=mean(sim.trained_tokens[1:]) / step,
+        engine_busy=sum(e.busy_s for e in sim.engines) / (len(sim.engines) * total),
+        trainer_busy=sum(sim.train_times) / total,
+        staleness_mean=mean(sim.staleness),
+        staleness_max=max(sim.staleness),
+        generate_s=mean(sim.generate[1:] or sim.generate),
+        train_s=mean(sim.train_times),
+        sync_s=sim.sync,
+        timeline=sim.timeline,
+    )
