@@ -76,6 +76,10 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument(
         "--overwrite", action="store_true", help="replace an existing output folder"
     )
+    from treadle.jobs.scale_job import add_arguments
+
+    for command in ("plan", "simulate"):
+        add_arguments(sub.add_parser(command, **_about(command)), command)
     config = sub.add_parser("config", **_about("config"))
     config.add_argument(
         "section", nargs="?", help="a section (rollout, algorithm.kl, data.mix) or one key"
@@ -163,6 +167,22 @@ _ABOUT = {
         "  treadle eval runs/default/final_model recipes/eval/math500.yaml eval.k=[1,4]\n"
         "  treadle eval runs/default recipes/eval/gsm8k.yaml --output gsm8k_eval",
     ),
+    "plan": (
+        "memory per GPU and role, and the placements that fit, fastest first",
+        "Plan a run on paper: for MODEL (a named shape or a model folder's config.json) on "
+        "--gpus GPUs of --gpu type, the colocated and disaggregated placements of the roles "
+        "that fit in memory, ranked by simulated step time (SCALE.md).\n\n"
+        "Reads MODEL's config.json. Writes nothing.",
+        "treadle plan qwen2.5-7b --gpu h100 --gpus 8 --max-response 8192",
+    ),
+    "simulate": (
+        "simulate RL steps: step time, throughput, busy fractions, staleness",
+        "Simulate RL steps event by event (engines decoding with a KV-limited batch, "
+        "training at the GPU's MFU, weight sync) in sync, one_step or async mode "
+        "(SCALE.md).\n\nReads MODEL's config.json. Writes nothing.",
+        "treadle simulate r1-distill-qwen-1.5b --gpu h800 --gpus 8 --rollout-gpus 6 "
+        "--mode async --staleness 1 --partial",
+    ),
     "config": (
         "list the config keys with their type, default and meaning",
         "List the keys a recipe or an override may set, each with its type, default and "
@@ -228,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "config":  # pure data: answered without importing torch
         return _config(args.section)
+    if args.command in ("plan", "simulate"):  # pure arithmetic: no torch either
+        return _scale(args)
     import torch
     import transformers
 
@@ -418,6 +440,20 @@ def _inspect(args: argparse.Namespace, console) -> int:
         else:
             console.print(f"max |replayed - checkpointed| parameter: {r.max_param_diff:.3g}")
     return 0
+
+
+def _scale(args: argparse.Namespace) -> int:
+    """``treadle plan`` / ``treadle simulate``; 2 with one line on bad input."""
+    from rich.console import Console
+
+    from treadle.core.errors import UserError
+    from treadle.jobs.scale_job import run
+
+    try:
+        return run(args, Console())
+    except UserError as e:
+        print(f"treadle: error: {e}", file=sys.stderr)
+        return 2
 
 
 def _config(name: str | None) -> int:

@@ -69,3 +69,25 @@ def test_plan_refuses_a_model_that_fits_no_placement_and_says_what_would():
     q = Question(NAMED["llama3.1-70b"], gpu("a100"), 4, AREAL)
     with pytest.raises(UserError, match=r"it fits \d+ GPUs"):
         plan(q)
+
+
+def test_cli_plan_refusal_is_one_line_exit_2(capsys):
+    from treadle.cli import main
+
+    assert main(["plan", "llama3.1-8b", "--tp", "64"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "treadle: error: tensor parallel 64 does not divide the 32 attention heads of "
+        "llama3.1-8b; use --tp 4 or 8 or 16 or 32"
+    ]
+
+
+def test_cli_simulate_prints_json(capsys):
+    import json
+
+    from treadle.cli import main
+
+    argv = ["simulate", "qwen2.5-0.5b", "--gpus", "2", "--prompts", "8", "--json"]
+    assert main(argv) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["step_s"] > 0 and row["staleness_max"] == 0  # sync: no stale sample
