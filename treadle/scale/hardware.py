@@ -64,6 +64,7 @@ class Gpu:
 
     @property
     def memory_bytes(self) -> float:
+        """Memory in bytes."""
         return self.memory_gib * GIB
 
 

@@ -44,6 +44,7 @@ class Layout:
 
     @property
     def gpus(self) -> int:
+        """GPUs of the layout: dp x tp x pp."""
         return self.dp * self.tp * self.pp
 
 
@@ -62,6 +63,7 @@ class Breakdown:
 
     @property
     def total(self) -> float:
+        """Bytes of all terms."""
         return sum(self.terms().values())
 
     def terms(self) -> dict[str, float]:

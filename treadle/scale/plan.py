@@ -41,6 +41,7 @@ class Question:
 
     @property
     def seq(self) -> int:
+        """Longest sequence: prompt + longest response (tokens)."""
         return self.work.prompt_tokens + self.work.lengths.max
 
 
@@ -65,6 +66,7 @@ class Placement:
 
     @property
     def label(self) -> str:
+        """One line naming the placement, its split and layouts."""
         lay = self.layout
         split = "" if self.kind == "colocated" else f" {self.rollout_gpus}:{self.train_gpus}"
         return (

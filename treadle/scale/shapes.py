@@ -45,6 +45,7 @@ class ModelShape:
 
     @property
     def mla(self) -> bool:
+        """Whether attention is multi-head latent attention."""
         return self.kv_lora_rank > 0
 
     @property
@@ -75,6 +76,7 @@ class ModelShape:
 
     @property
     def moe_layers(self) -> int:
+        """Layers with a mixture-of-experts FFN."""
         return self.layers - self.dense_layers if self.experts else 0
 
     def params(self) -> int:

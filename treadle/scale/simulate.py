@@ -73,6 +73,7 @@ class Workload:
 
     @property
     def batch(self) -> int:
+        """Samples per step: prompts x samples_per_prompt."""
         return self.prompts * self.samples_per_prompt
 
 
@@ -99,6 +100,7 @@ class Setup:
 
     @property
     def eta(self) -> float:
+        """The staleness bound the mode implies."""
         return {"sync": 0, "one_step": 1}.get(self.mode, self.staleness)
 
 
@@ -259,10 +261,12 @@ class _Simulation:
         self.timeline: list[tuple[str, float, float, str]] = []
 
     def push(self, time: float, kind: str, payload: object = None) -> None:
+        """Schedule an event."""
         self.order += 1
         heapq.heappush(self.events, (time, self.order, kind, payload))
 
     def run(self) -> None:
+        """Process events until the trainer has made ``steps`` updates."""
         for engine in self.engines:
             self.push(0.0, "wake", engine)
         while self.version < self.steps:
@@ -272,6 +276,7 @@ class _Simulation:
             getattr(self, f"on_{kind}")(time, payload)
 
     def bar(self, lane: str, start: float, end: float, kind: str) -> None:
+        """Add a timeline bar, merged with the lane's previous one when they touch."""
         last = self.timeline[-1] if self.timeline else None
         if last and last[0] == lane and last[3] == kind and abs(last[2] - start) < 1e-9:
             self.timeline[-1] = (lane, last[1], end, kind)
@@ -279,6 +284,7 @@ class _Simulation:
             self.timeline.append((lane, start, end, kind))
 
     def on_wake(self, time: float, engine: _Engine) -> None:
+        """An engine looks at its requests: updates its weights, admits, decodes a segment."""
         if time < self.blocked_until:
             self.push(self.blocked_until, "wake", engine)
             return
@@ -346,6 +352,7 @@ class _Simulation:
         return end
 
     def on_scored(self, time: float, r: _Request) -> None:
+        """A scored sample joins the trainer's queue; its batch may be full now."""
         if r.batch in self.full:
             return
         self.finished[r.batch] = self.finished.get(r.batch, 0) + 1
@@ -356,6 +363,7 @@ class _Simulation:
         self.try_train(time)
 
     def try_train(self, time: float) -> None:
+        """Start an update when the trainer is free and a batch is ready."""
         if not self.trainer_free or len(self.ready) < self.work.batch:
             return
         batch, self.ready = self.ready[: self.work.batch], self.ready[self.work.batch :]
@@ -373,6 +381,7 @@ class _Simulation:
         self.push(end, "trained", None)
 
     def on_trained(self, time: float, _: object) -> None:
+        """An update ends: the version advances, idle engines wake, the sync begins."""
         self.version += 1
         self.step_ends.append(time + self.sync)
         for engine in self.engines:
@@ -382,6 +391,7 @@ class _Simulation:
         self.push(time + self.sync, "trainer_free", None)
 
     def on_trainer_free(self, time: float, _: object) -> None:
+        """The sync is over: the trainer may take the next batch."""
         self.trainer_free = True
         self.try_train(time)
 
