@@ -91,3 +91,13 @@ def test_cli_simulate_prints_json(capsys):
     assert main(argv) == 0
     (row,) = json.loads(capsys.readouterr().out)
     assert row["step_s"] > 0 and row["staleness_max"] == 0  # sync: no stale sample
+
+
+def test_timeline_plot_has_the_trainer_and_every_engine_lane(tmp_path):
+    from treadle.scale.plots import timeline
+
+    setup = Setup(gpu("h800"), 2, 2, mode="async", staleness=1, partial=True)
+    work = Workload(8, 4, 100, Lengths(400, 1024))
+    r = simulate(NAMED["qwen2.5-0.5b"], work, setup, steps=3)
+    assert {lane for lane, *_ in r.timeline} == {"trainer", "engine 0", "engine 1"}
+    assert timeline(r, tmp_path / "t.png").stat().st_size > 10_000

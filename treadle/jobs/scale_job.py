@@ -34,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--partial", action="store_true", help="partial rollouts")
     parser.add_argument("--rollout-gpus", type=int, help="disaggregated: engines' GPUs")
     parser.add_argument("--engine-tp", type=int, default=1)
+    parser.add_argument("--plot", help="write the timeline (engines and trainer) to this PNG")
 
 
 def _workload(args: argparse.Namespace) -> Workload:
@@ -61,6 +62,10 @@ def run(args: argparse.Namespace, console) -> int:
                       args.engine_tp, args.mode, args.staleness, args.partial)  # fmt: skip
         r = simulate(shape, work, setup, steps=args.steps)
         rows = [{k: v for k, v in asdict(r).items() if k != "timeline"}]
+        if args.plot:
+            from treadle.scale.plots import timeline
+
+            console.print(f"timeline: {timeline(r, args.plot)}", markup=False)
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
