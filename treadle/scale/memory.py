@@ -87,13 +87,13 @@ def check_layout(shape: ModelShape, layout: Layout) -> None:
         )
 
 
-def per_token_layer_bytes(shape: ModelShape, recompute: Recompute, context: int) -> float:
+def per_token_layer_bytes(shape: ModelShape, recompute: Recompute) -> float:
     """Activation bytes one token keeps per layer for the backward pass (bf16).
 
     ``none``: attention keeps its norm's input, the QKV input, Q/K/V and the attention output
     (2h + 2h + 2(q + 2kv) + 2q); the MLP its norm's input, its input and for SwiGLU the gate, up,
-    activation and product outputs (2h + 2h + 8i; a GPT MLP 2h + 2h + 4i with i = 4h), plus
-    the 5 a s score bytes where attention is not flash (``context`` = s). ``selective``: the
+    activation and product outputs (2h + 2h + 8i; a GPT MLP 2h + 2h + 4i with i = 4h),; flash
+    attention keeps none of Korthikanti's 5 a s score bytes. ``selective``: the
     layer input, the attention output and every second matmul output (torchtitan's op-level
     selective checkpointing; norms and activations recomputed). ``full``: the layer input.
     """
@@ -105,7 +105,7 @@ def per_token_layer_bytes(shape: ModelShape, recompute: Recompute, context: int)
         matmul_outputs = q + 2 * kv + h + (2 * i if shape.gated_mlp else i) + h
         return 2.0 * h + 2.0 * q + matmul_outputs  # half of them, 2 bytes each
     mlp = 4 * h + (8 * i if shape.gated_mlp else 4 * i)
-    return 4 * h + 2 * (q + 2 * kv) + 2 * q + mlp + 0 * context
+    return 4 * h + 2 * (q + 2 * kv) + 2 * q + mlp
 
 
 def trainer(
@@ -146,10 +146,10 @@ def trainer(
         params = 4 * psi / (dp if z >= 3 else 1) + (gathered if z >= 3 else 0)
         grads = 4 * psi / (dp if z >= 2 else 1)
         optimizer = 8 * psi / (dp if z >= 1 else 1)
-    per_layer = per_token_layer_bytes(shape, recompute, seq) * tokens
+    per_layer = per_token_layer_bytes(shape, recompute) * tokens
     activations = per_layer * shape.layers / layout.tp
     if recompute == "full":  # plus one layer recomputed at a time
-        activations += per_token_layer_bytes(shape, "none", seq) * tokens / layout.tp
+        activations += per_token_layer_bytes(shape, "none") * tokens / layout.tp
     # bf16 logits, their fp32 copy, cross-entropy's saved log-probabilities, the fp32 gradient
     logits = tokens * vocab * (2 + 4 + 4 + 4) / layout.tp
     return _with_overhead(Breakdown(role, params, grads, optimizer, activations, logits))

@@ -14,7 +14,15 @@ from dataclasses import dataclass, field, replace
 
 from treadle.core.errors import UserError
 from treadle.scale.hardware import GIB, Gpu
-from treadle.scale.memory import Breakdown, Layout, Recompute, check_layout, engine, trainer
+from treadle.scale.memory import (
+    Breakdown,
+    Layout,
+    Recompute,
+    check_layout,
+    engine,
+    kv_bytes_per_token,
+    trainer,
+)
 from treadle.scale.shapes import ModelShape
 from treadle.scale.simulate import Result, Setup, Workload, simulate
 
@@ -91,7 +99,7 @@ def measure(q: Question, p: Placement) -> Placement:
         budget = memory * fraction - (states if p.kind == "colocated" else 0.0)
         eng = engine(q.shape, q.gpu, p.engine_tp, budget=budget)
         p.memory.append(eng)
-        kv_needed = seq * _kv_per_token(q.shape, p.engine_tp)
+        kv_needed = seq * kv_bytes_per_token(q.shape, p.engine_tp)
         engine_min = eng.parameters + eng.overhead + kv_needed
         p.engine_peak = eng.total
         engine_fits = eng.kv_cache >= kv_needed
@@ -104,12 +112,6 @@ def measure(q: Question, p: Placement) -> Placement:
         p.train_peak = update
     p.fits = engine_fits and p.train_peak <= memory
     return p
-
-
-def _kv_per_token(shape: ModelShape, tp: int) -> float:
-    from treadle.scale.memory import kv_bytes_per_token
-
-    return kv_bytes_per_token(shape, tp)
 
 
 def candidates(q: Question) -> list[Placement]:

@@ -26,6 +26,7 @@ from typing import Literal
 
 from treadle.core.errors import UserError
 from treadle.scale.hardware import Gpu
+from treadle.scale import memory
 from treadle.scale.memory import OVERHEAD_BYTES, kv_bytes_per_token
 from treadle.scale.shapes import ModelShape
 
@@ -219,6 +220,17 @@ class _Engine:
     busy_s: float = 0.0
 
 
+def kv_capacity(shape: ModelShape, setup: Setup) -> float:
+    """Tokens one engine's KV cache holds: its GPUs' memory left by :func:`memory.engine`
+    (may be negative where the weights alone do not fit)."""
+    tp = setup.engine_tp
+    left = memory.engine(shape, setup.gpu, tp).kv_cache
+    if left == 0.0:  # engine() clamps at 0: say how far short the weights are
+        left = setup.gpu.memory_bytes * setup.gpu.efficiency.kv_memory_fraction
+        left -= OVERHEAD_BYTES + 2.0 * shape.params() / tp
+    return tp * left / kv_bytes_per_token(shape, tp)
+
+
 class _Simulation:
     """The event loop of :func:`simulate`; events are (time, order, kind, payload)."""
 
@@ -226,9 +238,7 @@ class _Simulation:
         self.shape, self.work, self.setup, self.steps = shape, work, setup, steps
         g = setup.gpu
         self.costs = decode_rate(shape, g, setup.engine_tp)
-        free = g.memory_bytes * g.efficiency.kv_memory_fraction - OVERHEAD_BYTES
-        free -= 2.0 * shape.params() / setup.engine_tp
-        self.capacity = setup.engine_tp * free / kv_bytes_per_token(shape, setup.engine_tp)
+        self.capacity = kv_capacity(shape, setup)
         self.prefill_per_token = (
             2.0
             * shape.active_params()
@@ -413,12 +423,12 @@ def check(shape: ModelShape, work: Workload, setup: Setup) -> None:
         raise UserError(f"--engine-tp {setup.engine_tp} does not divide {shape.heads} heads")
     if setup.mode == "async" and setup.staleness <= 0 and setup.partial:
         raise UserError("--partial needs --staleness above 0 (eta = 0 is synchronous)")
-    sim = _Simulation(shape, work, setup, 1, 0)
+    capacity = kv_capacity(shape, setup)
     longest = work.prompt_tokens + work.lengths.max
-    if sim.capacity < longest:
+    if capacity < longest:
         weights = 2.0 * shape.params() / setup.engine_tp / 2**30
         raise UserError(
-            f"one engine's KV cache holds {max(0, int(sim.capacity)):,} tokens after "
+            f"one engine's KV cache holds {max(0, int(capacity)):,} tokens after "
             f"{weights:.1f} GiB of weights per GPU, fewer than one prompt + longest response "
             f"({longest:,}): raise --engine-tp or use a GPU with more memory"
         )
