@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from treadle.core.errors import UserError
-from treadle.scale.hardware import Gpu
 from treadle.scale import memory
+from treadle.scale.hardware import Gpu
 from treadle.scale.memory import OVERHEAD_BYTES, kv_bytes_per_token
 from treadle.scale.shapes import ModelShape
 
