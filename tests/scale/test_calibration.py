@@ -46,6 +46,21 @@ def test_segment_time_equals_the_step_by_step_sum():
     assert segment_s(costs, 0.005, b, c0, n) == pytest.approx(brute, rel=1e-9)
 
 
+def test_segment_time_with_a_step_floor_equals_the_step_by_step_sum():
+    # a CPU-like engine: a 10 ms floor per step over 2e-5 s per token x 64 = 1.3 ms of compute
+    # and 1 ms of weights, until the context (+64 a step from 2,000) makes the KV bytes
+    # (1e-7 s a token: 0.2 ms + 6.4 us a step) pass the floor near step 1,375 of 3,000
+    costs = (2e-5, 1e-9, 1e-7, 0.0)
+    b, c0, n, floor = 64, 2000, 3000, 0.01
+    brute = sum(
+        max(costs[0] * b + costs[1] * (c0 + b * j), 0.001 + costs[2] * (c0 + b * j), floor)
+        for j in range(n)
+    )
+    assert segment_s(costs, 0.001, b, c0, n, floor) == pytest.approx(brute, rel=1e-9)
+    # the floor alone for the first 1,375 steps: at least 13.75 s
+    assert segment_s(costs, 0.001, b, c0, n, floor) > 13.75
+
+
 AREAL = Workload(64, 16, 300, Lengths(5000, 8192, 0.8), minibatches=4)
 
 

@@ -34,10 +34,20 @@ class Efficiency:
     layer_latency_s: float = 40e-6
     """Fixed time per layer per decode step (kernel launches, CUDA graphs' floor, TP
     all-reduce latency): what a batch-1 step costs beyond its bytes."""
+    step_floor_s: float = 0.0
+    """Least seconds a decode step takes whatever its batch: the engine's own work per step
+    (scheduling, sampling, Python) where the model is too small to hide it, as on a CPU (0 on
+    GPUs, whose floor is ``layer_latency_s``)."""
+    token_overhead_s: float = 0.0
+    """Seconds per token of a decode step's batch beyond its FLOPs (sampling, detokenizing,
+    bookkeeping per sequence): 0 on GPUs, where it overlaps the kernels."""
     kv_memory_fraction: float = 0.85
     """GPU memory an engine may use (vLLM's gpu_memory_utilization)."""
     max_batch: int = 256
     """Requests one engine decodes at once at most (vLLM's max_num_seqs)."""
+    train_overhead_s: float = 0.0
+    """Fixed seconds per update beyond its FLOPs (the optimizer step, launches, Python): 0 on
+    GPUs at the batch sizes RL uses, where the MFU curve stands for it."""
     sync_overhead_s: float = 2.0
     """Fixed cost of one weight update of the engines: pause, flush the KV cache, resume."""
     interconnect: float = 0.7

@@ -1,7 +1,7 @@
 """A discrete-event model of RL steps: engines decoding, rewards, training, weight sync.
 
 Engines decode continuous batches limited by their KV cache and ``max_batch``; a decode step
-costs ``max(FLOPs / (peak x mfu), bytes / (HBM x efficiency)) + layers x layer latency``
+costs ``max(FLOPs / (peak x mfu), bytes / (HBM x efficiency), floor) + layers x layer latency``
 (weights plus the batch's KV cache read once per step: the roofline of Williams et al. 2009
 applied to decoding, as in Pope et al. 2022, arXiv 2211.05102, Sec. 3). Events are request
 admissions and completions: between two, an engine's batch is fixed and its step time grows
@@ -19,6 +19,7 @@ KV cache recomputed); otherwise an engine finishes its running requests before i
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import random
 from dataclasses import dataclass, field
@@ -126,12 +127,13 @@ class Result:
 
 def decode_rate(shape: ModelShape, gpu: Gpu, tp: int) -> tuple[float, float, float, float]:
     """A decode step's cost terms for one engine of ``tp`` GPUs: (seconds per token of batch
-    from FLOPs, seconds per context token from FLOPs, seconds per context token from KV bytes,
-    fixed seconds from the layer latency). Weight bytes are :func:`weight_read_s`."""
+    from FLOPs and the per-token overhead, seconds per context token from FLOPs, seconds per
+    context token from KV bytes, fixed seconds from the layer latency). Weight bytes are
+    :func:`weight_read_s`; the step floor is ``efficiency.step_floor_s``."""
     e = gpu.efficiency
     flops = tp * gpu.bf16_tflops * 1e12 * e.decode_mfu
     bandwidth = tp * gpu.hbm_tbps * 1e12 * e.decode_bandwidth
-    per_token = 2.0 * shape.active_params() / flops
+    per_token = 2.0 * shape.active_params() / flops + e.token_overhead_s
     per_context_flops = shape.attention_flops_per_token(1.0) / flops
     per_context_bytes = kv_bytes_per_token(shape, 1) / bandwidth
     return per_token, per_context_flops, per_context_bytes, shape.layers * e.layer_latency_s
@@ -147,40 +149,49 @@ def weight_read_s(shape: ModelShape, gpu: Gpu, tp: int, batch: int) -> float:
 
 
 def segment_s(costs: tuple[float, float, float, float], weights_s: float, b: int, c0: float,
-              n: int) -> float:  # fmt: skip
+              n: int, floor_s: float = 0.0) -> float:  # fmt: skip
     """Seconds for ``n`` decode steps of a batch of ``b`` whose total context starts at ``c0``
-    tokens and grows by ``b`` per step: the sum of max(compute, memory) + latency, both
-    linear in the context, split where they cross."""
+    tokens and grows by ``b`` per step: the sum of max(compute, memory, floor) + latency,
+    compute and memory linear in the context, summed in closed form between the steps where
+    the dominant term changes."""
     per_token, ctx_flops, ctx_bytes, latency = costs
-    a1, k1 = per_token * b, ctx_flops  # compute: a1 + k1 * c
-    a2, k2 = weights_s, ctx_bytes  # memory: a2 + k2 * c
+    # each term as a + k * j over steps j = 0..n-1 (the context is c0 + b * j)
+    lines = [(per_token * b + ctx_flops * c0, ctx_flops * b),  # compute
+             (weights_s + ctx_bytes * c0, ctx_bytes * b),  # memory
+             (floor_s, 0.0)]  # fmt: skip
+    cuts = {0, n}
+    for i, (a1, k1) in enumerate(lines):
+        for a2, k2 in lines[i + 1 :]:
+            if k1 != k2 and 0 < (a2 - a1) / (k1 - k2) < n:
+                cuts.add(math.ceil((a2 - a1) / (k1 - k2)))
+    total = n * latency
+    bounds = sorted(cuts)
+    for j0, j1 in itertools.pairwise(bounds):
+        mid = (j0 + j1 - 1) / 2  # a line dominating at the middle step dominates all of j0..j1-1
+        a, k = max(lines, key=lambda line: line[0] + line[1] * mid)
+        total += (j1 - j0) * (a + k * mid)
+    return total
 
-    def linear_sum(a: float, k: float, j0: int, j1: int) -> float:  # steps j0..j1-1
-        steps = j1 - j0
-        return steps * a + k * (steps * c0 + b * (j0 + j1 - 1) * steps / 2)
 
-    lines = [(a1, k1), (a2, k2)]
-    if a1 + k1 * c0 < a2 + k2 * c0:  # memory dominates the first step
-        lines.reverse()
-    root = ((a2 - a1) / (k1 - k2) - c0) / b if k1 != k2 else -1.0  # where they cross
-    split = math.ceil(root) if 0 < root < n else n
-    return linear_sum(*lines[0], 0, split) + linear_sum(*lines[1], split, n) + n * latency
-
-
-def train_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, lengths: list[int]) -> float:
-    """Seconds to train on one batch of responses of ``lengths`` tokens: forward FLOPs
-    (2N per token plus causal attention, 2 L q s^2 per sequence) times 3 for the update and
-    once per extra forward, on ``gpus`` GPUs at the MFU that the tokens per GPU and
-    optimizer step reach."""
+def train_flops(shape: ModelShape, work: Workload, lengths: list[int]) -> float:
+    """FLOPs of training on one batch of responses of ``lengths`` tokens: forward FLOPs (2N
+    per token plus causal attention, 2 L q s^2 per sequence) times 3 for the update and once
+    per extra forward."""
     fwd = 0.0
     for response in lengths:
         s = work.prompt_tokens + response
         fwd += 2.0 * shape.active_params() * s + shape.attention_flops_per_token(s / 2) * s
-    flops = fwd * (3 + work.extra_forwards)
+    return fwd * (3 + work.extra_forwards)
+
+
+def train_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, lengths: list[int]) -> float:
+    """Seconds to train on one batch: :func:`train_flops` on ``gpus`` GPUs at the MFU that the
+    tokens per GPU and optimizer step reach, plus the fixed ``train_overhead_s``."""
     e = gpu.efficiency
     tokens_per_gpu = sum(lengths) / (gpus * work.minibatches) + work.prompt_tokens
     mfu = e.train_mfu * tokens_per_gpu / (tokens_per_gpu + e.train_half_tokens)
-    return flops / (gpus * gpu.bf16_tflops * 1e12 * mfu)
+    flops = train_flops(shape, work, lengths)
+    return flops / (gpus * gpu.bf16_tflops * 1e12 * mfu) + e.train_overhead_s
 
 
 def sync_s(shape: ModelShape, setup: Setup) -> float:
@@ -261,6 +272,8 @@ class _Simulation:
         self.ready: list[_Request] = []  # scored, waiting for the trainer
         self.version = 0  # updates the trainer has made
         self.trainer_free = True
+        self.barrier = False  # the trainer's sync waits for every engine to take the version
+        self.trained_at = 0.0
         self.blocked_until = 0.0  # colocated: engines wait while the trainer holds the GPUs
         self.first_admit: dict[int, float] = {}
         self.generate: list[float] = []
@@ -309,7 +322,8 @@ class _Simulation:
         context = sum(self.work.prompt_tokens + r.done for r in engine.running)
         weights = weight_read_s(self.shape, self.setup.gpu, self.setup.engine_tp,
                                 len(engine.running))  # fmt: skip
-        end = time + segment_s(self.costs, weights, len(engine.running), context, n)
+        end = time + segment_s(self.costs, weights, len(engine.running), context, n,
+                               self.setup.gpu.efficiency.step_floor_s)  # fmt: skip
         engine.busy_s += end - time
         self.bar(f"engine {engine.index}", time, end, "decode")
         for r in engine.running:
@@ -331,6 +345,8 @@ class _Simulation:
         recompute = sum(self.work.prompt_tokens + r.done for r in engine.running)
         end = time + self.sync + recompute * self.prefill_per_token
         self.bar(f"engine {engine.index}", time, end, "sync")
+        if self.barrier and all(e.version == self.version for e in self.engines):
+            self.end_sync(max(end, self.trained_at + self.sync))
         return end
 
     def admit(self, time: float, engine: _Engine) -> float:
@@ -385,20 +401,31 @@ class _Simulation:
         self.train_times.append(duration)
         end = time + duration
         self.bar("trainer", time, end, "train")
-        self.bar("trainer", end, end + self.sync, "sync")
         if self.setup.colocated:
             self.blocked_until = end + self.sync
         self.push(end, "trained", None)
 
     def on_trained(self, time: float, _: object) -> None:
-        """An update ends: the version advances, idle engines wake, the sync begins."""
+        """An update ends: the version advances, idle engines wake, the sync begins. Where the
+        engines drain before they update (not partial, not colocated) the sync waits for the
+        last of them, as treadle's and verl's one-step-off syncs do; else it takes
+        ``self.sync``."""
         self.version += 1
-        self.step_ends.append(time + self.sync)
+        self.trained_at = time
+        self.barrier = not (self.setup.partial or self.setup.colocated)
         for engine in self.engines:
             if engine.idle:
                 engine.idle = False
                 self.push(time, "wake", engine)
-        self.push(time + self.sync, "trainer_free", None)
+        if not self.barrier:
+            self.end_sync(time + self.sync)
+
+    def end_sync(self, time: float) -> None:
+        """The trainer's sync ends at ``time``: the step is over."""
+        self.barrier = False
+        self.step_ends.append(time)
+        self.bar("trainer", self.trained_at, time, "sync")
+        self.push(time, "trainer_free", None)
 
     def on_trainer_free(self, time: float, _: object) -> None:
         """The sync is over: the trainer may take the next batch."""

@@ -1,0 +1,64 @@
+"""The scale model's step-time predictions beside the published figures (SCALE.md's table).
+
+Pure arithmetic (no torch, no device): each row's setting as SCALE.md states it, the figure
+the paper or README publishes, the simulator's prediction and the error.
+
+    .venv/bin/python bench/scale_published.py
+"""
+
+from __future__ import annotations
+
+from treadle.scale.hardware import gpu
+from treadle.scale.shapes import NAMED
+from treadle.scale.simulate import Lengths, Setup, Workload, simulate
+
+AREAL = Workload(64, 16, 300, Lengths(5000, 8192, 0.8), minibatches=4)
+# verl fully-async: Qwen2.5-Math-7B, DAPO, 28K max response, n=16, 512 prompts; assumed 200-token
+# prompts, lognormal responses (mean 1,500, sigma 1.0), 16 mini-batches, engine TP 2
+VERL_SYNC = Workload(512, 16, 200, Lengths(1500, 28672, 1.0), extra_forwards=1, minibatches=16)
+VERL_ASYNC = Workload(512, 16, 200, Lengths(1500, 28672, 1.0), extra_forwards=0, minibatches=16)
+# NeMo-RL DeepSeek-V3: GRPO 32 x 16, max seq 1536; assumed 256-token prompts, responses mean
+# 700 (cap 1,280), a reference and an old-logprob forward
+NEMO = Workload(32, 16, 256, Lengths(700, 1280, 0.8), extra_forwards=2)
+
+
+def rows() -> list[tuple[str, float, float, str]]:
+    """(setting, published, predicted, unit)."""
+    out = []
+    for eta, published in ((0, 27.1e3), (1, 47.8e3), (16, 52.0e3)):
+        mode = "sync" if eta == 0 else "async"
+        setup = Setup(gpu("h800"), 6, 2, mode=mode, staleness=eta, partial=eta > 0)
+        r = simulate(NAMED["r1-distill-qwen-1.5b"], AREAL, setup, steps=6)
+        out.append((f"AReaL 6:2 H800, staleness {eta}", published, r.tokens_per_s, "tok/s"))
+    shape = NAMED["qwen2.5-math-7b"]
+    for gpus, published in ((32, 790.0), (64, 365.0), (128, 356.0)):
+        setup = Setup(gpu("h20"), gpus, gpus, colocated=True, engine_tp=2)
+        r = simulate(shape, VERL_SYNC, setup, steps=4)
+        out.append((f"verl colocated sync, {gpus} H20", published, r.step_s, "s"))
+    for half, published in ((16, 295.0), (32, 189.0), (64, 151.0)):
+        setup = Setup(gpu("h20"), half, half, engine_tp=2, mode="async", staleness=0.5,
+                      partial=True)  # fmt: skip
+        r = simulate(shape, VERL_ASYNC, setup, steps=4)
+        out.append((f"verl fully async {half}:{half} H20", published, r.step_s, "s"))
+    v3 = NAMED["deepseek-v3"]
+    for engines in (32, 64):
+        setup = Setup(gpu("h100"), 512, 512, colocated=True, engine_tp=engines)
+        r = simulate(v3, NEMO, setup, steps=4)
+        out.append((f"NeMo-RL DeepSeek-V3 colocated, engines of {engines}", 111.0, r.step_s, "s"))
+    setup = Setup(gpu("h100"), 256, 256, engine_tp=32, mode="one_step")
+    r = simulate(v3, NEMO, setup, steps=4)
+    out.append(("NeMo-RL DeepSeek-V3 one-step off-policy 256:256", 64.1, r.step_s, "s"))
+    return out
+
+
+def main() -> None:
+    print("| setting | published | predicted | error |\n|---|---|---|---|")
+    for setting, published, predicted, unit in rows():
+        error = predicted / published - 1
+        miss = "" if abs(error) <= 0.20 else " (missed)"
+        print(f"| {setting} | {published:,.4g} {unit} | {predicted:,.4g} {unit} | "
+              f"{error:+.0%}{miss} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
