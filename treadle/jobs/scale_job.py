@@ -5,11 +5,26 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import asdict
+from pathlib import Path
 
+from treadle.core.errors import UserError
 from treadle.scale.hardware import GIB, gpu
-from treadle.scale.plan import Question, plan
+from treadle.scale.memory import Breakdown
+from treadle.scale.plan import Placement, Question, plan
 from treadle.scale.shapes import resolve
-from treadle.scale.simulate import Lengths, Setup, Workload, simulate
+from treadle.scale.simulate import Lengths, Result, Setup, Workload, simulate
+
+SHORT = {
+    "parameters": "params",
+    "gradients": "grads",
+    "optimizer": "optim",
+    "activations": "activ",
+    "logits": "logits",
+    "kv_cache": "KV",
+    "overhead": "other",
+}
+"""Column titles of the memory terms (``other``: CUDA context, workspaces, fragmentation)."""
+TERMS = tuple(SHORT)
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
@@ -19,15 +34,22 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--gpus", type=int, default=8, help="GPUs in all")
     parser.add_argument("--prompts", type=int, default=64, help="prompts per RL step")
     parser.add_argument("--samples", type=int, default=8, help="samples per prompt")
-    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--prompt-tokens", type=int, help="tokens (default 512, or the run's)")
     parser.add_argument("--max-response", type=int, default=4096, help="tokens")
     parser.add_argument("--mean-response", type=float, help="tokens (default max / 3)")
+    parser.add_argument(
+        "--lengths-from",
+        type=Path,
+        metavar="RUN_DIR",
+        help="draw response (and prompt) lengths from a treadle run's buffer instead",
+    )
     parser.add_argument("--steps", type=int, default=4, help="RL steps simulated")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     if command == "plan":
         parser.add_argument("--tp", type=int, help="training tensor-parallel degree")
         parser.add_argument("--micro-batch", type=int, default=1)
         parser.add_argument("--roles", default="policy,reference,engine")
+        parser.add_argument("--plot", help="write memory per GPU by term and role to this PNG")
         return
     parser.add_argument("--mode", choices=("sync", "one_step", "async"), default="sync")
     parser.add_argument("--staleness", type=float, default=1.0, help="eta, for --mode async")
@@ -37,11 +59,48 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--plot", help="write the timeline (engines and trainer) to this PNG")
 
 
+def run_lengths(run_dir: Path) -> tuple[list[int], list[int]]:
+    """(response tokens, prompt tokens) of every rollout in ``run_dir``'s buffer
+    (``buffer/step_*.parquet``), read only.
+
+    Raises:
+        UserError: no buffer there, or a file that is not a readable rollout table.
+    """
+    import pyarrow.parquet as pq
+
+    files = sorted((run_dir / "buffer").glob("step_*.parquet"))
+    if not files:
+        raise UserError(
+            f"--lengths-from {run_dir}: no buffer/step_*.parquet there; pass the run directory "
+            "of a treadle train run (it stores each step's rollouts)"
+        )
+    responses, prompts = [], []
+    for path in files:
+        try:
+            table = pq.read_table(path, columns=["token_ids", "prompt_tokens"]).to_pydict()
+        except Exception as e:  # pyarrow raises several types for a damaged or foreign file
+            raise UserError(
+                f"--lengths-from: cannot read {path} as a rollout table ({e})"
+            ) from None
+        for ids, prompt in zip(table["token_ids"], table["prompt_tokens"], strict=True):
+            responses.append(len(ids) - prompt)
+            prompts.append(prompt)
+    if not responses or max(responses) < 1:
+        raise UserError(f"--lengths-from {run_dir}: its buffer holds no response tokens")
+    return responses, prompts
+
+
 def _workload(args: argparse.Namespace) -> Workload:
-    mean = args.mean_response or args.max_response / 3
-    return Workload(
-        args.prompts, args.samples, args.prompt_tokens, Lengths(mean, args.max_response)
-    )
+    prompt = args.prompt_tokens or 512
+    if args.lengths_from is not None:
+        responses, prompts = run_lengths(args.lengths_from)
+        mean = sum(responses) / len(responses)
+        lengths = Lengths(mean, max(responses), measured=tuple(responses))
+        prompt = args.prompt_tokens or round(sum(prompts) / len(prompts))
+    else:
+        mean = args.mean_response or args.max_response / 3
+        lengths = Lengths(mean, args.max_response)
+    return Workload(args.prompts, args.samples, prompt, lengths)
 
 
 def run(args: argparse.Namespace, console) -> int:
@@ -50,26 +109,104 @@ def run(args: argparse.Namespace, console) -> int:
     if args.command == "plan":
         roles = tuple(r.strip() for r in args.roles.split(","))
         q = Question(shape, g, args.gpus, work, args.micro_batch, roles, tp=args.tp)
-        rows = [
-            {"placement": p.label, "train_peak_gib": p.train_peak / GIB,
-             "step_s": p.result.step_s if p.result else None}
-            for p in plan(q, steps=args.steps)
-        ]  # fmt: skip
-    else:
-        rollout = args.rollout_gpus or args.gpus
-        colocated = args.rollout_gpus is None
-        setup = Setup(g, rollout, args.gpus - rollout if not colocated else args.gpus, colocated,
-                      args.engine_tp, args.mode, args.staleness, args.partial)  # fmt: skip
-        r = simulate(shape, work, setup, steps=args.steps)
-        rows = [{k: v for k, v in asdict(r).items() if k != "timeline"}]
+        placements = plan(q, steps=args.steps)
         if args.plot:
-            from treadle.scale.plots import timeline
+            from treadle.scale.plots import memory
 
-            console.print(f"timeline: {timeline(r, args.plot)}", markup=False)
-    if args.json:
-        print(json.dumps(rows, indent=1))
+            path = memory(placements, g.memory_gib, args.plot, f"{shape.name} on {g.name}")
+            console.print(f"memory plot: {path}", markup=False)
+        if args.json:
+            print(json.dumps([_placement_row(p) for p in placements], indent=1))
+        else:
+            _print_plan(console, placements, g.memory_gib)
         return 0
-    for row in rows:
-        cells = (f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
-        console.print("  ".join(cells), markup=False, highlight=False, soft_wrap=True)
+    rollout = args.rollout_gpus or args.gpus
+    colocated = args.rollout_gpus is None
+    setup = Setup(g, rollout, args.gpus - rollout if not colocated else args.gpus, colocated,
+                  args.engine_tp, args.mode, args.staleness, args.partial)  # fmt: skip
+    r = simulate(shape, work, setup, steps=args.steps)
+    if args.plot:
+        from treadle.scale.plots import timeline
+
+        console.print(f"timeline: {timeline(r, args.plot)}", markup=False)
+    row = {k: v for k, v in asdict(r).items() if k != "timeline"}
+    if args.json:
+        print(json.dumps([row], indent=1))
+    else:
+        _print_result(console, r)
     return 0
+
+
+def _gib(b: Breakdown) -> dict[str, float]:
+    return {t: getattr(b, t) / GIB for t in TERMS} | {"total": b.total / GIB}
+
+
+def _placement_row(p: Placement) -> dict:
+    """One placement as JSON: its label, peaks (GiB per GPU), memory per role by term and the
+    simulated step."""
+    result = None if p.result is None else {
+        k: v for k, v in asdict(p.result).items() if k != "timeline"
+    }  # fmt: skip
+    return {
+        "placement": p.label,
+        "kind": p.kind,
+        "rollout_gpus": p.rollout_gpus,
+        "train_gpus": p.train_gpus,
+        "train_peak_gib": p.train_peak / GIB,
+        "engine_peak_gib": p.engine_peak / GIB,
+        "memory_gib": {b.role: _gib(b) for b in p.memory},
+        "simulated": result,
+    }
+
+
+def _table(title: str, columns: list[str], left: int = 1):
+    """A compact rich table: the first ``left`` columns left-aligned, the rest right."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0))
+    for i, col in enumerate(columns):
+        table.add_column(col, justify="left" if i < left else "right", no_wrap=True)
+    return table
+
+
+def _print_plan(console, placements: list[Placement], memory_gib: float) -> None:
+    table = _table(
+        "placements that fit, fastest first (simulated step)",
+        ["#", "placement", "trainer", "engine", "GiB t/e", "step s", "tok/s", "busy e/t"],
+        left=4,
+    )
+    for i, p in enumerate(placements, 1):
+        r, lay = p.result, p.layout
+        kind = "colocated" if p.kind == "colocated" else f"disagg {p.rollout_gpus}:{p.train_gpus}"
+        table.add_row(
+            str(i), f"{kind} {p.mode}", f"dp{lay.dp} tp{lay.tp} pp{lay.pp} z{lay.zero}",
+            f"tp{p.engine_tp}", f"{p.train_peak / GIB:.0f}/{p.engine_peak / GIB:.0f}",
+            "-" if r is None else f"{r.step_s:.1f}",
+            "-" if r is None else f"{r.tokens_per_s:,.0f}",
+            "-" if r is None else f"{r.engine_busy * 100:.0f}/{r.trainer_busy:.0%}",
+        )  # fmt: skip
+    console.print(table)
+    roles = _table(f"#1: GiB per GPU by role (GPUs of {memory_gib:.0f} GiB)",
+                   ["role", *SHORT.values(), "total"])  # fmt: skip
+    for b in placements[0].memory:
+        roles.add_row(b.role, *(f"{v:.2f}" for v in _gib(b).values()))
+    console.print(roles)
+
+
+def _print_result(console, r: Result) -> None:
+    table = _table("simulated RL step (after the first)",
+                   ["measure", "value"])  # fmt: skip
+    rows = [
+        ("step", f"{r.step_s:.2f} s"),
+        ("trained tokens / s", f"{r.tokens_per_s:,.0f}"),
+        ("generation of a batch", f"{r.generate_s:.2f} s"),
+        ("update", f"{r.train_s:.2f} s"),
+        ("weight sync", f"{r.sync_s:.2f} s"),
+        ("engines busy", f"{r.engine_busy:.0%}"),
+        ("trainer busy", f"{r.trainer_busy:.0%}"),
+        ("staleness mean / max", f"{r.staleness_mean:.2f} / {r.staleness_max}"),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    console.print(table)

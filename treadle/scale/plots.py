@@ -1,9 +1,12 @@
-"""The simulator's timeline as a picture: one lane per engine and one for the trainer."""
+"""Pictures of the scale model: the simulator's timeline (one lane per engine and one for the
+trainer) and the planner's memory per GPU by term."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from treadle.scale.hardware import GIB
+from treadle.scale.plan import Placement
 from treadle.scale.simulate import Result
 
 COLORS = {"decode": "tab:blue", "train": "tab:orange", "sync": "tab:red"}
@@ -35,3 +38,62 @@ def timeline(result: Result, path: Path, title: str = "") -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+TERM_COLORS = {
+    "parameters": "tab:blue", "gradients": "tab:orange", "optimizer": "tab:green",
+    "activations": "tab:red", "logits": "tab:purple", "kv_cache": "tab:cyan",
+    "overhead": "tab:gray",
+}  # fmt: skip
+MAX_PLACEMENTS = 4
+
+
+def memory_bars(p: Placement) -> list[tuple[str, dict[str, float]]]:
+    """(bar label, bytes per GPU by term) of a placement's GPU groups at their peaks:
+    colocated, the rollout phase (the trainer roles' parameters, gradients and optimizer
+    states stay beside the engine) and the update phase (the engine asleep); disaggregated,
+    the training GPUs and the engine GPUs."""
+    engine = [b for b in p.memory if b.role == "engine"]
+    trainers = [b for b in p.memory if b.role != "engine"]
+    update = {t: sum(b.terms()[t] for b in trainers) for t in TERM_COLORS}
+    if p.kind == "colocated":
+        states = {t: (v if t in ("parameters", "gradients", "optimizer") else 0.0)
+                  for t, v in update.items()}  # fmt: skip
+        rollout = {t: states[t] + sum(b.terms()[t] for b in engine) for t in TERM_COLORS}
+        return [("rollout", rollout), ("update", update)]
+    bars = [("trainer GPUs", update)]
+    if engine:
+        bars.append(("engine GPUs", engine[0].terms()))
+    return bars
+
+
+def memory(placements: list[Placement], memory_gib: float, path: Path, title: str = "") -> Path:
+    """Write ``path`` (PNG): for each of the first placements, stacked bars of GiB per GPU by
+    term (:func:`memory_bars`), and the GPU's memory as a dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars = [(f"#{i} {label}\n{p.kind}", terms)
+            for i, p in enumerate(placements[:MAX_PLACEMENTS], 1)
+            for label, terms in memory_bars(p)]  # fmt: skip
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(bars) + 2), 5))
+    for x, (_, terms) in enumerate(bars):
+        bottom = 0.0
+        for term, color in TERM_COLORS.items():
+            height = terms[term] / GIB
+            ax.bar(x, height, bottom=bottom, color=color, width=0.7)
+            bottom += height
+    ax.axhline(memory_gib, color="black", linestyle="--", linewidth=1)
+    ax.text(len(bars) - 0.5, memory_gib, f" {memory_gib:.0f} GiB", va="bottom", ha="right")
+    ax.set_xticks(range(len(bars)), [label for label, _ in bars], fontsize=8)
+    ax.set_ylabel("GiB per GPU")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in TERM_COLORS.values()]
+    ax.legend(handles, [t.replace("_", " ") for t in TERM_COLORS], fontsize=8,
+              loc="upper left", bbox_to_anchor=(1.0, 1.0))  # fmt: skip
+    ax.set_title(title or "memory per GPU by term")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
