@@ -54,6 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--mode", choices=("sync", "one_step", "async"), default="sync")
     parser.add_argument("--staleness", type=float, default=1.0, help="eta, for --mode async")
     parser.add_argument("--partial", action="store_true", help="partial rollouts")
+    parser.add_argument(
+        "--drop-stale",
+        action="store_true",
+        help="drop samples older than the bound at training (treadle's rule; default: the "
+        "bound holds at admission, AReaL's)",
+    )
     parser.add_argument("--rollout-gpus", type=int, help="disaggregated: engines' GPUs")
     parser.add_argument("--engine-tp", type=int, default=1)
     parser.add_argument("--plot", help="write the timeline (engines and trainer) to this PNG")
@@ -123,7 +129,8 @@ def run(args: argparse.Namespace, console) -> int:
     rollout = args.rollout_gpus or args.gpus
     colocated = args.rollout_gpus is None
     setup = Setup(g, rollout, args.gpus - rollout if not colocated else args.gpus, colocated,
-                  args.engine_tp, args.mode, args.staleness, args.partial)  # fmt: skip
+                  args.engine_tp, args.mode, args.staleness, args.partial,
+                  drop_stale=args.drop_stale)  # fmt: skip
     r = simulate(shape, work, setup, steps=args.steps)
     if args.plot:
         from treadle.scale.plots import timeline
@@ -206,6 +213,7 @@ def _print_result(console, r: Result) -> None:
         ("engines busy", f"{r.engine_busy:.0%}"),
         ("trainer busy", f"{r.trainer_busy:.0%}"),
         ("staleness mean / max", f"{r.staleness_mean:.2f} / {r.staleness_max}"),
+        ("samples dropped stale", f"{r.dropped_stale:,}"),
     ]
     for name, value in rows:
         table.add_row(name, value)

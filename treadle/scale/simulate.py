@@ -99,6 +99,10 @@ class Setup:
     finished samples and the rest are dropped."""
     sync_method: SyncMethod | None = None
     """Default: ``colocated`` for a colocated setup, else ``broadcast``."""
+    drop_stale: bool = False
+    """Drop a finished sample older than ``ceil(eta)`` versions when it would be trained
+    (treadle's rule). Without it the bound holds at admission only (AReaL's rule, Sec. 5.1):
+    a slow sample overtaken by later ones may then train ``ceil(eta) + 1`` versions old."""
 
     @property
     def eta(self) -> float:
@@ -117,6 +121,8 @@ class Result:
     trainer_busy: float
     staleness_mean: float
     staleness_max: int
+    dropped_stale: int
+    """Samples dropped older than the bound (``Setup.drop_stale``), over the whole run."""
     generate_s: float
     """Mean time from a batch's first admission to its last sample's completion."""
     train_s: float
@@ -270,6 +276,7 @@ class _Simulation:
         self.finished: dict[int, int] = {}  # batch -> samples finished
         self.full: set[int] = set()  # batches with all their samples: the rest are dropped
         self.ready: list[_Request] = []  # scored, waiting for the trainer
+        self.dropped = 0  # samples dropped as stale (drop_stale)
         self.version = 0  # updates the trainer has made
         self.trainer_free = True
         self.barrier = False  # the trainer's sync waits for every engine to take the version
@@ -390,6 +397,11 @@ class _Simulation:
 
     def try_train(self, time: float) -> None:
         """Start an update when the trainer is free and a batch is ready."""
+        if self.setup.drop_stale:
+            bound = math.ceil(self.setup.eta)
+            kept = [r for r in self.ready if self.version - r.version <= bound]
+            self.dropped += len(self.ready) - len(kept)
+            self.ready = kept
         if not self.trainer_free or len(self.ready) < self.work.batch:
             return
         batch, self.ready = self.ready[: self.work.batch], self.ready[self.work.batch :]
@@ -484,6 +496,7 @@ def simulate(
         trainer_busy=sum(sim.train_times) / total,
         staleness_mean=mean(sim.staleness),
         staleness_max=max(sim.staleness),
+        dropped_stale=sim.dropped,
         generate_s=mean(sim.generate[1:] or sim.generate),
         train_s=mean(sim.train_times),
         sync_s=sim.sync,
