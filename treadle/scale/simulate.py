@@ -234,7 +234,6 @@ class _Engine:
     version: int = 0
     running: list[_Request] = field(default_factory=list)
     idle: bool = True
-    busy_s: float = 0.0
 
 
 def kv_capacity(shape: ModelShape, setup: Setup) -> float:
@@ -331,7 +330,6 @@ class _Simulation:
                                 len(engine.running))  # fmt: skip
         end = time + segment_s(self.costs, weights, len(engine.running), context, n,
                                self.setup.gpu.efficiency.step_floor_s)  # fmt: skip
-        engine.busy_s += end - time
         self.bar(f"engine {engine.index}", time, end, "decode")
         for r in engine.running:
             r.done += n
@@ -361,7 +359,7 @@ class _Simulation:
         allow; their prompts' prefill delays the engine."""
         if engine.running and not self.setup.partial and engine.version < self.version:
             return time  # draining before the update
-        cap = self.setup.gpu.efficiency.max_batch
+        cap = min(self.setup.gpu.efficiency.max_batch, self.share(engine))
         context = sum(self.work.prompt_tokens + r.done for r in engine.running)
         prompts = 0
         while self.queue and len(engine.running) < cap:
@@ -380,9 +378,19 @@ class _Simulation:
             prompts += self.work.prompt_tokens
             self.first_admit.setdefault(head.batch, time)
         end = time + prompts * self.prefill_per_token
-        engine.busy_s += end - time
         self.bar(f"engine {engine.index}", time, end, "decode")
         return end
+
+    def share(self, engine: _Engine) -> int:
+        """Requests an engine may run: an equal share of those running and those the staleness
+        bound admits now, as a least-loaded router spreads them (vLLM's data-parallel load
+        balancing, verl's and AReaL's request routers); one engine takes them all."""
+        if len(self.engines) == 1 or not self.queue:
+            return len(self.queue) + len(engine.running)
+        gate = (engine.version + 1 + self.setup.eta) * self.per_batch
+        waiting = min(len(self.queue), max(0, math.ceil(gate) - self.queue[-1].sample))
+        running = sum(len(e.running) for e in self.engines)
+        return max(1, math.ceil((waiting + running) / len(self.engines)))
 
     def on_scored(self, time: float, r: _Request) -> None:
         """A scored sample joins the trainer's queue; its batch may be full now."""
@@ -489,10 +497,15 @@ def simulate(
     step = (ends[-1] - ends[0]) / (len(ends) - 1)
     total = ends[-1]
     mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
+    decoding = sum(  # engine seconds decoding up to the last step's end
+        min(end, total) - start
+        for lane, start, end, kind in sim.timeline
+        if kind == "decode" and lane != "trainer" and start < total
+    )
     return Result(
         step_s=step,
         tokens_per_s=mean(sim.trained_tokens[1:]) / step,
-        engine_busy=sum(e.busy_s for e in sim.engines) / (len(sim.engines) * total),
+        engine_busy=decoding / (len(sim.engines) * total),
         trainer_busy=sum(sim.train_times) / total,
         staleness_mean=mean(sim.staleness),
         staleness_max=max(sim.staleness),
