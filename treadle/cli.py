@@ -168,20 +168,23 @@ _ABOUT = {
         "  treadle eval runs/default recipes/eval/gsm8k.yaml --output gsm8k_eval",
     ),
     "plan": (
-        "memory per GPU and role, and the placements that fit, fastest first",
+        "memory per GPU and role, and the placements that fit, most tokens per second first",
         "Plan a run on paper: for MODEL (a named shape or a model folder's config.json) on "
         "--gpus GPUs of --gpu type, the colocated and disaggregated placements of the roles "
-        "that fit in memory, ranked by simulated step time (SCALE.md).\n\n"
-        "Reads MODEL's config.json. Writes nothing.",
-        "treadle plan qwen2.5-7b --gpu h100 --gpus 8 --max-response 8192",
+        "that fit in memory, ranked by simulated trained tokens per second (SCALE.md).\n\n"
+        "Reads MODEL's config.json (and --lengths-from RUN_DIR's buffer). Writes nothing but "
+        "--plot's PNG.",
+        "treadle plan qwen2.5-7b --gpu h100 --gpus 8 --max-response 8192 --plot memory.png",
     ),
     "simulate": (
         "simulate RL steps: step time, throughput, busy fractions, staleness",
         "Simulate RL steps event by event (engines decoding with a KV-limited batch, "
         "training at the GPU's MFU, weight sync) in sync, one_step or async mode "
-        "(SCALE.md).\n\nReads MODEL's config.json. Writes nothing.",
+        "(SCALE.md).\n\nReads MODEL's config.json (and --lengths-from RUN_DIR's buffer). "
+        "Writes nothing but --plot's PNG.",
         "treadle simulate r1-distill-qwen-1.5b --gpu h800 --gpus 8 --rollout-gpus 6 "
-        "--mode async --staleness 1 --partial",
+        "--mode async --staleness 1 --partial --plot timeline.png\n"
+        "  treadle simulate qwen2.5-0.5b --lengths-from runs/default --gpus 2",
     ),
     "config": (
         "list the config keys with their type, default and meaning",
@@ -443,17 +446,24 @@ def _inspect(args: argparse.Namespace, console) -> int:
 
 
 def _scale(args: argparse.Namespace) -> int:
-    """``treadle plan`` / ``treadle simulate``; 2 with one line on bad input."""
+    """``treadle plan`` / ``treadle simulate``; 2 with one line on bad input, 130 on Ctrl-C,
+    0 quietly when the reader of stdout goes away (``| head``)."""
     from rich.console import Console
 
     from treadle.core.errors import UserError
     from treadle.jobs.scale_job import run
 
     try:
-        return run(args, Console())
+        return run(args, Console(stderr=True))
     except UserError as e:
         print(f"treadle: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("treadle: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 0
 
 
 def _config(name: str | None) -> int:

@@ -36,8 +36,8 @@ def test_plan_json_gives_each_roles_terms_summing_to_its_total(capsys):
             total = terms.pop("total")
             assert sum(terms.values()) == pytest.approx(total), role
         assert row["simulated"]["step_s"] > 0
-    steps = [r["simulated"]["step_s"] for r in rows]
-    assert steps == sorted(steps)  # fastest first
+    rates = [r["simulated"]["tokens_per_s"] for r in rows]
+    assert rates == sorted(rates, reverse=True)  # most trained tokens per second first
 
 
 def test_memory_plot_bars_hold_each_phase_on_its_gpus(tmp_path):
@@ -103,3 +103,140 @@ def test_lengths_from_a_damaged_buffer_file_is_one_line_exit_2(tmp_path, capsys)
     assert main(["simulate", "qwen2.5-0.5b", "--lengths-from", str(tmp_path)]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "cannot read" in line and "step_000001.parquet" in line
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["plan", "qwen2.5-7b", "--gpus", "0"], "--gpus 0: must be 1..16,384"),
+        (["simulate", "qwen2.5-0.5b", "--prompts", "0"], "--prompts 0 x --samples 8"),
+        (["simulate", "qwen2.5-0.5b", "--max-response", "0"], "at least 1 token"),
+        (["simulate", "qwen2.5-0.5b", "--mean-response", "nan"], "--mean-response nan"),
+        (["simulate", "qwen2.5-0.5b", "--mean-response", "5000"], "at most --max-response 4096"),
+        (
+            [
+                "simulate",
+                "qwen2.5-0.5b",
+                "--rollout-gpus",
+                "1",
+                "--mode",
+                "async",
+                "--staleness",
+                "-1",
+            ],
+            "--staleness -1 must be in 0..64",
+        ),
+        (["simulate", "qwen2.5-0.5b", "--engine-tp", "0"], "--engine-tp 0 must be at least 1"),
+        (["simulate", "qwen2.5-0.5b", "--rollout-gpus", "8"], "--rollout-gpus 8: the engines'"),
+        (["simulate", "qwen2.5-0.5b", "--steps", "1"], "--steps 1: must be 2..64"),
+        (["simulate", "qwen2.5-0.5b", "--staleness", "2"], "applies to --mode async, not sync"),
+        (
+            ["simulate", "qwen2.5-0.5b", "--mode", "one_step", "--rollout-gpus", "2", "--partial"],
+            "--partial applies to --mode async",
+        ),
+        (["plan", "qwen2.5-7b", "--micro-batch", "0"], "--micro-batch 0: must be 1..4,096"),
+        (["plan", "qwen2.5-7b", "--roles", "policy,policy,engine"], "at most once"),
+        (["plan", "qwen2.5-7b", "--roles", "actor"], "each of policy, reference, critic"),
+        (["plan", "qwen2.5-7b", "--plot", "no_such_folder/m.png"], "does not exist"),
+        (["plan", "qwen2.5-7b", "--plot", "m.txt"], "ending in .png"),
+        (["plan", "qwen2.5-7b", "--prompt-tokens", "10000000"], "no placement fits up to"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(argv, says, capsys):
+    assert main(argv) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("treadle: error: ") and says in line, line
+
+
+@pytest.mark.parametrize(
+    ("config", "says"),
+    [
+        ([1, 2], "holds a list, not an object"),
+        (
+            {
+                "num_attention_heads": 0,
+                "hidden_size": 64,
+                "num_hidden_layers": 2,
+                "intermediate_size": 128,
+                "vocab_size": 100,
+            },
+            "num_attention_heads is 0",
+        ),
+        (
+            {
+                "num_attention_heads": 32,
+                "hidden_size": "4096",
+                "num_hidden_layers": 2,
+                "intermediate_size": 128,
+                "vocab_size": 100,
+            },
+            "hidden_size is '4096'",
+        ),
+        (
+            {
+                "num_attention_heads": 32,
+                "hidden_size": 4096,
+                "num_hidden_layers": 2,
+                "intermediate_size": 128,
+                "vocab_size": 100,
+                "num_key_value_heads": 5,
+            },
+            "num_key_value_heads 5 does not divide",
+        ),
+        (
+            {
+                "num_attention_heads": 32,
+                "hidden_size": 4096,
+                "num_hidden_layers": 2,
+                "intermediate_size": 128,
+                "vocab_size": 100,
+                "num_experts": 8,
+            },
+            "8 experts but no 'num_experts_per_tok'",
+        ),
+    ],
+)
+def test_a_bad_config_json_is_one_line_exit_2(tmp_path, config, says, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["plan", str(tmp_path)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert says in line, line
+
+
+def test_mixture_of_experts_configs_count_every_expert():
+    from treadle.scale.shapes import from_hf_config
+
+    # Mixtral 8x7B: 46.7B parameters, 12.9B active (2 of 8 experts of intermediate_size 14336)
+    mixtral = from_hf_config({
+        "num_attention_heads": 32, "hidden_size": 4096, "num_hidden_layers": 32,
+        "intermediate_size": 14336, "vocab_size": 32000, "num_key_value_heads": 8,
+        "num_local_experts": 8, "num_experts_per_tok": 2}, "mixtral")  # fmt: skip
+    assert mixtral.params() / 1e9 == pytest.approx(46.7, abs=0.1)
+    assert mixtral.active_params() / 1e9 == pytest.approx(12.9, abs=0.2)
+    # Qwen1.5-MoE-A2.7B: 14.3B parameters; its shared expert is 4 experts wide (5632 / 1408)
+    qwen = from_hf_config({
+        "num_attention_heads": 16, "hidden_size": 2048, "num_hidden_layers": 24,
+        "intermediate_size": 5632, "vocab_size": 151936, "num_experts": 60,
+        "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632}, "qwen-moe")  # fmt: skip
+    assert qwen.shared_experts == 4
+    assert qwen.params() / 1e9 == pytest.approx(14.3, abs=0.1)
+
+
+def test_plot_with_json_keeps_stdout_json_and_replaces_the_file_whole(tmp_path, capsys):
+    path = tmp_path / "t.png"
+    path.write_bytes(b"old")
+    argv = ["simulate", "qwen2.5-0.5b", "--gpus", "2", "--prompts", "8", "--json",
+            "--plot", str(path)]  # fmt: skip
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)[0]["step_s"] > 0 and f"plot: {path}" in err.replace("\n", "")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.png"]  # no temporary left
+
+
+def test_disaggregated_steps_without_partial_end_with_their_sync():
+    # one_step drains: every asked step ends (its sync included) and the trainer is busy < 1
+    setup = Setup(gpu("h100"), 6, 2, mode="one_step")
+    r = simulate(NAMED["qwen2.5-7b"], Workload(32, 8, 512, Lengths(20, 64)), setup, steps=2)
+    assert r.step_s > 0 and 0 < r.trainer_busy <= 1 and 0 < r.engine_busy <= 1

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import asdict
 from pathlib import Path
 
 from treadle.core.errors import UserError
-from treadle.scale.hardware import GIB, gpu
+from treadle.scale.hardware import GIB, GPUS, gpu
 from treadle.scale.memory import Breakdown
-from treadle.scale.plan import Placement, Question, plan
+from treadle.scale.plan import MAX_GPUS, ROLES, Placement, Question, plan
 from treadle.scale.shapes import resolve
 from treadle.scale.simulate import Lengths, Result, Setup, Workload, simulate
 
@@ -25,17 +26,19 @@ SHORT = {
 }
 """Column titles of the memory terms (``other``: CUDA context, workspaces, fragmentation)."""
 TERMS = tuple(SHORT)
+MAX_STEPS = 64
+"""Most RL steps one simulation runs (seconds each at the largest settings)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     """The options of ``command`` (plan or simulate)."""
     parser.add_argument("model", help="a named shape (llama3.1-8b, ...) or a model folder")
-    parser.add_argument("--gpu", default="h100", help="GPU type (h100, h800, h20, h200, a100)")
-    parser.add_argument("--gpus", type=int, default=8, help="GPUs in all")
+    parser.add_argument("--gpu", default="h100", help=f"GPU type ({', '.join(GPUS)})")
+    parser.add_argument("--gpus", type=int, default=8, help=f"GPUs in all (1..{MAX_GPUS:,})")
     parser.add_argument("--prompts", type=int, default=64, help="prompts per RL step")
     parser.add_argument("--samples", type=int, default=8, help="samples per prompt")
     parser.add_argument("--prompt-tokens", type=int, help="tokens (default 512, or the run's)")
-    parser.add_argument("--max-response", type=int, default=4096, help="tokens")
+    parser.add_argument("--max-response", type=int, help="tokens (default 4096)")
     parser.add_argument("--mean-response", type=float, help="tokens (default max / 3)")
     parser.add_argument(
         "--lengths-from",
@@ -43,16 +46,19 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
         metavar="RUN_DIR",
         help="draw response (and prompt) lengths from a treadle run's buffer instead",
     )
-    parser.add_argument("--steps", type=int, default=4, help="RL steps simulated")
+    parser.add_argument("--steps", type=int, default=4, help=f"RL steps simulated (2..{MAX_STEPS})")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     if command == "plan":
         parser.add_argument("--tp", type=int, help="training tensor-parallel degree")
-        parser.add_argument("--micro-batch", type=int, default=1)
-        parser.add_argument("--roles", default="policy,reference,engine")
+        parser.add_argument("--micro-batch", type=int, default=1, help="sequences per pass")
+        parser.add_argument("--recompute", choices=("none", "selective", "full"),
+                            default="selective", help="activation checkpointing")  # fmt: skip
+        parser.add_argument("--roles", default="policy,reference,engine",
+                            help=f"comma-separated, of: {', '.join(ROLES)}")  # fmt: skip
         parser.add_argument("--plot", help="write memory per GPU by term and role to this PNG")
         return
     parser.add_argument("--mode", choices=("sync", "one_step", "async"), default="sync")
-    parser.add_argument("--staleness", type=float, default=1.0, help="eta, for --mode async")
+    parser.add_argument("--staleness", type=float, help="eta, for --mode async (default 1)")
     parser.add_argument("--partial", action="store_true", help="partial rollouts")
     parser.add_argument(
         "--drop-stale",
@@ -85,10 +91,18 @@ def run_lengths(run_dir: Path) -> tuple[list[int], list[int]]:
         try:
             table = pq.read_table(path, columns=["token_ids", "prompt_tokens"]).to_pydict()
         except Exception as e:  # pyarrow raises several types for a damaged or foreign file
-            raise UserError(
-                f"--lengths-from: cannot read {path} as a rollout table ({e})"
-            ) from None
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(f"--lengths-from: cannot read {path} as rollouts ({first})") from None
         for ids, prompt in zip(table["token_ids"], table["prompt_tokens"], strict=True):
+            if (
+                not isinstance(ids, list)
+                or not isinstance(prompt, int)
+                or not 0 < prompt < len(ids)
+            ):
+                raise UserError(
+                    f"--lengths-from: {path} holds a rollout whose token_ids ({type(ids).__name__}"
+                    f") and prompt_tokens ({prompt!r}) leave no response; is it a treadle buffer?"
+                )
             responses.append(len(ids) - prompt)
             prompts.append(prompt)
     if not responses or max(responses) < 1:
@@ -96,51 +110,117 @@ def run_lengths(run_dir: Path) -> tuple[list[int], list[int]]:
     return responses, prompts
 
 
+def _check(args: argparse.Namespace) -> None:
+    """Raises UserError for options out of range, naming the option and its range."""
+    bounds = [("--gpus", args.gpus, 1, MAX_GPUS), ("--steps", args.steps, 2, MAX_STEPS)]
+    if args.command == "plan":
+        bounds += [("--micro-batch", args.micro_batch, 1, 4096)]
+        if args.tp is not None:
+            bounds += [("--tp", args.tp, 1, 1024)]
+    for name, value, low, high in bounds:
+        if not low <= value <= high:
+            raise UserError(f"{name} {value}: must be {low}..{high:,}")
+    if args.lengths_from is not None and (
+        args.max_response is not None or args.mean_response is not None
+    ):
+        raise UserError(
+            "--lengths-from takes the lengths from the run: drop --max-response and --mean-response"
+        )
+    if args.command == "simulate":
+        if args.staleness is not None and args.mode != "async":
+            raise UserError(f"--staleness applies to --mode async, not {args.mode}")
+        if args.rollout_gpus is not None and not 1 <= args.rollout_gpus < args.gpus:
+            raise UserError(
+                f"--rollout-gpus {args.rollout_gpus}: the engines' share of --gpus {args.gpus}, "
+                f"1..{args.gpus - 1} (the rest train); omit it for a colocated setup"
+            )
+    if args.plot is not None:
+        path = Path(args.plot)
+        if path.suffix.lower() != ".png" or not path.stem:
+            raise UserError(f"--plot {path}: give a file name ending in .png")
+        if not path.parent.is_dir():
+            raise UserError(f"--plot {path}: the folder {path.parent} does not exist")
+
+
+def _roles(text: str) -> tuple[str, ...]:
+    roles = tuple(r.strip().lower() for r in text.split(","))
+    if any(r not in ROLES for r in roles) or len(set(roles)) < len(roles):
+        raise UserError(
+            f"--roles {text!r}: each of {', '.join(ROLES)} at most once, comma-separated "
+            "(e.g. policy,reference,engine)"
+        )
+    return roles
+
+
 def _workload(args: argparse.Namespace) -> Workload:
-    prompt = args.prompt_tokens or 512
+    prompt = 512 if args.prompt_tokens is None else args.prompt_tokens
     if args.lengths_from is not None:
         responses, prompts = run_lengths(args.lengths_from)
         mean = sum(responses) / len(responses)
         lengths = Lengths(mean, max(responses), measured=tuple(responses))
-        prompt = args.prompt_tokens or round(sum(prompts) / len(prompts))
+        if args.prompt_tokens is None:
+            prompt = round(sum(prompts) / len(prompts))
     else:
-        mean = args.mean_response or args.max_response / 3
-        lengths = Lengths(mean, args.max_response)
+        longest = 4096 if args.max_response is None else args.max_response
+        mean = longest / 3 if args.mean_response is None else args.mean_response
+        lengths = Lengths(mean, longest)
     return Workload(args.prompts, args.samples, prompt, lengths)
 
 
+def _save(draw, path: Path, console) -> None:
+    """Write the plot ``draw(tmp)`` makes to ``path`` through a temporary file beside it,
+    renamed into place, so a failed write never leaves a half-written ``path``; says where
+    on ``console`` (stderr: stdout may carry --json)."""
+    tmp = path.with_name(f".{path.stem}.tmp.png")
+    try:
+        draw(tmp)
+        with tmp.open("rb") as f:
+            os.fsync(f.fileno())
+        tmp.replace(path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise UserError(f"--plot {path}: cannot write it ({e.strerror or e})") from None
+    console.print(f"plot: {path}", markup=False)
+
+
 def run(args: argparse.Namespace, console) -> int:
-    """Answer ``treadle plan`` or ``treadle simulate``; raises UserError on bad input."""
-    shape, g, work = resolve(args.model), gpu(args.gpu), _workload(args)
+    """Answer ``treadle plan`` or ``treadle simulate``: tables or JSON on stdout, messages on
+    ``console`` (stderr). Raises UserError on bad input."""
+    from rich.console import Console
+
+    out = Console()
+    _check(args)
+    shape, g, work = resolve(args.model), gpu(args.gpu.lower()), _workload(args)
     if args.command == "plan":
-        roles = tuple(r.strip() for r in args.roles.split(","))
-        q = Question(shape, g, args.gpus, work, args.micro_batch, roles, tp=args.tp)
+        q = Question(shape, g, args.gpus, work, args.micro_batch, _roles(args.roles),
+                     args.recompute, tp=args.tp)  # fmt: skip
         placements = plan(q, steps=args.steps)
         if args.plot:
             from treadle.scale.plots import memory
 
-            path = memory(placements, g.memory_gib, args.plot, f"{shape.name} on {g.name}")
-            console.print(f"memory plot: {path}", markup=False)
+            title = f"{shape.name} on {g.name}"
+            _save(lambda p: memory(placements, g.memory_gib, p, title), Path(args.plot), console)
         if args.json:
             print(json.dumps([_placement_row(p) for p in placements], indent=1))
         else:
-            _print_plan(console, placements, g.memory_gib)
+            _print_plan(out, placements, g.memory_gib)
         return 0
     rollout = args.rollout_gpus or args.gpus
     colocated = args.rollout_gpus is None
+    staleness = 1.0 if args.staleness is None else args.staleness
     setup = Setup(g, rollout, args.gpus - rollout if not colocated else args.gpus, colocated,
-                  args.engine_tp, args.mode, args.staleness, args.partial,
+                  args.engine_tp, args.mode, staleness, args.partial,
                   drop_stale=args.drop_stale)  # fmt: skip
     r = simulate(shape, work, setup, steps=args.steps)
     if args.plot:
         from treadle.scale.plots import timeline
 
-        console.print(f"timeline: {timeline(r, args.plot)}", markup=False)
+        _save(lambda p: timeline(r, p), Path(args.plot), console)
     row = {k: v for k, v in asdict(r).items() if k != "timeline"}
     if args.json:
         print(json.dumps([row], indent=1))
     else:
-        _print_result(console, r)
+        _print_result(out, r)
     return 0
 
 
@@ -179,7 +259,7 @@ def _table(title: str, columns: list[str], left: int = 1):
 
 def _print_plan(console, placements: list[Placement], memory_gib: float) -> None:
     table = _table(
-        "placements that fit, fastest first (simulated step)",
+        "placements that fit, best first (simulated trained tokens per second)",
         ["#", "placement", "trainer", "engine", "GiB t/e", "step s", "tok/s", "busy e/t"],
         left=4,
     )

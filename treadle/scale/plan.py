@@ -156,8 +156,9 @@ def _smallest_fit(q: Question, kind: str, rollout: int, train: int) -> Placement
 
 
 def plan(q: Question, steps: int = 3) -> list[Placement]:
-    """The placements that fit, fastest first by simulated step time (colocated: sync;
-    disaggregated: asynchronous, staleness 1, partial rollouts).
+    """The placements that fit, best first by simulated trained tokens per second (colocated:
+    sync; disaggregated: asynchronous, staleness 1, partial rollouts; without an engine role,
+    by training memory per GPU).
 
     Raises:
         UserError: an explicit --tp the model cannot take, or no placement fits (says how
@@ -176,25 +177,31 @@ def plan(q: Question, steps: int = 3) -> list[Placement]:
         )  # fmt: skip
         if "engine" in q.roles:
             p.result = simulate(q.shape, q.work, setup, steps=steps)
-    return sorted(fits, key=lambda p: p.result.step_s if p.result else 0.0)
+    return sorted(fits, key=lambda p: -p.result.tokens_per_s if p.result else p.train_peak)
+
+
+MAX_GPUS = 16384
+"""The most GPUs a refusal searches for a placement that fits."""
 
 
 def _nothing_fits(q: Question) -> str:
-    """One line: what does not fit, and the smallest GPU count of this type that would."""
-    gpus = q.gpus
-    while gpus < 16384:
-        gpus *= 2
-        if any(p.fits for p in candidates(replace(q, gpus=gpus))):
-            break
+    """One line: what does not fit, and the smallest GPU count of this type that would (every
+    count to 64, then whole nodes to 1,024, then steps of 1,024 to MAX_GPUS), if any."""
+    node = q.gpu.per_node
+    counts = [*range(1, 65), *range(64 + node, 1025, node), *range(2048, MAX_GPUS + 1, 1024)]
+    fits = next((n for n in counts if n > q.gpus and any(
+        p.fits for p in candidates(replace(q, gpus=n)))), None)  # fmt: skip
     best = min(candidates(q), key=lambda p: p.train_peak, default=None)
     need = (
-        f"; the closest needs {best.train_peak / GIB:.0f} GiB per GPU ({best.label})"
+        f"; the closest needs {best.train_peak / GIB:.1f} GiB per GPU ({best.label})"
         if best
         else ""
     )
     roles = ", ".join(q.roles)
+    where = (f"it fits {fits} GPUs" if fits else
+             f"no placement fits up to {MAX_GPUS:,} GPUs either")  # fmt: skip
     return (
         f"{q.shape.name} with {roles} at {q.seq:,} tokens per sequence does not fit "
-        f"{q.gpus} x {q.gpu.name} ({q.gpu.memory_gib:.0f} GiB) in any placement{need}: it fits "
-        f"{gpus} GPUs, or lower the sequence length, --micro-batch or use --recompute full"
+        f"{q.gpus} x {q.gpu.name} ({q.gpu.memory_gib:.1f} GiB) in any placement{need}: {where}; "
+        "or lower the sequence length or --micro-batch, or use --recompute full"
     )

@@ -139,37 +139,73 @@ NAMED: dict[str, ModelShape] = {
 """Named shapes, from each model's published ``config.json``."""
 
 
+POSITIVE = ("num_attention_heads", "hidden_size", "num_hidden_layers", "intermediate_size",
+            "vocab_size")  # fmt: skip
+"""The config.json keys every shape needs, each a positive integer."""
+
+
 def from_hf_config(config: dict, name: str) -> ModelShape:
-    """The shape of a Hugging Face ``config.json`` (already parsed).
+    """The shape of a Hugging Face ``config.json`` (already parsed): dense Llama/Qwen/Mistral
+    layouts, mixtures of experts (DeepSeek's ``n_routed_experts``, Qwen's ``num_experts`` with
+    its shared expert, Mixtral's ``num_local_experts``) and multi-head latent attention.
 
     Raises:
-        UserError: a key the shape needs is missing (names the key and the file).
+        UserError: not a JSON object, a key the shape needs missing or not a positive integer,
+            KV heads that do not divide the heads, or experts without their sizes (names the
+            key and the file).
     """
-    try:
-        heads = config["num_attention_heads"]
-        hidden = config["hidden_size"]
-        shape = ModelShape(
-            name=name,
-            layers=config["num_hidden_layers"],
-            hidden=hidden,
-            heads=heads,
-            kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("qk_nope_head_dim") or config.get("head_dim") or hidden // heads,
-            intermediate=config["intermediate_size"],
-            vocab=config["vocab_size"],
-            tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=bool(config.get("attention_bias", config.get("model_type") == "qwen2")),
+    if not isinstance(config, dict):
+        raise UserError(f"{name}: config.json holds a {type(config).__name__}, not an object")
+
+    def positive(key: str, value: object) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UserError(f"{name}: config.json's {key} is {value!r}; a positive integer")
+        return value
+
+    for key in POSITIVE:
+        if key not in config:
+            raise UserError(f"{name}: config.json has no {key!r}; pass a named shape")
+        positive(key, config[key])
+    heads, hidden = config["num_attention_heads"], config["hidden_size"]
+    kv_heads = positive("num_key_value_heads", config.get("num_key_value_heads") or heads)
+    if heads % kv_heads:
+        raise UserError(
+            f"{name}: config.json's num_key_value_heads {kv_heads} does not divide "
+            f"num_attention_heads {heads}"
         )
-    except KeyError as e:
-        raise UserError(f"{name}: config.json has no {e.args[0]!r}; pass a named shape") from None
-    routed = config.get("n_routed_experts") or config.get("num_experts") or 0
+    head_dim = config.get("qk_nope_head_dim") or config.get("head_dim") or hidden // heads
+    shape = ModelShape(
+        name=name,
+        layers=config["num_hidden_layers"],
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=positive("head_dim", head_dim),
+        intermediate=config["intermediate_size"],
+        vocab=config["vocab_size"],
+        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+        qkv_bias=bool(config.get("attention_bias", config.get("model_type") == "qwen2")),
+    )
+    routed = (config.get("n_routed_experts") or config.get("num_experts")
+              or config.get("num_local_experts") or 0)  # fmt: skip
     if routed:
+        width = config.get("moe_intermediate_size") or (
+            config["intermediate_size"] if config.get("num_local_experts") else None
+        )  # Mixtral's experts are intermediate_size wide
+        for key, value in (("num_experts_per_tok", config.get("num_experts_per_tok")),
+                           ("moe_intermediate_size", width)):  # fmt: skip
+            if value is None:
+                raise UserError(f"{name}: config.json has {routed} experts but no {key!r}")
+            positive(key, value)
+        shared = config.get("n_shared_experts") or 0
+        if config.get("shared_expert_intermediate_size"):  # Qwen-MoE: one wide shared expert
+            shared = max(1, round(config["shared_expert_intermediate_size"] / width))
         shape = replace(
             shape,
-            experts=routed,
-            experts_active=config.get("num_experts_per_tok", 0),
-            shared_experts=config.get("n_shared_experts") or 0,
-            expert_intermediate=config.get("moe_intermediate_size", 0),
+            experts=positive("experts", routed),
+            experts_active=config["num_experts_per_tok"],
+            shared_experts=shared,
+            expert_intermediate=width,
             dense_layers=config.get("first_k_dense_replace", 0),
         )
     if config.get("kv_lora_rank"):
@@ -193,6 +229,8 @@ def resolve(model: str) -> ModelShape:
         return NAMED[model]
     path = Path(model)
     path = path / "config.json" if path.is_dir() else path
+    if path.is_dir():
+        raise UserError(f"model {model!r}: {path} is a folder, not a config.json file")
     if not path.is_file():
         names = ", ".join(NAMED)
         raise UserError(f"model {model!r}: not a named shape ({names}) nor a config.json")

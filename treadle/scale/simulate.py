@@ -194,7 +194,8 @@ def train_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, lengths: lis
     """Seconds to train on one batch: :func:`train_flops` on ``gpus`` GPUs at the MFU that the
     tokens per GPU and optimizer step reach, plus the fixed ``train_overhead_s``."""
     e = gpu.efficiency
-    tokens_per_gpu = sum(lengths) / (gpus * work.minibatches) + work.prompt_tokens
+    tokens = sum(lengths) + len(lengths) * work.prompt_tokens  # every sample's prompt too
+    tokens_per_gpu = tokens / (gpus * work.minibatches)
     mfu = e.train_mfu * tokens_per_gpu / (tokens_per_gpu + e.train_half_tokens)
     flops = train_flops(shape, work, lengths)
     return flops / (gpus * gpu.bf16_tflops * 1e12 * mfu) + e.train_overhead_s
@@ -276,6 +277,7 @@ class _Simulation:
         self.full: set[int] = set()  # batches with all their samples: the rest are dropped
         self.ready: list[_Request] = []  # scored, waiting for the trainer
         self.dropped = 0  # samples dropped as stale (drop_stale)
+        self.running = 0  # requests running on all engines
         self.version = 0  # updates the trainer has made
         self.trainer_free = True
         self.barrier = False  # the trainer's sync waits for every engine to take the version
@@ -295,10 +297,10 @@ class _Simulation:
         heapq.heappush(self.events, (time, self.order, kind, payload))
 
     def run(self) -> None:
-        """Process events until the trainer has made ``steps`` updates."""
+        """Process events until ``steps`` steps have ended (the last one's sync included)."""
         for engine in self.engines:
             self.push(0.0, "wake", engine)
-        while self.version < self.steps:
+        while len(self.step_ends) < self.steps:
             if not self.events:
                 raise RuntimeError("simulation stalled: no event left")  # a bug, not input
             time, _, kind, payload = heapq.heappop(self.events)
@@ -317,7 +319,7 @@ class _Simulation:
         if time < self.blocked_until:
             self.push(self.blocked_until, "wake", engine)
             return
-        engine.running = [r for r in engine.running if r.batch not in self.full]
+        self.set_running(engine, [r for r in engine.running if r.batch not in self.full])
         time = self.take_weights(time, engine)
         time = self.admit(time, engine)
         if not engine.running:
@@ -335,7 +337,7 @@ class _Simulation:
             r.done += n
             if r.done >= r.length:
                 self.push(end + self.work.reward_s, "scored", r)
-        engine.running = [r for r in engine.running if r.done < r.length]
+        self.set_running(engine, [r for r in engine.running if r.done < r.length])
         engine.clock = end
         self.push(end, "wake", engine)
 
@@ -374,6 +376,7 @@ class _Simulation:
             self.queue.pop()
             head.version = engine.version
             engine.running.append(head)
+            self.running += 1
             context += self.work.prompt_tokens
             prompts += self.work.prompt_tokens
             self.first_admit.setdefault(head.batch, time)
@@ -389,8 +392,12 @@ class _Simulation:
             return len(self.queue) + len(engine.running)
         gate = (engine.version + 1 + self.setup.eta) * self.per_batch
         waiting = min(len(self.queue), max(0, math.ceil(gate) - self.queue[-1].sample))
-        running = sum(len(e.running) for e in self.engines)
-        return max(1, math.ceil((waiting + running) / len(self.engines)))
+        return max(1, math.ceil((waiting + self.running) / len(self.engines)))
+
+    def set_running(self, engine: _Engine, running: list[_Request]) -> None:
+        """Replace an engine's running requests, keeping the count over all engines."""
+        self.running += len(running) - len(engine.running)
+        engine.running = running
 
     def on_scored(self, time: float, r: _Request) -> None:
         """A scored sample joins the trainer's queue; its batch may be full now."""
@@ -453,31 +460,64 @@ class _Simulation:
         self.try_train(time)
 
 
+MAX_STALENESS = 64
+MAX_BATCH = 65536
+"""Largest eta and samples per step :func:`simulate` takes: its queue holds ``eta + steps``
+batches of requests, so time and memory grow with both."""
+
+
 def check(shape: ModelShape, work: Workload, setup: Setup) -> None:
     """Raises UserError, naming the option to change, for a setup that cannot run."""
+    if work.prompts < 1 or work.samples_per_prompt < 1 or work.batch > MAX_BATCH:
+        raise UserError(
+            f"--prompts {work.prompts} x --samples {work.samples_per_prompt}: both must be at "
+            f"least 1 and their product at most {MAX_BATCH:,}"
+        )
+    if work.prompt_tokens < 1 or work.lengths.max < 1:
+        raise UserError("--prompt-tokens and --max-response must be at least 1 token")
+    if not (0 < work.lengths.mean <= work.lengths.max):
+        raise UserError(
+            f"--mean-response {work.lengths.mean:g} must be above 0 and at most --max-response "
+            f"{work.lengths.max}"
+        )
+    if setup.engine_tp < 1:
+        raise UserError(f"--engine-tp {setup.engine_tp} must be at least 1")
     if setup.rollout_gpus < 1 or setup.train_gpus < 1:
-        raise UserError("--rollout-gpus and --train-gpus must be at least 1")
+        raise UserError(
+            f"{setup.rollout_gpus} engine GPUs and {setup.train_gpus} training GPUs: both must be "
+            "at least 1 (disaggregated: --rollout-gpus below --gpus)"
+        )
     if setup.rollout_gpus % setup.engine_tp:
         raise UserError(
             f"--engine-tp {setup.engine_tp} does not divide --rollout-gpus {setup.rollout_gpus}"
         )
     if setup.colocated and (setup.mode != "sync" or setup.rollout_gpus != setup.train_gpus):
         raise UserError(
-            "a colocated setup takes turns on the same GPUs: use --mode sync and one --gpus "
-            "count, or --placement disaggregated for one_step/async"
+            "a colocated setup takes turns on the same GPUs: use --mode sync, or give the "
+            "engines GPUs of their own with --rollout-gpus N for one_step or async"
         )
     if shape.heads % setup.engine_tp:
         raise UserError(f"--engine-tp {setup.engine_tp} does not divide {shape.heads} heads")
+    if not (0 <= setup.staleness <= MAX_STALENESS):  # also refuses NaN
+        raise UserError(f"--staleness {setup.staleness:g} must be in 0..{MAX_STALENESS}")
+    if setup.partial and setup.mode != "async":
+        raise UserError("--partial applies to --mode async (one_step and sync drain instead)")
     if setup.mode == "async" and setup.staleness <= 0 and setup.partial:
         raise UserError("--partial needs --staleness above 0 (eta = 0 is synchronous)")
     capacity = kv_capacity(shape, setup)
     longest = work.prompt_tokens + work.lengths.max
     if capacity < longest:
         weights = 2.0 * shape.params() / setup.engine_tp / 2**30
+        wider = 2 * setup.engine_tp
+        more = (
+            f"use --engine-tp {wider} or a GPU with more memory"
+            if setup.rollout_gpus % wider == 0 and shape.heads % wider == 0
+            else "use more engine GPUs (--rollout-gpus, --gpus) or a GPU with more memory"
+        )
         raise UserError(
             f"one engine's KV cache holds {max(0, int(capacity)):,} tokens after "
             f"{weights:.1f} GiB of weights per GPU, fewer than one prompt + longest response "
-            f"({longest:,}): raise --engine-tp or use a GPU with more memory"
+            f"({longest:,}): {more}"
         )
 
 
