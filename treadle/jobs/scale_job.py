@@ -10,7 +10,7 @@ from pathlib import Path
 
 from treadle.core.errors import UserError
 from treadle.scale.hardware import GIB, GPUS, gpu
-from treadle.scale.memory import Breakdown, Layout, trainer
+from treadle.scale.memory import Breakdown
 from treadle.scale.plan import MAX_GPUS, ROLES, Placement, Question, plan
 from treadle.scale.shapes import resolve
 from treadle.scale.simulate import Lengths, Result, Setup, Workload, simulate
@@ -212,14 +212,6 @@ def run(args: argparse.Namespace, console) -> int:
                   args.engine_tp, args.mode, staleness, args.partial,
                   drop_stale=args.drop_stale)  # fmt: skip
     r = simulate(shape, work, setup, steps=args.steps)
-    policy = trainer(shape, Layout(dp=setup.train_gpus), 1, work.prompt_tokens + work.lengths.max)
-    if policy.total > g.memory_bytes:  # simulate does not place the roles: plan does
-        console.print(
-            f"note: the policy alone needs {policy.total / GIB:.0f} GiB per training GPU with "
-            f"FSDP over {setup.train_gpus}, more than the {g.name}'s {g.memory_gib:.0f} GiB; "
-            "treadle plan finds a layout that fits, or says none does",
-            markup=False, highlight=False, soft_wrap=True,
-        )  # fmt: skip
     if args.plot:
         from treadle.scale.plots import timeline
 
