@@ -13,7 +13,10 @@ sync costs a fixed pause plus bytes over the method's bandwidth.
 Modes, all one mechanism: batch j may start generating once the engines hold policy version
 j - eta (``sync``: eta = 0; ``one_step``: eta = 1; ``async``: the given staleness bound, as in
 AReaL, arXiv 2505.24298, Sec. 5.1). ``partial`` rollouts take new weights mid-response (their
-KV cache recomputed); otherwise an engine finishes its running requests before it updates.
+KV cache recomputed); otherwise an engine finishes its running requests before it updates and
+the trainer's sync waits for the last engine to drain. Requests are spread over the engines as
+a least-loaded router spreads them; ``drop_stale`` also drops a sample that would train older
+than the bound (treadle's rule), where AReaL's bounds admission only.
 """
 
 from __future__ import annotations
