@@ -33,10 +33,10 @@ MAX_STEPS = 64
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     """The options of ``command`` (plan or simulate)."""
     parser.add_argument("model", help="a named shape (llama3.1-8b, ...) or a model folder")
-    parser.add_argument("--gpu", default="h100", help=f"GPU type ({', '.join(GPUS)})")
-    parser.add_argument("--gpus", type=int, default=8, help=f"GPUs in all (1..{MAX_GPUS:,})")
-    parser.add_argument("--prompts", type=int, default=64, help="prompts per RL step")
-    parser.add_argument("--samples", type=int, default=8, help="samples per prompt")
+    parser.add_argument("--gpu", default="h100", help=f"GPU type: {', '.join(GPUS)} (h100)")
+    parser.add_argument("--gpus", type=int, default=8, help=f"GPUs in all, 1..{MAX_GPUS:,} (8)")
+    parser.add_argument("--prompts", type=int, default=64, help="prompts per RL step (64)")
+    parser.add_argument("--samples", type=int, default=8, help="samples per prompt (8)")
     parser.add_argument("--prompt-tokens", type=int, help="tokens (default 512, or the run's)")
     parser.add_argument("--max-response", type=int, help="tokens (default 4096)")
     parser.add_argument("--mean-response", type=float, help="tokens (default max / 3)")
@@ -46,7 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
         metavar="RUN_DIR",
         help="draw response (and prompt) lengths from a treadle run's buffer instead",
     )
-    parser.add_argument("--steps", type=int, default=4, help=f"RL steps simulated (2..{MAX_STEPS})")
+    parser.add_argument(
+        "--steps", type=int, default=4, help=f"RL steps simulated, 2..{MAX_STEPS} (4)"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     if command == "plan":
         parser.add_argument("--tp", type=int, help="training tensor-parallel degree")
@@ -57,7 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                             help=f"comma-separated, of: {', '.join(ROLES)}")  # fmt: skip
         parser.add_argument("--plot", help="write memory per GPU by term and role to this PNG")
         return
-    parser.add_argument("--mode", choices=("sync", "one_step", "async"), default="sync")
+    parser.add_argument("--mode", choices=("sync", "one_step", "async"), default="sync",
+                        help="sync (default), one_step or async")  # fmt: skip
     parser.add_argument("--staleness", type=float, help="eta, for --mode async (default 1)")
     parser.add_argument("--partial", action="store_true", help="partial rollouts")
     parser.add_argument(
@@ -260,7 +263,7 @@ def _table(title: str, columns: list[str], left: int = 1):
 def _print_plan(console, placements: list[Placement], memory_gib: float) -> None:
     table = _table(
         "placements that fit, best first (simulated trained tokens per second)",
-        ["#", "placement", "trainer", "engine", "GiB t/e", "step s", "tok/s", "busy e/t"],
+        ["#", "placement e:t", "trainer", "engine", "GiB t/e", "step s", "tok/s", "busy e/t"],
         left=4,
     )
     for i, p in enumerate(placements, 1):
@@ -274,7 +277,7 @@ def _print_plan(console, placements: list[Placement], memory_gib: float) -> None
             "-" if r is None else f"{r.engine_busy * 100:.0f}/{r.trainer_busy:.0%}",
         )  # fmt: skip
     console.print(table)
-    roles = _table(f"#1: GiB per GPU by role (GPUs of {memory_gib:.0f} GiB)",
+    roles = _table(f"#1: GiB per GPU by role (GPUs of {memory_gib:.1f} GiB)",
                    ["role", *SHORT.values(), "total"])  # fmt: skip
     for b in placements[0].memory:
         roles.add_row(b.role, *(f"{v:.2f}" for v in _gib(b).values()))
@@ -282,7 +285,7 @@ def _print_plan(console, placements: list[Placement], memory_gib: float) -> None
 
 
 def _print_result(console, r: Result) -> None:
-    table = _table("simulated RL step (after the first)",
+    table = _table("simulated RL step",
                    ["measure", "value"])  # fmt: skip
     rows = [
         ("step", f"{r.step_s:.2f} s"),

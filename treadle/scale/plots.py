@@ -32,7 +32,15 @@ def timeline(result: Result, path: Path, title: str = "") -> Path:
     ax.invert_yaxis()
     ax.set_xlabel("seconds")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
-    ax.legend(handles, list(COLORS), loc="upper right", ncol=3)
+    ax.legend(
+        handles,
+        list(COLORS),
+        loc="lower right",
+        bbox_to_anchor=(1.0, 1.0),
+        ncol=3,
+        fontsize=8,
+        frameon=False,
+    )  # above the lanes, clear of the bars
     ax.set_title(title or f"step {result.step_s:.1f} s, staleness mean {result.staleness_mean:.2f}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -86,7 +94,7 @@ def memory(placements: list[Placement], memory_gib: float, path: Path, title: st
             ax.bar(x, height, bottom=bottom, color=color, width=0.7)
             bottom += height
     ax.axhline(memory_gib, color="black", linestyle="--", linewidth=1)
-    ax.text(len(bars) - 0.5, memory_gib, f" {memory_gib:.0f} GiB", va="bottom", ha="right")
+    ax.text(len(bars) - 0.5, memory_gib, f" {memory_gib:.1f} GiB", va="bottom", ha="right")
     ax.set_xticks(range(len(bars)), [label for label, _ in bars], fontsize=8)
     ax.set_ylabel("GiB per GPU")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in TERM_COLORS.values()]
