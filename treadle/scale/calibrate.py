@@ -2,9 +2,10 @@
 
 A CPU is not a GPU with smaller numbers: at the sizes that train on one, a decode step costs
 the engine's own work per step and per sequence (scheduling, sampling, Python) far more than
-its FLOPs, and an update costs a fixed part besides its FLOPs. :func:`fit_device` reads those
+its FLOPs, and an update costs a fixed part besides its FLOPs. :func:`fit` reads those
 constants off one synchronous run's steps (each step's response lengths, generation seconds and
-the rest of its step), with no other input, so that :func:`treadle.scale.simulate.simulate`
+the rest of its step), with no other input, and :func:`device` turns them into a
+:class:`~treadle.scale.hardware.Gpu`, so that :func:`treadle.scale.simulate.simulate`
 can predict the same task in the other modes (one-step off-policy, asynchronous with a
 staleness bound) on the same machine: SCALE.md, "treadle's own runs", and
 ``tests/scale/test_own_runs.py``.
@@ -55,6 +56,7 @@ class Fit:
     generate_fixed_s: float
     """Seconds per step's generation beside its decode steps (prefill, scoring)."""
     train_flops_per_s: float
+    """Training FLOPs (:func:`train_flops`) per second of the rest of a step."""
     train_fixed_s: float
     """Seconds per update beside its FLOPs."""
     generate_error: float

@@ -144,10 +144,16 @@ POSITIVE = ("num_attention_heads", "hidden_size", "num_hidden_layers", "intermed
 """The config.json keys every shape needs, each a positive integer."""
 
 
+def _positive(name: str, key: str, value: object) -> int:
+    """``value`` of config.json's ``key``, a positive integer, else UserError naming both."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UserError(f"{name}: config.json's {key} is {value!r}; a positive integer")
+    return value
+
+
 def from_hf_config(config: dict, name: str) -> ModelShape:
     """The shape of a Hugging Face ``config.json`` (already parsed): dense Llama/Qwen/Mistral
-    layouts, mixtures of experts (DeepSeek's ``n_routed_experts``, Qwen's ``num_experts`` with
-    its shared expert, Mixtral's ``num_local_experts``) and multi-head latent attention.
+    layouts, mixtures of experts (:func:`_with_experts`) and multi-head latent attention.
 
     Raises:
         UserError: not a JSON object, a key the shape needs missing or not a positive integer,
@@ -156,18 +162,12 @@ def from_hf_config(config: dict, name: str) -> ModelShape:
     """
     if not isinstance(config, dict):
         raise UserError(f"{name}: config.json holds a {type(config).__name__}, not an object")
-
-    def positive(key: str, value: object) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise UserError(f"{name}: config.json's {key} is {value!r}; a positive integer")
-        return value
-
     for key in POSITIVE:
         if key not in config:
             raise UserError(f"{name}: config.json has no {key!r}; pass a named shape")
-        positive(key, config[key])
+        _positive(name, key, config[key])
     heads, hidden = config["num_attention_heads"], config["hidden_size"]
-    kv_heads = positive("num_key_value_heads", config.get("num_key_value_heads") or heads)
+    kv_heads = _positive(name, "num_key_value_heads", config.get("num_key_value_heads") or heads)
     if heads % kv_heads:
         raise UserError(
             f"{name}: config.json's num_key_value_heads {kv_heads} does not divide "
@@ -180,34 +180,13 @@ def from_hf_config(config: dict, name: str) -> ModelShape:
         hidden=hidden,
         heads=heads,
         kv_heads=kv_heads,
-        head_dim=positive("head_dim", head_dim),
+        head_dim=_positive(name, "head_dim", head_dim),
         intermediate=config["intermediate_size"],
         vocab=config["vocab_size"],
         tied_embeddings=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=bool(config.get("attention_bias", config.get("model_type") == "qwen2")),
     )
-    routed = (config.get("n_routed_experts") or config.get("num_experts")
-              or config.get("num_local_experts") or 0)  # fmt: skip
-    if routed:
-        width = config.get("moe_intermediate_size") or (
-            config["intermediate_size"] if config.get("num_local_experts") else None
-        )  # Mixtral's experts are intermediate_size wide
-        for key, value in (("num_experts_per_tok", config.get("num_experts_per_tok")),
-                           ("moe_intermediate_size", width)):  # fmt: skip
-            if value is None:
-                raise UserError(f"{name}: config.json has {routed} experts but no {key!r}")
-            positive(key, value)
-        shared = config.get("n_shared_experts") or 0
-        if config.get("shared_expert_intermediate_size"):  # Qwen-MoE: one wide shared expert
-            shared = max(1, round(config["shared_expert_intermediate_size"] / width))
-        shape = replace(
-            shape,
-            experts=positive("experts", routed),
-            experts_active=config["num_experts_per_tok"],
-            shared_experts=shared,
-            expert_intermediate=width,
-            dense_layers=config.get("first_k_dense_replace", 0),
-        )
+    shape = _with_experts(config, shape)
     if config.get("kv_lora_rank"):
         shape = replace(
             shape,
@@ -217,6 +196,37 @@ def from_hf_config(config: dict, name: str) -> ModelShape:
             v_head_dim=config.get("v_head_dim", shape.head_dim),
         )
     return shape
+
+
+def _with_experts(config: dict, shape: ModelShape) -> ModelShape:
+    """``shape`` with the mixture of experts of ``config``, if any: DeepSeek's
+    ``n_routed_experts``, Qwen's ``num_experts`` (its one wide shared expert counted as
+    ``shared_expert_intermediate_size / moe_intermediate_size`` experts), Mixtral's
+    ``num_local_experts`` (experts ``intermediate_size`` wide)."""
+    name = shape.name
+    routed = (config.get("n_routed_experts") or config.get("num_experts")
+              or config.get("num_local_experts") or 0)  # fmt: skip
+    if not routed:
+        return shape
+    width = config.get("moe_intermediate_size") or (
+        config["intermediate_size"] if config.get("num_local_experts") else None
+    )
+    for key, value in (("num_experts_per_tok", config.get("num_experts_per_tok")),
+                       ("moe_intermediate_size", width)):  # fmt: skip
+        if value is None:
+            raise UserError(f"{name}: config.json has {routed} experts but no {key!r}")
+        _positive(name, key, value)
+    shared = config.get("n_shared_experts") or 0
+    if config.get("shared_expert_intermediate_size"):
+        shared = max(1, round(config["shared_expert_intermediate_size"] / width))
+    return replace(
+        shape,
+        experts=_positive(name, "experts", routed),
+        experts_active=config["num_experts_per_tok"],
+        shared_experts=shared,
+        expert_intermediate=width,
+        dense_layers=config.get("first_k_dense_replace", 0),
+    )
 
 
 def resolve(model: str) -> ModelShape:

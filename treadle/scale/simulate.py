@@ -367,13 +367,13 @@ class _Simulation:
         cap = min(self.setup.gpu.efficiency.max_batch, self.share(engine))
         context = sum(self.work.prompt_tokens + r.done for r in engine.running)
         prompts = 0
+        need = self.work.prompt_tokens + self.work.lengths.mean
+        allowed = self.gate(engine)
         while self.queue and len(engine.running) < cap:
             head = self.queue[-1]
             if head.batch in self.full:
                 self.queue.pop()
                 continue
-            need = self.work.prompt_tokens + self.work.lengths.mean
-            allowed = (engine.version + 1 + self.setup.eta) * self.per_batch
             if head.sample >= allowed or (context + need > self.capacity and engine.running):
                 break
             self.queue.pop()
@@ -393,9 +393,14 @@ class _Simulation:
         balancing, verl's and AReaL's request routers); one engine takes them all."""
         if len(self.engines) == 1 or not self.queue:
             return len(self.queue) + len(engine.running)
-        gate = (engine.version + 1 + self.setup.eta) * self.per_batch
-        waiting = min(len(self.queue), max(0, math.ceil(gate) - self.queue[-1].sample))
+        gate = math.ceil(self.gate(engine))
+        waiting = min(len(self.queue), max(0, gate - self.queue[-1].sample))
         return max(1, math.ceil((waiting + self.running) / len(self.engines)))
+
+    def gate(self, engine: _Engine) -> float:
+        """The staleness bound at admission: an engine at version v may start requests of
+        samples numbered below ``(v + 1 + eta) x per_batch``."""
+        return (engine.version + 1 + self.setup.eta) * self.per_batch
 
     def set_running(self, engine: _Engine, running: list[_Request]) -> None:
         """Replace an engine's running requests, keeping the count over all engines."""
