@@ -3,11 +3,12 @@
 import pytest
 
 from treadle.core.errors import UserError
+from treadle.scale.costs import segment_s
 from treadle.scale.hardware import GIB, gpu
 from treadle.scale.memory import Layout, trainer
 from treadle.scale.plan import Question, plan
 from treadle.scale.shapes import NAMED
-from treadle.scale.simulate import Lengths, Setup, Workload, segment_s, simulate
+from treadle.scale.simulate import Lengths, Setup, Workload, simulate
 
 
 @pytest.mark.parametrize(("stage", "published_gb"), [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])

@@ -20,8 +20,9 @@ from treadle.scale.calibrate import (
     fit,
     slowdowns,
 )
+from treadle.scale.costs import train_flops
 from treadle.scale.shapes import from_hf_config
-from treadle.scale.simulate import Lengths, Setup, Workload, simulate, train_flops
+from treadle.scale.simulate import Lengths, Setup, Workload, simulate
 
 DATA = json.loads((Path(__file__).parent / "data" / "own_runs.json").read_text())
 SHAPE = from_hf_config(DATA["model_config"], "default tiny")

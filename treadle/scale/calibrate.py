@@ -27,10 +27,10 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from treadle.core.errors import UserError
+from treadle.scale.costs import Workload, train_flops
 from treadle.scale.hardware import Efficiency, Gpu
 from treadle.scale.memory import Breakdown, per_token_layer_bytes
 from treadle.scale.shapes import ModelShape
-from treadle.scale.simulate import Workload, train_flops
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,198 @@
+"""What one RL step is made of, and what each piece costs in seconds.
+
+The inputs of :mod:`treadle.scale.simulate`: a :class:`Workload` (prompts, samples, response
+lengths) on a :class:`Setup` (GPUs, placement, mode), and the closed-form costs the event loop
+adds up: a decode step is ``max(FLOPs / (peak x mfu), bytes / (HBM x efficiency), floor) +
+layers x layer latency`` (weights plus the batch's KV cache read once per step: the roofline of
+Williams et al. 2009 applied to decoding, as in Pope et al. 2022, arXiv 2211.05102, Sec. 3);
+training costs its FLOPs (6N per token for forward and backward plus 2N per extra forward,
+Kaplan et al. 2020, arXiv 2001.08361, Eq. 2.1, and the causal attention term) at the GPU type's
+MFU; a weight sync costs a fixed pause plus bytes over the method's bandwidth.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from dataclasses import dataclass
+from typing import Literal
+
+from treadle.scale import memory
+from treadle.scale.hardware import Gpu
+from treadle.scale.memory import OVERHEAD_BYTES, kv_bytes_per_token
+from treadle.scale.shapes import ModelShape
+
+Mode = Literal["sync", "one_step", "async"]
+SyncMethod = Literal["colocated", "broadcast", "resharded"]
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """Response lengths (tokens): lognormal with this mean before the cap and shape
+    ``sigma`` (long-tailed), capped at ``max``; or ``measured`` lengths drawn with
+    replacement (e.g. a run's buffer)."""
+
+    mean: float
+    max: int
+    sigma: float = 0.8
+    measured: tuple[int, ...] = ()
+
+    def draw(self, rng: random.Random, n: int) -> list[int]:
+        """``n`` lengths, each in [1, max]."""
+        if self.measured:
+            return [min(self.max, max(1, rng.choice(self.measured))) for _ in range(n)]
+        mu = math.log(self.mean) - self.sigma**2 / 2
+        return [min(self.max, max(1, round(rng.lognormvariate(mu, self.sigma)))) for _ in range(n)]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One RL step's work."""
+
+    prompts: int
+    samples_per_prompt: int
+    prompt_tokens: int
+    lengths: Lengths
+    reward_s: float = 0.0
+    """Seconds to score one sample (graders run beside the engines, not on the GPUs)."""
+    extra_forwards: int = 1
+    """Forward passes besides the update's: 1 for the old policy's logprobs, +1 for a
+    reference, +1 for a critic's values."""
+    minibatches: int = 1
+    """Optimizer steps per RL step (ppo_mini_batch_size = batch / minibatches)."""
+
+    @property
+    def batch(self) -> int:
+        """Samples per step: prompts x samples_per_prompt."""
+        return self.prompts * self.samples_per_prompt
+
+
+@dataclass(frozen=True)
+class Setup:
+    """GPUs and how the roles use them."""
+
+    gpu: Gpu
+    rollout_gpus: int
+    train_gpus: int
+    colocated: bool = False
+    """Engines and trainer on the same GPUs, taking turns (rollout_gpus == train_gpus)."""
+    engine_tp: int = 1
+    mode: Mode = "sync"
+    staleness: float = 0.0
+    """eta for ``async``: batches the engines may run ahead of the trainer (AReaL's eta;
+    a fraction such as verl's staleness_threshold=0.5 lets half a batch run ahead)."""
+    partial: bool = False
+    oversample: float = 0.0
+    """Extra requests per batch (0.25: 25% more); a batch ends with its first ``batch``
+    finished samples and the rest are dropped."""
+    sync_method: SyncMethod | None = None
+    """Default: ``colocated`` for a colocated setup, else ``broadcast``."""
+    drop_stale: bool = False
+    """Drop a finished sample older than ``ceil(eta)`` versions when it would be trained
+    (treadle's rule). Without it the bound holds at admission only (AReaL's rule, Sec. 5.1):
+    a slow sample overtaken by later ones may then train ``ceil(eta) + 1`` versions old."""
+
+    @property
+    def eta(self) -> float:
+        """The staleness bound the mode implies."""
+        return {"sync": 0, "one_step": 1}.get(self.mode, self.staleness)
+
+
+def decode_rate(shape: ModelShape, gpu: Gpu, tp: int) -> tuple[float, float, float, float]:
+    """A decode step's cost terms for one engine of ``tp`` GPUs: (seconds per token of batch
+    from FLOPs and the per-token overhead, seconds per context token from FLOPs, seconds per
+    context token from KV bytes, fixed seconds from the layer latency). Weight bytes are
+    :func:`weight_read_s`; the step floor is ``efficiency.step_floor_s``."""
+    e = gpu.efficiency
+    flops = tp * gpu.bf16_tflops * 1e12 * e.decode_mfu
+    bandwidth = tp * gpu.hbm_tbps * 1e12 * e.decode_bandwidth
+    per_token = 2.0 * shape.active_params() / flops + e.token_overhead_s
+    per_context_flops = shape.attention_flops_per_token(1.0) / flops
+    per_context_bytes = kv_bytes_per_token(shape, 1) / bandwidth
+    return per_token, per_context_flops, per_context_bytes, shape.layers * e.layer_latency_s
+
+
+def weight_read_s(shape: ModelShape, gpu: Gpu, tp: int, batch: int) -> float:
+    """Seconds to read the weights one decode step of ``batch`` requests touches: all dense
+    weights, and of each MoE layer the experts its tokens route to (1 - (1 - k/E)^batch)."""
+    bandwidth = tp * gpu.hbm_tbps * 1e12 * gpu.efficiency.decode_bandwidth
+    expert = shape.expert_params()
+    touched = 1 - (1 - shape.experts_active / shape.experts) ** batch if shape.experts else 0
+    return 2.0 * (shape.params() - expert + expert * touched) / bandwidth
+
+
+def segment_s(costs: tuple[float, float, float, float], weights_s: float, b: int, c0: float,
+              n: int, floor_s: float = 0.0) -> float:  # fmt: skip
+    """Seconds for ``n`` decode steps of a batch of ``b`` whose total context starts at ``c0``
+    tokens and grows by ``b`` per step: the sum of max(compute, memory, floor) + latency,
+    compute and memory linear in the context, summed in closed form between the steps where
+    the dominant term changes."""
+    per_token, ctx_flops, ctx_bytes, latency = costs
+    # each term as a + k * j over steps j = 0..n-1 (the context is c0 + b * j)
+    lines = [(per_token * b + ctx_flops * c0, ctx_flops * b),  # compute
+             (weights_s + ctx_bytes * c0, ctx_bytes * b),  # memory
+             (floor_s, 0.0)]  # fmt: skip
+    cuts = {0, n}
+    for i, (a1, k1) in enumerate(lines):
+        for a2, k2 in lines[i + 1 :]:
+            if k1 != k2 and 0 < (a2 - a1) / (k1 - k2) < n:
+                cuts.add(math.ceil((a2 - a1) / (k1 - k2)))
+    total = n * latency
+    bounds = sorted(cuts)
+    for j0, j1 in itertools.pairwise(bounds):
+        mid = (j0 + j1 - 1) / 2  # a line dominating at the middle step dominates all of j0..j1-1
+        a, k = max(lines, key=lambda line: line[0] + line[1] * mid)
+        total += (j1 - j0) * (a + k * mid)
+    return total
+
+
+def train_flops(shape: ModelShape, work: Workload, lengths: list[int]) -> float:
+    """FLOPs of training on one batch of responses of ``lengths`` tokens: forward FLOPs (2N
+    per token plus causal attention, 2 L q s^2 per sequence) times 3 for the update and once
+    per extra forward."""
+    fwd = 0.0
+    for response in lengths:
+        s = work.prompt_tokens + response
+        fwd += 2.0 * shape.active_params() * s + shape.attention_flops_per_token(s / 2) * s
+    return fwd * (3 + work.extra_forwards)
+
+
+def train_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, lengths: list[int]) -> float:
+    """Seconds to train on one batch: :func:`train_flops` on ``gpus`` GPUs at the MFU that the
+    tokens per GPU and optimizer step reach, plus the fixed ``train_overhead_s``."""
+    e = gpu.efficiency
+    tokens = sum(lengths) + len(lengths) * work.prompt_tokens  # every sample's prompt too
+    tokens_per_gpu = tokens / (gpus * work.minibatches)
+    mfu = e.train_mfu * tokens_per_gpu / (tokens_per_gpu + e.train_half_tokens)
+    flops = train_flops(shape, work, lengths)
+    return flops / (gpus * gpu.bf16_tflops * 1e12 * mfu) + e.train_overhead_s
+
+
+def sync_s(shape: ModelShape, setup: Setup) -> float:
+    """Seconds of one weight update of the engines, bf16 weights: a fixed pause, plus
+    ``colocated``: each GPU's shard copied in place and the engine's weights woken from host
+    memory (PCIe); ``broadcast``: the whole model over one GPU's network link (a pipelined
+    broadcast reaches every engine at that rate); ``resharded``: each trainer GPU sends its
+    shard over its own link."""
+    g, e = setup.gpu, setup.gpu.efficiency
+    weights = 2.0 * shape.params()
+    method = setup.sync_method or ("colocated" if setup.colocated else "broadcast")
+    if method == "colocated":
+        per_gpu = weights / setup.engine_tp
+        return e.sync_overhead_s + per_gpu / (e.pcie_gbps * 1e9) + per_gpu / (g.hbm_tbps * 1e12)
+    link = (g.network_gbps if setup.train_gpus + setup.rollout_gpus > g.per_node else
+            g.nvlink_gbps) * 1e9 * e.interconnect  # fmt: skip
+    senders = 1 if method == "broadcast" else min(setup.train_gpus, setup.rollout_gpus)
+    return e.sync_overhead_s + weights / (senders * link)
+
+
+def kv_capacity(shape: ModelShape, setup: Setup) -> float:
+    """Tokens one engine's KV cache holds: its GPUs' memory left by :func:`memory.engine`
+    (may be negative where the weights alone do not fit)."""
+    tp = setup.engine_tp
+    left = memory.engine(shape, setup.gpu, tp).kv_cache
+    if left == 0.0:  # engine() clamps at 0: say how far short the weights are
+        left = setup.gpu.memory_bytes * setup.gpu.efficiency.kv_memory_fraction
+        left -= OVERHEAD_BYTES + 2.0 * shape.params() / tp
+    return tp * left / kv_bytes_per_token(shape, tp)
