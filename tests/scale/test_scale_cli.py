@@ -64,31 +64,44 @@ def test_simulate_prints_a_table(capsys):
     assert "staleness mean / max" in out and "0.00 / 0" in out  # sync: nothing stale
 
 
-def _buffer(run, responses, prompt):
+def _buffer(run, responses, prompt, group_size=None):
     (run / "buffer").mkdir(parents=True)
-    table = pa.table({
+    columns = {
         "token_ids": [[1] * (prompt + n) for n in responses],
         "prompt_tokens": [prompt] * len(responses),
-    })  # fmt: skip
-    pq.write_table(table, run / "buffer" / "step_000001.parquet")
+    }
+    if group_size:  # the buffer's group column: rollouts k * size .. k * size + size - 1
+        columns["group"] = [i // group_size for i in range(len(responses))]
+    pq.write_table(pa.table(columns), run / "buffer" / "step_000001.parquet")
 
 
 def test_simulate_draws_lengths_from_a_runs_buffer(tmp_path, capsys):
-    # 16 rollouts: 12 of 10 tokens and 4 of 300 after 20-token prompts
+    # 16 rollouts in 4 groups of 4: three groups of 10 tokens, one of 300, after 20-token prompts
     responses = [10] * 12 + [300] * 4
-    _buffer(tmp_path, responses, 20)
+    _buffer(tmp_path, responses, 20, group_size=4)
     argv = ["simulate", "qwen2.5-0.5b", "--gpus", "2", "--prompts", "4", "--samples", "4",
             "--lengths-from", str(tmp_path), "--json"]  # fmt: skip
     assert main(argv) == 0
     (row,) = json.loads(capsys.readouterr().out)
-    work = Workload(4, 4, 20, Lengths(sum(responses) / 16, 300, measured=tuple(responses)))
+    groups = ((10,) * 4,) * 3 + ((300,) * 4,)
+    work = Workload(4, 4, 20, Lengths(sum(responses) / 16, 300, measured=groups))
     direct = simulate(NAMED["qwen2.5-0.5b"], work, Setup(gpu("h100"), 2, 2, colocated=True),
                       steps=4)  # fmt: skip
     assert row["step_s"] == pytest.approx(direct.step_s)
     # trained tokens per step: 16 x 20 prompt tokens + 16 drawn responses of 10 or 300 each
     tokens = row["tokens_per_s"] * row["step_s"]
     assert 16 * 10 <= tokens - 16 * 20 <= 16 * 300
-    assert set(work.lengths.draw(random.Random(0), 200)) == {10, 300}
+    # a prompt's samples are drawn together: every group of 4 drawn is one measured group
+    drawn = work.lengths.draw(random.Random(0), 50, 4)
+    assert {tuple(drawn[k : k + 4]) for k in range(0, 200, 4)} == {(10,) * 4, (300,) * 4}
+
+
+def test_lengths_from_a_buffer_without_groups_draws_each_rollout_alone(tmp_path):
+    from treadle.jobs.scale_job import run_lengths
+
+    _buffer(tmp_path, [10] * 12 + [300] * 4, 20)
+    groups, prompts = run_lengths(tmp_path)
+    assert groups == [(10,)] * 12 + [(300,)] * 4 and prompts == [20] * 16
 
 
 def test_lengths_from_a_folder_without_a_buffer_is_one_line_exit_2(tmp_path, capsys):

@@ -74,9 +74,10 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--plot", help="write the timeline (engines and trainer) to this PNG")
 
 
-def run_lengths(run_dir: Path) -> tuple[list[int], list[int]]:
-    """(response tokens, prompt tokens) of every rollout in ``run_dir``'s buffer
-    (``buffer/step_*.parquet``), read only.
+def run_lengths(run_dir: Path) -> tuple[list[tuple[int, ...]], list[int]]:
+    """(response tokens by prompt, prompt tokens) of every rollout in ``run_dir``'s buffer
+    (``buffer/step_*.parquet``), read only: one tuple per group (the rows of a step that share
+    its ``group`` column; a file without that column gives one tuple per rollout).
 
     Raises:
         UserError: no buffer there, or a file that is not a readable rollout table.
@@ -89,14 +90,20 @@ def run_lengths(run_dir: Path) -> tuple[list[int], list[int]]:
             f"--lengths-from {run_dir}: no buffer/step_*.parquet there; pass the run directory "
             "of a treadle train run (it stores each step's rollouts)"
         )
-    responses, prompts = [], []
-    for path in files:
+    groups: dict[tuple[int, int], list[int]] = {}
+    prompts = []
+    for f, path in enumerate(files):
         try:
-            table = pq.read_table(path, columns=["token_ids", "prompt_tokens"]).to_pydict()
+            names = pq.read_schema(path).names
+            columns = ["token_ids", "prompt_tokens"] + (["group"] if "group" in names else [])
+            table = pq.read_table(path, columns=columns).to_pydict()
         except Exception as e:  # pyarrow raises several types for a damaged or foreign file
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UserError(f"--lengths-from: cannot read {path} as rollouts ({first})") from None
-        for ids, prompt in zip(table["token_ids"], table["prompt_tokens"], strict=True):
+        ids_, prompt_ = table["token_ids"], table["prompt_tokens"]
+        for row, (ids, prompt, group) in enumerate(
+            zip(ids_, prompt_, table.get("group", range(len(ids_))), strict=True)
+        ):
             if (
                 not isinstance(ids, list)
                 or not isinstance(prompt, int)
@@ -106,11 +113,12 @@ def run_lengths(run_dir: Path) -> tuple[list[int], list[int]]:
                     f"--lengths-from: {path} holds a rollout whose token_ids ({type(ids).__name__}"
                     f") and prompt_tokens ({prompt!r}) leave no response; is it a treadle buffer?"
                 )
-            responses.append(len(ids) - prompt)
+            key = (f, group if isinstance(group, int) else -1 - row)
+            groups.setdefault(key, []).append(len(ids) - prompt)
             prompts.append(prompt)
-    if not responses or max(responses) < 1:
+    if not groups or max(max(g) for g in groups.values()) < 1:
         raise UserError(f"--lengths-from {run_dir}: its buffer holds no response tokens")
-    return responses, prompts
+    return [tuple(g) for g in groups.values()], prompts
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -158,9 +166,10 @@ def _roles(text: str) -> tuple[str, ...]:
 def _workload(args: argparse.Namespace) -> Workload:
     prompt = 512 if args.prompt_tokens is None else args.prompt_tokens
     if args.lengths_from is not None:
-        responses, prompts = run_lengths(args.lengths_from)
+        groups, prompts = run_lengths(args.lengths_from)
+        responses = [n for g in groups for n in g]
         mean = sum(responses) / len(responses)
-        lengths = Lengths(mean, max(responses), measured=tuple(responses))
+        lengths = Lengths(mean, max(responses), measured=tuple(groups))
         if args.prompt_tokens is None:
             prompt = round(sum(prompts) / len(prompts))
     else:

@@ -30,20 +30,32 @@ SyncMethod = Literal["colocated", "broadcast", "resharded"]
 @dataclass(frozen=True)
 class Lengths:
     """Response lengths (tokens): lognormal with this mean before the cap and shape
-    ``sigma`` (long-tailed), capped at ``max``; or ``measured`` lengths drawn with
-    replacement (e.g. a run's buffer)."""
+    ``sigma`` (long-tailed), capped at ``max``, drawn independently; or ``measured`` lengths
+    (e.g. a run's buffer), one prompt's samples at a time."""
 
     mean: float
     max: int
     sigma: float = 0.8
-    measured: tuple[int, ...] = ()
+    measured: tuple[tuple[int, ...], ...] = ()
+    """Measured response lengths, one tuple per prompt: a prompt's samples are alike in
+    length (in treadle's chain-sum runs 98% of the lengths' variance lies between prompts),
+    which decides when a group completes and how stale it is when trained."""
 
-    def draw(self, rng: random.Random, n: int) -> list[int]:
-        """``n`` lengths, each in [1, max]."""
-        if self.measured:
-            return [min(self.max, max(1, rng.choice(self.measured))) for _ in range(n)]
-        mu = math.log(self.mean) - self.sigma**2 / 2
-        return [min(self.max, max(1, round(rng.lognormvariate(mu, self.sigma)))) for _ in range(n)]
+    def draw(self, rng: random.Random, groups: int, size: int) -> list[int]:
+        """``groups`` x ``size`` lengths, each in [1, max], one group's ``size`` after another:
+        a measured prompt's own lengths (drawn with replacement from them where it holds
+        other than ``size``), or independent lognormal lengths."""
+        if not self.measured:
+            mu = math.log(self.mean) - self.sigma**2 / 2
+            n = groups * size
+            return [min(self.max, max(1, round(rng.lognormvariate(mu, self.sigma))))
+                    for _ in range(n)]  # fmt: skip
+        out = []
+        for _ in range(groups):
+            group = rng.choice(self.measured)
+            picked = group if len(group) == size else [rng.choice(group) for _ in range(size)]
+            out += [min(self.max, max(1, n)) for n in picked]
+        return out
 
 
 @dataclass(frozen=True)
@@ -84,14 +96,16 @@ class Setup:
     a fraction such as verl's staleness_threshold=0.5 lets half a batch run ahead)."""
     partial: bool = False
     oversample: float = 0.0
-    """Extra requests per batch (0.25: 25% more); a batch ends with its first ``batch``
-    finished samples and the rest are dropped."""
+    """Extra prompts per batch (0.25: 25% more, rounded up); a batch ends with its first
+    ``prompts`` complete groups and the rest are dropped."""
     sync_method: SyncMethod | None = None
     """Default: ``colocated`` for a colocated setup, else ``broadcast``."""
     drop_stale: bool = False
-    """Drop a finished sample older than ``ceil(eta)`` versions when it would be trained
-    (treadle's rule). Without it the bound holds at admission only (AReaL's rule, Sec. 5.1):
-    a slow sample overtaken by later ones may then train ``ceil(eta) + 1`` versions old."""
+    """Drop a group holding a token older than ``ceil(eta)`` versions, when it would be
+    trained or as soon as the trainer's version moves past it (treadle's rule,
+    :mod:`treadle.rollout.scheduler`). Without it the bound holds at admission only (AReaL's
+    rule, Sec. 5.1): a slow group overtaken by later ones may then train ``ceil(eta) + 1``
+    versions old."""
 
     @property
     def eta(self) -> float:

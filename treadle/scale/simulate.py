@@ -19,6 +19,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
+from collections import deque
 from dataclasses import dataclass, field
 
 from treadle.core.errors import UserError
@@ -65,13 +66,32 @@ class Result:
     """(lane, start s, end s, kind) bars: kind is decode, train, sync or idle."""
 
 
-@dataclass
+@dataclass(eq=False)
+class _Group:
+    """One prompt's samples: admitted, scored, trained and dropped together, as GRPO's
+    advantages need the whole group (treadle's, verl's and AReaL's unit of a batch)."""
+
+    batch: int
+    left: int
+    """Samples not yet scored."""
+    version: int | None = None
+    """The oldest policy version among its tokens: the engine's at its first admission."""
+    dropped: bool = False
+    members: list[_Request] = field(default_factory=list)
+
+
+@dataclass(eq=False)
 class _Request:
     sample: int
-    batch: int
+    group: _Group
     length: int
     done: int = 0
     version: int = 0
+
+    @property
+    def batch(self) -> int:
+        """The RL step this request was drawn for."""
+        return self.group.batch
 
 
 @dataclass
@@ -97,20 +117,17 @@ class _Simulation:
             / (setup.engine_tp * g.bf16_tflops * 1e12 * g.efficiency.prefill_mfu)
         )
         self.sync = sync_s(shape, setup)
-        rng = random.Random(seed)
-        per_batch = self.per_batch = math.ceil(work.batch * (1 + setup.oversample))
-        self.queue = [
-            _Request(j * per_batch + i, j, length)
-            for j in range(steps + math.ceil(setup.eta) + 2)
-            for i, length in enumerate(work.lengths.draw(rng, per_batch))
-        ]
-        self.queue.reverse()  # pop() takes the next request
+        self.rng = random.Random(seed)
+        self.queue: deque[_Request] = deque()  # not yet admitted, next first
+        self.batches_drawn = 0
+        self.draw(steps + math.ceil(setup.eta) + 2)
         self.engines = [_Engine(i) for i in range(setup.rollout_gpus // setup.engine_tp)]
         self.events: list[tuple[float, int, str, object]] = []
         self.order = 0
-        self.finished: dict[int, int] = {}  # batch -> samples finished
-        self.full: set[int] = set()  # batches with all their samples: the rest are dropped
-        self.ready: list[_Request] = []  # scored, waiting for the trainer
+        self.finished: dict[int, int] = {}  # batch -> groups finished
+        self.full: set[int] = set()  # batches with all their groups: the rest are dropped
+        self.ready: list[_Group] = []  # scored, waiting for the trainer
+        self.open: set[_Group] = set()  # admitted, not yet scored, not dropped
         self.dropped = 0  # samples dropped as stale (drop_stale)
         self.running = 0  # requests running on all engines
         self.version = 0  # updates the trainer has made
@@ -125,6 +142,23 @@ class _Simulation:
         self.staleness: list[int] = []
         self.trained_tokens: list[int] = []
         self.timeline: list[tuple[str, float, float, str]] = []
+
+    def draw(self, batches: int) -> None:
+        """Queue the requests of ``batches`` more RL steps: each step's prompts, over-sampled,
+        times their samples, numbered in admission order (more are drawn where groups dropped
+        as stale leave the queue short)."""
+        n = self.work.samples_per_prompt
+        groups = math.ceil(self.work.prompts * (1 + self.setup.oversample))
+        self.per_batch = groups * n
+        for j in range(self.batches_drawn, self.batches_drawn + batches):
+            lengths = self.work.lengths.draw(self.rng, groups, n)
+            first = j * self.per_batch
+            for k in range(groups):
+                group = _Group(j, n)
+                group.members = [_Request(first + k * n + i, group, lengths[k * n + i])
+                                 for i in range(n)]  # fmt: skip
+                self.queue.extend(group.members)
+        self.batches_drawn += batches
 
     def push(self, time: float, kind: str, payload: object = None) -> None:
         """Schedule an event."""
@@ -154,7 +188,7 @@ class _Simulation:
         if time < self.blocked_until:
             self.push(self.blocked_until, "wake", engine)
             return
-        self.set_running(engine, [r for r in engine.running if r.batch not in self.full])
+        self.set_running(engine, [r for r in engine.running if self.wanted(r)])
         time = self.take_weights(time, engine)
         time = self.admit(time, engine)
         if not engine.running:
@@ -201,15 +235,20 @@ class _Simulation:
         prompts = 0
         need = self.work.prompt_tokens + self.work.lengths.mean
         allowed = self.gate(engine)
-        while self.queue and len(engine.running) < cap:
-            head = self.queue[-1]
-            if head.batch in self.full:
-                self.queue.pop()
+        while len(engine.running) < cap:
+            if len(self.queue) < self.per_batch:
+                self.draw(1)
+            head = self.queue[0]
+            if not self.wanted(head):
+                self.queue.popleft()
                 continue
             if head.sample >= allowed or (context + need > self.capacity and engine.running):
                 break
-            self.queue.pop()
+            self.queue.popleft()
             head.version = engine.version
+            if head.group.version is None:
+                head.group.version = engine.version
+                self.open.add(head.group)
             engine.running.append(head)
             self.running += 1
             context += self.work.prompt_tokens
@@ -224,15 +263,21 @@ class _Simulation:
         bound admits now, as a least-loaded router spreads them (vLLM's data-parallel load
         balancing, verl's and AReaL's request routers); one engine takes them all."""
         if len(self.engines) == 1 or not self.queue:
-            return len(self.queue) + len(engine.running)
+            return self.setup.gpu.efficiency.max_batch
         gate = math.ceil(self.gate(engine))
-        waiting = min(len(self.queue), max(0, gate - self.queue[-1].sample))
+        waiting = min(len(self.queue), max(0, gate - self.queue[0].sample))
         return max(1, math.ceil((waiting + self.running) / len(self.engines)))
 
     def gate(self, engine: _Engine) -> float:
         """The staleness bound at admission: an engine at version v may start requests of
-        samples numbered below ``(v + 1 + eta) x per_batch``."""
-        return (engine.version + 1 + self.setup.eta) * self.per_batch
+        samples numbered below ``(v + 1 + eta) x per_batch``, plus those dropped as stale (a
+        dropped group frees its place, as in treadle's scheduler)."""
+        return (engine.version + 1 + self.setup.eta) * self.per_batch + self.dropped
+
+    def wanted(self, r: _Request) -> bool:
+        """Whether a request still counts: not of a full batch (an over-sampled straggler) nor
+        of a group dropped as stale."""
+        return r.batch not in self.full and not r.group.dropped
 
     def set_running(self, engine: _Engine, running: list[_Request]) -> None:
         """Replace an engine's running requests, keeping the count over all engines."""
@@ -240,26 +285,41 @@ class _Simulation:
         engine.running = running
 
     def on_scored(self, time: float, r: _Request) -> None:
-        """A scored sample joins the trainer's queue; its batch may be full now."""
-        if r.batch in self.full:
+        """A sample is scored; its group, once all its samples are, joins the trainer's queue,
+        and its batch may be full now."""
+        group = r.group
+        if not self.wanted(r):
             return
+        group.left -= 1
+        if group.left:
+            return
+        self.open.discard(group)
         self.finished[r.batch] = self.finished.get(r.batch, 0) + 1
-        self.ready.append(r)
-        if self.finished[r.batch] == self.work.batch:
+        self.ready.append(group)
+        if self.finished[r.batch] == self.work.prompts:
             self.full.add(r.batch)
             self.generate.append(time - self.first_admit[r.batch])
         self.try_train(time)
 
+    def drop(self, groups: list[_Group]) -> None:
+        """Drop groups as stale: their running requests stop at the engines' next look."""
+        for group in groups:
+            group.dropped = True
+            self.open.discard(group)
+            self.dropped += len(group.members)
+
     def try_train(self, time: float) -> None:
-        """Start an update when the trainer is free and a batch is ready."""
+        """Start an update when the trainer is free and a batch of groups is ready (treadle's
+        rule: the oldest first, those older than the bound dropped)."""
         if self.setup.drop_stale:
             bound = math.ceil(self.setup.eta)
-            kept = [r for r in self.ready if self.version - r.version <= bound]
-            self.dropped += len(self.ready) - len(kept)
-            self.ready = kept
-        if not self.trainer_free or len(self.ready) < self.work.batch:
+            self.drop([g for g in self.ready if self.version - g.version > bound])
+            self.ready = sorted((g for g in self.ready if not g.dropped),
+                                key=lambda g: (g.version, g.members[0].sample))  # fmt: skip
+        if not self.trainer_free or len(self.ready) < self.work.prompts:
             return
-        batch, self.ready = self.ready[: self.work.batch], self.ready[self.work.batch :]
+        groups, self.ready = self.ready[: self.work.prompts], self.ready[self.work.prompts :]
+        batch = [r for g in groups for r in g.members]
         self.staleness += [self.version - r.version for r in batch]
         self.trained_tokens.append(sum(self.work.prompt_tokens + r.length for r in batch))
         gpus = self.setup.train_gpus
@@ -279,6 +339,9 @@ class _Simulation:
         ``self.sync``."""
         self.version += 1
         self.trained_at = time
+        if self.setup.drop_stale:  # groups already holding too old a token: treadle drops them
+            floor = self.version - math.ceil(self.setup.eta)
+            self.drop([g for g in self.open if g.version < floor])
         self.barrier = not (self.setup.partial or self.setup.colocated)
         for engine in self.engines:
             if engine.idle:
