@@ -31,7 +31,9 @@ FIT_STEPS = DATA["modes"][DATA["fit_mode"]]["steps"]
 LENGTHS = [n for s in FIT_STEPS for n in s["lengths"]]
 SAMPLES = 8  # rollout.n of the default recipe; a step's lengths are stored group by group
 GROUPS = tuple(
-    tuple(s["lengths"][k : k + SAMPLES]) for s in FIT_STEPS for k in range(0, 256, SAMPLES)
+    tuple(s["lengths"][k : k + SAMPLES])
+    for s in FIT_STEPS
+    for k in range(0, len(s["lengths"]), SAMPLES)
 )
 ROLLOUT = DATA["recipe"]["rollout"]
 SLOWDOWN_MODE = "async eta=2 partial"
