@@ -13,8 +13,10 @@ from treadle.scale.shapes import NAMED
 from treadle.scale.simulate import Lengths, Setup, Workload, simulate
 
 AREAL = Workload(64, 16, 300, Lengths(5000, 8192, 0.8), minibatches=4)
-# verl fully-async: Qwen2.5-Math-7B, DAPO, 28K max response, n=16, 512 prompts; assumed 200-token
-# prompts, lognormal responses (mean 1,500, sigma 1.0), 16 mini-batches, engine TP 2
+# verl fully-async: Qwen2.5-Math-7B, DAPO, 28K max response, n=16, 512 prompts in 16 mini-batches;
+# the async scripts' engine TP 4, 4 streamed updates of 128 prompts a sync and no old-logprob
+# forward (use_rollout_log_probs); assumed 200-token prompts, lognormal responses (mean 1,500,
+# sigma 1.0) and the colocated runs' engine TP 2 (as verl's one-step-off colocate script)
 VERL_SYNC = Workload(512, 16, 200, Lengths(1500, 28672, 1.0), extra_forwards=1, minibatches=16)
 VERL_ASYNC = Workload(512, 16, 200, Lengths(1500, 28672, 1.0), extra_forwards=0, minibatches=16)
 # NeMo-RL DeepSeek-V3: GRPO 32 x 16, max seq 1536; assumed 256-token prompts, responses mean
@@ -36,9 +38,9 @@ def rows() -> list[tuple[str, float, float, str]]:
         r = simulate(shape, VERL_SYNC, setup, steps=4)
         out.append((f"verl colocated sync, {gpus} H20", published, r.step_s, "s"))
     for half, published in ((16, 295.0), (32, 189.0), (64, 151.0)):
-        setup = Setup(gpu("h20"), half, half, engine_tp=2, mode="async", staleness=0.5,
-                      partial=True)  # fmt: skip
-        r = simulate(shape, VERL_ASYNC, setup, steps=4)
+        setup = Setup(gpu("h20"), half, half, engine_tp=4, mode="async", staleness=0.5,
+                      partial=True, updates_per_sync=4)  # fmt: skip
+        r = simulate(shape, VERL_ASYNC, setup, steps=5)
         out.append((f"verl fully async {half}:{half} H20", published, r.step_s, "s"))
     v3 = NAMED["deepseek-v3"]
     for engines in (32, 64):

@@ -142,6 +142,7 @@ def test_lengths_from_a_damaged_buffer_file_is_one_line_exit_2(tmp_path, capsys)
         (["simulate", "qwen2.5-0.5b", "--engine-tp", "0"], "--engine-tp 0 must be at least 1"),
         (["simulate", "qwen2.5-0.5b", "--rollout-gpus", "8"], "--rollout-gpus 8: the engines'"),
         (["simulate", "qwen2.5-0.5b", "--steps", "1"], "--steps 1: must be 2..64"),
+        (["simulate", "qwen2.5-0.5b", "--updates-per-sync", "2"], "GPUs of their own"),
         (["simulate", "qwen2.5-0.5b", "--staleness", "2"], "applies to --mode async, not sync"),
         (
             ["simulate", "qwen2.5-0.5b", "--mode", "one_step", "--rollout-gpus", "2", "--partial"],

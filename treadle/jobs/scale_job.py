@@ -69,6 +69,13 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
         help="drop samples older than the bound at training (treadle's rule; default: the "
         "bound holds at admission, AReaL's)",
     )
+    parser.add_argument(
+        "--updates-per-sync",
+        type=int,
+        default=1,
+        help="trainer updates per weight sync, each on --prompts / N groups as they complete "
+        "(verl's trigger_parameter_sync_step; disaggregated only) (1)",
+    )
     parser.add_argument("--rollout-gpus", type=int, help="disaggregated: engines' GPUs")
     parser.add_argument("--engine-tp", type=int, default=1)
     parser.add_argument("--plot", help="write the timeline (engines and trainer) to this PNG")
@@ -222,7 +229,7 @@ def run(args: argparse.Namespace, console) -> int:
     staleness = 1.0 if args.staleness is None else args.staleness
     setup = Setup(g, rollout, args.gpus - rollout if not colocated else args.gpus, colocated,
                   args.engine_tp, args.mode, staleness, args.partial,
-                  drop_stale=args.drop_stale)  # fmt: skip
+                  updates_per_sync=args.updates_per_sync, drop_stale=args.drop_stale)  # fmt: skip
     r = simulate(shape, work, setup, steps=args.steps)
     if args.plot:
         from treadle.scale.plots import timeline

@@ -100,6 +100,12 @@ class Setup:
     ``prompts`` complete groups and the rest are dropped."""
     sync_method: SyncMethod | None = None
     """Default: ``colocated`` for a colocated setup, else ``broadcast``."""
+    updates_per_sync: int = 1
+    """Trainer updates per weight sync: the trainer takes ``prompts / updates_per_sync``
+    complete groups at a time, in the order they complete, and updates the engines after
+    every ``updates_per_sync`` such updates (a step is one sync; verl's fully-async
+    ``trigger_parameter_sync_step`` with ``require_batches`` x ``ppo_mini_batch_size``
+    prompts an update). Not colocated: a colocated trainer waits for the whole batch."""
     drop_stale: bool = False
     """Drop a group holding a token older than ``ceil(eta)`` versions, when it would be
     trained or as soon as the trainer's version moves past it (treadle's rule,

@@ -20,7 +20,7 @@ import heapq
 import math
 import random
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from treadle.core.errors import UserError
 from treadle.scale.costs import (
@@ -61,6 +61,7 @@ class Result:
     generate_s: float
     """Mean time from a batch's first admission to its last sample's completion."""
     train_s: float
+    """Mean seconds of training a step (all its updates)."""
     sync_s: float
     timeline: list[tuple[str, float, float, str]] = field(default_factory=list)
     """(lane, start s, end s, kind) bars: kind is decode, train, sync or idle."""
@@ -117,6 +118,11 @@ class _Simulation:
             / (setup.engine_tp * g.bf16_tflops * 1e12 * g.efficiency.prefill_mfu)
         )
         self.sync = sync_s(shape, setup)
+        self.per_update = work.prompts // setup.updates_per_sync  # groups an update trains
+        self.update_work = replace(
+            work, minibatches=max(1, work.minibatches // setup.updates_per_sync)
+        )
+        self.updates = 0  # updates the trainer has made (a sync every updates_per_sync)
         self.rng = random.Random(seed)
         self.queue: deque[_Request] = deque()  # not yet admitted, next first
         self.batches_drawn = 0
@@ -130,7 +136,7 @@ class _Simulation:
         self.open: set[_Group] = set()  # admitted, not yet scored, not dropped
         self.dropped = 0  # samples dropped as stale (drop_stale)
         self.running = 0  # requests running on all engines
-        self.version = 0  # updates the trainer has made
+        self.version = 0  # weight syncs: the policy versions the engines see
         self.trainer_free = True
         self.barrier = False  # the trainer's sync waits for every engine to take the version
         self.trained_at = 0.0
@@ -309,21 +315,24 @@ class _Simulation:
             self.dropped += len(group.members)
 
     def try_train(self, time: float) -> None:
-        """Start an update when the trainer is free and a batch of groups is ready (treadle's
-        rule: the oldest first, those older than the bound dropped)."""
+        """Start an update when the trainer is free and an update's groups are ready, in the
+        order they completed (treadle's rule: the oldest first, those older than the bound
+        dropped)."""
         if self.setup.drop_stale:
             bound = math.ceil(self.setup.eta)
             self.drop([g for g in self.ready if self.version - g.version > bound])
             self.ready = sorted((g for g in self.ready if not g.dropped),
                                 key=lambda g: (g.version, g.members[0].sample))  # fmt: skip
-        if not self.trainer_free or len(self.ready) < self.work.prompts:
+        need = self.per_update
+        if not self.trainer_free or len(self.ready) < need:
             return
-        groups, self.ready = self.ready[: self.work.prompts], self.ready[self.work.prompts :]
+        groups, self.ready = self.ready[:need], self.ready[need:]
         batch = [r for g in groups for r in g.members]
         self.staleness += [self.version - r.version for r in batch]
         self.trained_tokens.append(sum(self.work.prompt_tokens + r.length for r in batch))
-        gpus = self.setup.train_gpus
-        duration = train_s(self.shape, self.setup.gpu, gpus, self.work, [r.length for r in batch])
+        lengths = [r.length for r in batch]
+        duration = train_s(self.shape, self.setup.gpu, self.setup.train_gpus, self.update_work,
+                           lengths)  # fmt: skip
         self.trainer_free = False
         self.train_times.append(duration)
         end = time + duration
@@ -333,10 +342,15 @@ class _Simulation:
         self.push(end, "trained", None)
 
     def on_trained(self, time: float, _: object) -> None:
-        """An update ends: the version advances, idle engines wake, the sync begins. Where the
-        engines drain before they update (not partial, not colocated) the sync waits for the
-        last of them, as treadle's and verl's one-step-off syncs do; else it takes
-        ``self.sync``."""
+        """An update ends; every ``updates_per_sync``-th, the version advances, idle engines
+        wake and the sync begins (else the trainer takes the next groups). Where the engines
+        drain before they update (not partial, not colocated) the sync waits for the last of
+        them, as treadle's and verl's one-step-off syncs do; else it takes ``self.sync``."""
+        self.updates += 1
+        if self.updates % self.setup.updates_per_sync:
+            self.trainer_free = True
+            self.try_train(time)
+            return
         self.version += 1
         self.trained_at = time
         if self.setup.drop_stale:  # groups already holding too old a token: treadle drops them
@@ -403,6 +417,16 @@ def check(shape: ModelShape, work: Workload, setup: Setup) -> None:
         raise UserError(f"--engine-tp {setup.engine_tp} does not divide {shape.heads} heads")
     if not (0 <= setup.staleness <= MAX_STALENESS):  # also refuses NaN
         raise UserError(f"--staleness {setup.staleness:g} must be in 0..{MAX_STALENESS}")
+    if setup.updates_per_sync < 1 or work.prompts % setup.updates_per_sync:
+        raise UserError(
+            f"--updates-per-sync {setup.updates_per_sync} must be at least 1 and divide "
+            f"--prompts {work.prompts}"
+        )
+    if setup.colocated and setup.updates_per_sync > 1:
+        raise UserError(
+            "--updates-per-sync streams a step's groups to a trainer of its own: give the "
+            "engines GPUs of their own with --rollout-gpus N"
+        )
     if setup.partial and setup.mode != "async":
         raise UserError("--partial applies to --mode async (one_step and sync drain instead)")
     if setup.mode == "async" and setup.staleness <= 0 and setup.partial:
@@ -436,7 +460,7 @@ def simulate(
     check(shape, work, setup)
     sim = _Simulation(shape, work, setup, max(2, steps), seed)
     sim.run()
-    ends = sim.step_ends
+    ends, k = sim.step_ends, setup.updates_per_sync
     step = (ends[-1] - ends[0]) / (len(ends) - 1)
     total = ends[-1]
     mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
@@ -447,14 +471,14 @@ def simulate(
     )
     return Result(
         step_s=step,
-        tokens_per_s=mean(sim.trained_tokens[1:]) / step,
+        tokens_per_s=k * mean(sim.trained_tokens[k:]) / step,
         engine_busy=decoding / (len(sim.engines) * total),
         trainer_busy=sum(sim.train_times) / total,
         staleness_mean=mean(sim.staleness),
         staleness_max=max(sim.staleness),
         dropped_stale=sim.dropped,
         generate_s=mean(sim.generate[1:] or sim.generate),
-        train_s=mean(sim.train_times),
+        train_s=k * mean(sim.train_times),
         sync_s=sim.sync,
         timeline=sim.timeline,
     )

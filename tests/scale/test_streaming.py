@@ -1,0 +1,60 @@
+"""Streamed updates (``Setup.updates_per_sync``, verl's fully-async trainer): the trainer takes a
+step's groups a part at a time as they complete and syncs the engines after the last part."""
+
+import pytest
+
+from treadle.core.errors import UserError
+from treadle.scale.costs import train_s
+from treadle.scale.hardware import gpu
+from treadle.scale.shapes import NAMED
+from treadle.scale.simulate import Lengths, Setup, Workload, simulate
+
+SHAPE = NAMED["qwen2.5-7b"]
+
+
+def test_halves_of_a_batch_that_completes_at_once_cost_the_whole_batch():
+    # sigma 0: every response is 500 tokens, so the 8 x 4 requests on 2 engines complete
+    # together and streaming has nothing to overlap; each half trains 16 samples in 1 of the
+    # 2 mini-batches, the same tokens per optimizer step as the whole batch, so the two
+    # halves cost exactly one update of 32 and the step is unchanged
+    work = Workload(8, 4, 100, Lengths(500, 1000, 0.0), minibatches=2)
+    whole = simulate(SHAPE, work, Setup(gpu("h100"), 2, 2), steps=3)
+    halves = simulate(SHAPE, work, Setup(gpu("h100"), 2, 2, updates_per_sync=2), steps=3)
+    assert halves.train_s == pytest.approx(train_s(SHAPE, gpu("h100"), 2, work, [500] * 32))
+    assert halves.train_s == pytest.approx(whole.train_s)
+    assert halves.step_s == pytest.approx(whole.step_s)
+
+
+def _async(work: Workload, updates_per_sync: int):
+    setup = Setup(gpu("h100"), 4, 1, mode="async", staleness=0.5, partial=True,
+                  updates_per_sync=updates_per_sync)  # fmt: skip
+    return simulate(SHAPE, work, setup, steps=5)
+
+
+@pytest.mark.parametrize("mean", [1000, 2000])
+def test_streamed_updates_keep_a_trainer_bound_step_busy(mean):
+    # 4 engines for 1 trainer GPU: the update (73 s at mean 1,000) outlasts generating a batch.
+    # One update a sync: eta = 0.5 lets the engines start the next batch's second half only
+    # when the version moves, and the trainer waits for it every step (step >= 1.3 x update +
+    # sync; 1.36 and 1.44 measured). Four updates a sync train the first three quarters while
+    # the engines finish the rest: the step is the update and the sync within 5% (1.04)
+    work = Workload(64, 8, 256, Lengths(mean, 8192, 1.0), extra_forwards=0, minibatches=8)
+    one, four = (_async(work, updates_per_sync) for updates_per_sync in (1, 4))
+    assert one.train_s == pytest.approx(four.train_s, rel=0.01)  # the same work
+    assert one.step_s > 1.3 * (one.train_s + one.sync_s)
+    assert four.step_s == pytest.approx(four.train_s + four.sync_s, rel=0.05)
+    assert four.trainer_busy > 0.9 > 0.75 > one.trainer_busy
+    assert four.staleness_max <= 1  # eta = 0.5 still bounds admission: ceil(0.5) = 1
+
+
+@pytest.mark.parametrize(
+    ("setup", "says"),
+    [
+        (Setup(gpu("h100"), 2, 2, updates_per_sync=3), "--updates-per-sync 3 must be at least"),
+        (Setup(gpu("h100"), 2, 2, updates_per_sync=0), "--updates-per-sync 0 must be at least"),
+        (Setup(gpu("h100"), 2, 2, colocated=True, updates_per_sync=2), "--rollout-gpus N"),
+    ],
+)
+def test_updates_that_do_not_divide_the_batch_or_share_its_gpus_are_refused(setup, says):
+    with pytest.raises(UserError, match=says):
+        simulate(SHAPE, Workload(8, 4, 100, Lengths(500, 1000)), setup)
