@@ -11,7 +11,7 @@ from pathlib import Path
 from treadle.core.errors import UserError
 from treadle.scale.hardware import GIB, GPUS, gpu
 from treadle.scale.memory import Breakdown
-from treadle.scale.plan import MAX_GPUS, ROLES, Placement, Question, plan
+from treadle.scale.plan import MAX_GPUS, ROLES, Placement, Question, check_trainer_fits, plan
 from treadle.scale.shapes import resolve
 from treadle.scale.simulate import Lengths, Result, Setup, Workload, simulate
 
@@ -230,6 +230,7 @@ def run(args: argparse.Namespace, console) -> int:
     setup = Setup(g, rollout, args.gpus - rollout if not colocated else args.gpus, colocated,
                   args.engine_tp, args.mode, staleness, args.partial,
                   updates_per_sync=args.updates_per_sync, drop_stale=args.drop_stale)  # fmt: skip
+    check_trainer_fits(Question(shape, g, args.gpus, work), setup)
     r = simulate(shape, work, setup, steps=args.steps)
     if args.plot:
         from treadle.scale.plots import timeline

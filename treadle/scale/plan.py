@@ -132,8 +132,8 @@ def candidates(q: Question) -> list[Placement]:
 
 
 def _smallest_fit(q: Question, kind: str, rollout: int, train: int) -> Placement | None:
-    """The placement with the least model parallelism that fits, else the last one tried
-    (so a refusal can say how far it was)."""
+    """The placement with the least model parallelism that fits, else the one tried that
+    needs the least memory per training GPU (so a refusal can say how far it was)."""
     tps = [q.tp] if q.tp else [t for t in (1, 2, 4, 8) if q.shape.heads % t == 0]
     pps = [q.pp] if q.pp else [1, 2, 4, 8, 16]
     engine_tps = [t for t in (1, 2, 4, 8, 16, 32, 64) if q.shape.heads % t == 0 and t <= rollout]
@@ -149,9 +149,11 @@ def _smallest_fit(q: Question, kind: str, rollout: int, train: int) -> Placement
                 if rollout % etp:
                     continue
                 mode = "sync" if kind == "colocated" else "async"
-                tried = measure(q, Placement(kind, rollout, train, layout, etp, mode))
-                if tried.fits:
-                    return tried
+                placed = measure(q, Placement(kind, rollout, train, layout, etp, mode))
+                if placed.fits:
+                    return placed
+                if tried is None or placed.train_peak < tried.train_peak:
+                    tried = placed
     return tried
 
 
@@ -178,6 +180,30 @@ def plan(q: Question, steps: int = 3) -> list[Placement]:
         if "engine" in q.roles:
             p.result = simulate(q.shape, q.work, setup, steps=steps)
     return sorted(fits, key=lambda p: -p.result.tokens_per_s if p.result else p.train_peak)
+
+
+def check_trainer_fits(q: Question, setup: Setup) -> Placement:
+    """The placement with the least training model parallelism on ``setup``'s GPUs that
+    fits ``q.gpu``'s memory (what ``treadle simulate`` assumes the trainer runs as).
+
+    Raises:
+        UserError: none fits; says how much the closest needs per GPU and to ask ``treadle
+            plan`` for the placements that do.
+    """
+    kind = "colocated" if setup.colocated else "disaggregated"
+    placed = _smallest_fit(q, kind, setup.rollout_gpus, setup.train_gpus)
+    if placed is not None and placed.fits:
+        return placed
+    need = (
+        f": the closest needs {placed.train_peak / GIB:.1f} GiB per GPU ({placed.label})"
+        if placed
+        else ""
+    )
+    raise UserError(
+        f"{q.shape.name} with {', '.join(q.roles)} at {q.seq:,} tokens per sequence does not "
+        f"fit {setup.train_gpus} training x {q.gpu.name} ({q.gpu.memory_gib:.1f} GiB){need}; "
+        f"`treadle plan {q.shape.name} --gpus N` lists the placements that fit"
+    )
 
 
 MAX_GPUS = 16384
