@@ -19,9 +19,11 @@ AREAL = Workload(64, 16, 300, Lengths(5000, 8192, 0.8), minibatches=4)
 # sigma 1.0) and the colocated runs' engine TP 2 (as verl's one-step-off colocate script)
 VERL_SYNC = Workload(512, 16, 200, Lengths(1500, 28672, 1.0), extra_forwards=1, minibatches=16)
 VERL_ASYNC = Workload(512, 16, 200, Lengths(1500, 28672, 1.0), extra_forwards=0, minibatches=16)
-# NeMo-RL DeepSeek-V3: GRPO 32 x 16, max seq 1536; assumed 256-token prompts, responses mean
-# 700 (cap 1,280), a reference and an old-logprob forward
-NEMO = Workload(32, 16, 256, Lengths(700, 1280, 0.8), extra_forwards=2)
+# NeMo-RL v0.6 performance summary, DeepSeek-V3: GRPO 32 x 16, max sequence 1,536, average
+# sequence 697-710 tokens, engines of TP 32; assumed 150-token prompts (OpenMathInstruct-2's
+# problems with a chat template) and responses lognormal mean 547 (697 in all), capped at 1,386,
+# a reference and an old-logprob forward
+NEMO = Workload(32, 16, 150, Lengths(547, 1386, 0.8), extra_forwards=2)
 
 
 def rows() -> list[tuple[str, float, float, str]]:
@@ -43,10 +45,10 @@ def rows() -> list[tuple[str, float, float, str]]:
         r = simulate(shape, VERL_ASYNC, setup, steps=5)
         out.append((f"verl fully async {half}:{half} H20", published, r.step_s, "s"))
     v3 = NAMED["deepseek-v3"]
-    for engines in (32, 64):
-        setup = Setup(gpu("h100"), 512, 512, colocated=True, engine_tp=engines)
+    for gpus, published in ((512, 111.0), (256, 134.0)):
+        setup = Setup(gpu("h100"), gpus, gpus, colocated=True, engine_tp=32)
         r = simulate(v3, NEMO, setup, steps=4)
-        out.append((f"NeMo-RL DeepSeek-V3 colocated, engines of {engines}", 111.0, r.step_s, "s"))
+        out.append((f"NeMo-RL DeepSeek-V3 colocated, {gpus} H100", published, r.step_s, "s"))
     setup = Setup(gpu("h100"), 256, 256, engine_tp=32, mode="one_step")
     r = simulate(v3, NEMO, setup, steps=4)
     out.append(("NeMo-RL DeepSeek-V3 one-step off-policy 256:256", 64.1, r.step_s, "s"))
