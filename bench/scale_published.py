@@ -46,10 +46,10 @@ def rows() -> list[tuple[str, float, float, str]]:
         out.append((f"verl fully async {half}:{half} H20", published, r.step_s, "s"))
     v3 = NAMED["deepseek-v3"]
     for gpus, published in ((512, 111.0), (256, 134.0)):
-        setup = Setup(gpu("h100"), gpus, gpus, colocated=True, engine_tp=32)
+        setup = Setup(gpu("h100"), gpus, gpus, colocated=True, engine_tp=32, train_pp=16)
         r = simulate(v3, NEMO, setup, steps=4)
         out.append((f"NeMo-RL DeepSeek-V3 colocated, {gpus} H100", published, r.step_s, "s"))
-    setup = Setup(gpu("h100"), 256, 256, engine_tp=32, mode="one_step")
+    setup = Setup(gpu("h100"), 256, 256, engine_tp=32, train_pp=16, mode="one_step")
     r = simulate(v3, NEMO, setup, steps=4)
     out.append(("NeMo-RL DeepSeek-V3 one-step off-policy 256:256", 64.1, r.step_s, "s"))
     return out

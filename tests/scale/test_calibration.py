@@ -3,7 +3,7 @@
 import pytest
 
 from treadle.core.errors import UserError
-from treadle.scale.costs import segment_s
+from treadle.scale.costs import segment_s, train_s
 from treadle.scale.hardware import GIB, gpu
 from treadle.scale.memory import Layout, trainer
 from treadle.scale.plan import Question, plan
@@ -60,6 +60,20 @@ def test_segment_time_with_a_step_floor_equals_the_step_by_step_sum():
     assert segment_s(costs, 0.001, b, c0, n, floor) == pytest.approx(brute, rel=1e-9)
     # the floor alone for the first 1,375 steps: at least 13.75 s
     assert segment_s(costs, 0.001, b, c0, n, floor) > 13.75
+
+
+def test_pipeline_stages_stretch_an_update_by_the_1f1b_bubble():
+    # 32 samples, one optimizer step, 8 GPUs: 4 stages leave 8 / 4 = 2 data-parallel ranks of
+    # 16 one-sample micro-batches, and 1F1B takes (16 + 4 - 1) / 16 = 19/16 of the time;
+    # tensor parallel 2 halves the ranks: 32 micro-batches, (32 + 3) / 32 = 35/32
+    work, h100, lengths = Workload(32, 1, 100, Lengths(500, 1000)), gpu("h100"), [500] * 32
+    flat = train_s(NAMED["qwen2.5-7b"], h100, 8, work, lengths)
+    assert train_s(NAMED["qwen2.5-7b"], h100, 8, work, lengths, pp=4) == pytest.approx(
+        flat * 19 / 16
+    )
+    assert train_s(NAMED["qwen2.5-7b"], h100, 8, work, lengths, tp=2, pp=4) == pytest.approx(
+        flat * 35 / 32
+    )
 
 
 AREAL = Workload(64, 16, 300, Lengths(5000, 8192, 0.8), minibatches=4)

@@ -143,6 +143,8 @@ def test_lengths_from_a_damaged_buffer_file_is_one_line_exit_2(tmp_path, capsys)
         (["simulate", "qwen2.5-0.5b", "--rollout-gpus", "8"], "--rollout-gpus 8: the engines'"),
         (["simulate", "qwen2.5-0.5b", "--steps", "1"], "--steps 1: must be 2..64"),
         (["simulate", "qwen2.5-0.5b", "--updates-per-sync", "2"], "GPUs of their own"),
+        (["simulate", "qwen2.5-0.5b", "--train-pp", "3"], "divide the 8 training GPUs"),
+        (["simulate", "qwen2.5-0.5b", "--gpus", "64", "--train-pp", "32"], "than 24 layers"),
         # 70B x 16 bytes of weights, gradients and Adam moments / 2 GPUs = 521 GiB alone
         (["simulate", "llama3.1-70b", "--gpus", "2"], "does not fit 2 training x h100"),
         (["simulate", "qwen2.5-0.5b", "--staleness", "2"], "applies to --mode async, not sync"),

@@ -78,6 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     )
     parser.add_argument("--rollout-gpus", type=int, help="disaggregated: engines' GPUs")
     parser.add_argument("--engine-tp", type=int, default=1)
+    parser.add_argument("--train-tp", type=int, default=1, help="trainer's tensor parallel (1)")
+    parser.add_argument("--train-pp", type=int, default=1,
+                        help="trainer's pipeline stages: adds the 1F1B bubble (1)")  # fmt: skip
     parser.add_argument("--plot", help="write the timeline (engines and trainer) to this PNG")
 
 
@@ -228,7 +231,8 @@ def run(args: argparse.Namespace, console) -> int:
     colocated = args.rollout_gpus is None
     staleness = 1.0 if args.staleness is None else args.staleness
     setup = Setup(g, rollout, args.gpus - rollout if not colocated else args.gpus, colocated,
-                  args.engine_tp, args.mode, staleness, args.partial,
+                  engine_tp=args.engine_tp, train_tp=args.train_tp, train_pp=args.train_pp,
+                  mode=args.mode, staleness=staleness, partial=args.partial,
                   updates_per_sync=args.updates_per_sync, drop_stale=args.drop_stale)  # fmt: skip
     check_trainer_fits(Question(shape, g, args.gpus, work), setup)
     r = simulate(shape, work, setup, steps=args.steps)

@@ -90,6 +90,11 @@ class Setup:
     colocated: bool = False
     """Engines and trainer on the same GPUs, taking turns (rollout_gpus == train_gpus)."""
     engine_tp: int = 1
+    train_tp: int = 1
+    train_pp: int = 1
+    """The trainer's tensor- and pipeline-parallel degrees: its data-parallel ranks are
+    ``train_gpus / (train_tp x train_pp)``, and pipeline stages add the 1F1B schedule's bubble
+    (:func:`train_s`); tensor parallelism's own all-reduces are not modelled."""
     mode: Mode = "sync"
     staleness: float = 0.0
     """eta for ``async``: batches the engines may run ahead of the trainer (AReaL's eta;
@@ -178,15 +183,24 @@ def train_flops(shape: ModelShape, work: Workload, lengths: list[int]) -> float:
     return fwd * (3 + work.extra_forwards)
 
 
-def train_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, lengths: list[int]) -> float:
+def train_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, lengths: list[int],
+            tp: int = 1, pp: int = 1) -> float:  # fmt: skip
     """Seconds to train on one batch: :func:`train_flops` on ``gpus`` GPUs at the MFU that the
-    tokens per GPU and optimizer step reach, plus the fixed ``train_overhead_s``."""
+    tokens per GPU and optimizer step reach, stretched by the pipeline bubble of ``pp`` stages,
+    plus the fixed ``train_overhead_s``.
+
+    The bubble: each of the ``gpus / (tp x pp)`` data-parallel ranks pushes its share of an
+    optimizer step's samples through the stages one sample a micro-batch (m of them), and the
+    1F1B schedule takes (m + pp - 1) / m of the time without stages (Narayanan et al. 2021,
+    arXiv 2104.04473, Sec. 2.2: bubble fraction (pp - 1) / m)."""
     e = gpu.efficiency
     tokens = sum(lengths) + len(lengths) * work.prompt_tokens  # every sample's prompt too
     tokens_per_gpu = tokens / (gpus * work.minibatches)
     mfu = e.train_mfu * tokens_per_gpu / (tokens_per_gpu + e.train_half_tokens)
     flops = train_flops(shape, work, lengths)
-    return flops / (gpus * gpu.bf16_tflops * 1e12 * mfu) + e.train_overhead_s
+    micro = max(1.0, len(lengths) / (work.minibatches * max(1, gpus // (tp * pp))))
+    bubble = (micro + pp - 1) / micro
+    return flops / (gpus * gpu.bf16_tflops * 1e12 * mfu) * bubble + e.train_overhead_s
 
 
 def sync_s(shape: ModelShape, setup: Setup) -> float:

@@ -174,7 +174,8 @@ def plan(q: Question, steps: int = 3) -> list[Placement]:
     for p in fits:
         setup = Setup(
             q.gpu, p.rollout_gpus, p.train_gpus, colocated=p.kind == "colocated",
-            engine_tp=p.engine_tp, mode="sync" if p.kind == "colocated" else "async",
+            engine_tp=p.engine_tp, train_tp=p.layout.tp, train_pp=p.layout.pp,
+            mode="sync" if p.kind == "colocated" else "async",
             staleness=0 if p.kind == "colocated" else 1, partial=p.kind != "colocated",
         )  # fmt: skip
         if "engine" in q.roles:

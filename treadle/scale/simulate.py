@@ -331,8 +331,9 @@ class _Simulation:
         self.staleness += [self.version - r.version for r in batch]
         self.trained_tokens.append(sum(self.work.prompt_tokens + r.length for r in batch))
         lengths = [r.length for r in batch]
-        duration = train_s(self.shape, self.setup.gpu, self.setup.train_gpus, self.update_work,
-                           lengths)  # fmt: skip
+        setup = self.setup
+        duration = train_s(self.shape, setup.gpu, setup.train_gpus, self.update_work, lengths,
+                           setup.train_tp, setup.train_pp)  # fmt: skip
         self.trainer_free = False
         self.train_times.append(duration)
         end = time + duration
@@ -417,6 +418,14 @@ def check(shape: ModelShape, work: Workload, setup: Setup) -> None:
         raise UserError(f"--engine-tp {setup.engine_tp} does not divide {shape.heads} heads")
     if not (0 <= setup.staleness <= MAX_STALENESS):  # also refuses NaN
         raise UserError(f"--staleness {setup.staleness:g} must be in 0..{MAX_STALENESS}")
+    layout = setup.train_tp * setup.train_pp
+    if setup.train_tp < 1 or setup.train_pp < 1 or setup.train_gpus % layout:
+        raise UserError(
+            f"--train-tp {setup.train_tp} x --train-pp {setup.train_pp} must be at least 1 each "
+            f"and divide the {setup.train_gpus} training GPUs"
+        )
+    if setup.train_pp > shape.layers:
+        raise UserError(f"--train-pp {setup.train_pp}: more stages than {shape.layers} layers")
     if setup.updates_per_sync < 1 or work.prompts % setup.updates_per_sync:
         raise UserError(
             f"--updates-per-sync {setup.updates_per_sync} must be at least 1 and divide "
