@@ -44,10 +44,11 @@ def environment() -> dict[str, str]:
     return env
 
 
-def start(cwd: Path, args: list[str]) -> subprocess.Popen:
-    """``python -m treadle.cli ARGS`` in its own process group (its reward workers too)."""
+def start(cwd: Path, args: list[str], module: str = "treadle.cli") -> subprocess.Popen:
+    """``python -m MODULE ARGS`` (treadle's CLI, or :mod:`tests.faults.stop_in_save`) in its
+    own process group (its reward workers too)."""
     return subprocess.Popen(
-        [sys.executable, "-m", "treadle.cli", *args],
+        [sys.executable, "-m", module, *args],
         cwd=cwd,
         env=environment(),
         stdout=subprocess.PIPE,
@@ -137,6 +138,9 @@ class KillPoint:
     name: str
     condition: Callable[[Watch], bool]
     delay_s: float = 0.0
+    stops_in_save: bool = False
+    """Run the process under :mod:`tests.faults.stop_in_save`: it stops as its first save
+    starts writing, and the delay counts from when the harness continues it."""
 
 
 def sft_rows(n: int) -> KillPoint:
@@ -165,7 +169,7 @@ def inside_save(delay_s: float) -> KillPoint:
         root = w.run_dir / "checkpoints"
         return root.is_dir() and any(p.name.endswith(f".{w.pid}") for p in root.iterdir())
 
-    return KillPoint(f"inside a checkpoint save (+{delay_s:.3f} s)", saving, delay_s)
+    return KillPoint(f"inside a checkpoint save (+{delay_s:.3f} s)", saving, delay_s, True)
 
 
 def after_final_eval() -> KillPoint:
@@ -185,13 +189,34 @@ class Outcome:
     """From the process's start to its kill (or its exit)."""
 
 
+def _stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped by a signal (state ``T`` in ``/proc/PID/stat``)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rpartition(")")[2].split()[0] == "T"
+
+
+def _continue_when_stopped(proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
+    """Wait for ``proc`` to stop itself (:mod:`tests.faults.stop_in_save`), then continue it."""
+    deadline = time.monotonic() + timeout_s
+    while not _stopped(proc.pid):
+        assert proc.poll() is None, "the run ended inside its save instead of stopping there"
+        assert time.monotonic() < deadline, f"the run did not stop in its save in {timeout_s} s"
+        time.sleep(0.001)
+    os.kill(proc.pid, signal.SIGCONT)
+
+
 def run_until(cwd: Path, args: list[str], run_dir: Path, point: KillPoint) -> Outcome:
     """Start the run, kill -9 it at ``point``; if it ends first, it must have succeeded."""
     started = time.monotonic()
-    proc = start(cwd, args)
+    proc = start(cwd, args, "tests.faults.stop_in_save" if point.stops_in_save else "treadle.cli")
     watch = Watch.at_start(run_dir, proc.pid)
     while proc.poll() is None:
         if point.condition(watch):
+            if point.stops_in_save:
+                _continue_when_stopped(proc)
             time.sleep(point.delay_s)
             kill_group(proc)
             return Outcome(point.name, True, time.monotonic() - started)
