@@ -44,13 +44,16 @@ def environment() -> dict[str, str]:
     return env
 
 
-def start(cwd: Path, args: list[str], module: str = "treadle.cli") -> subprocess.Popen:
-    """``python -m MODULE ARGS`` (treadle's CLI, or :mod:`tests.faults.stop_in_save`) in its
-    own process group (its reward workers too)."""
+def start(cwd: Path, args: list[str], stop_at: str | None = None) -> subprocess.Popen:
+    """``python -m treadle.cli ARGS`` in its own process group (its reward workers too); with
+    ``stop_at``, under :mod:`tests.faults.stop_at`, which stops it at that moment."""
+    module, env = "treadle.cli", environment()
+    if stop_at:
+        module, env["TREADLE_TEST_STOP_AT"] = "tests.faults.stop_at", stop_at
     return subprocess.Popen(
         [sys.executable, "-m", module, *args],
         cwd=cwd,
-        env=environment(),
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -138,9 +141,10 @@ class KillPoint:
     name: str
     condition: Callable[[Watch], bool]
     delay_s: float = 0.0
-    stops_in_save: bool = False
-    """Run the process under :mod:`tests.faults.stop_in_save`: it stops as its first save
-    starts writing, and the delay counts from when the harness continues it."""
+    stop_at: str | None = None
+    """A moment of :mod:`tests.faults.stop_at` the process stops at (``save``, ``summary``)
+    until the harness has seen ``condition``: then a delay counts from when the harness
+    continues it, and no delay kills it stopped."""
 
 
 def sft_rows(n: int) -> KillPoint:
@@ -169,14 +173,16 @@ def inside_save(delay_s: float) -> KillPoint:
         root = w.run_dir / "checkpoints"
         return root.is_dir() and any(p.name.endswith(f".{w.pid}") for p in root.iterdir())
 
-    return KillPoint(f"inside a checkpoint save (+{delay_s:.3f} s)", saving, delay_s, True)
+    return KillPoint(f"inside a checkpoint save (+{delay_s:.3f} s)", saving, delay_s, "save")
 
 
 def after_final_eval() -> KillPoint:
     def logged(w: Watch) -> bool:
         return sum(r.get("step") == STEPS for r in w.fresh_rows("metrics.jsonl")) >= 2
 
-    return KillPoint("after the final evaluation's row, before summary.json", logged)
+    return KillPoint(
+        "after the final evaluation's row, before summary.json", logged, 0.0, "summary"
+    )
 
 
 @dataclass
@@ -198,25 +204,26 @@ def _stopped(pid: int) -> bool:
     return stat.rpartition(")")[2].split()[0] == "T"
 
 
-def _continue_when_stopped(proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
-    """Wait for ``proc`` to stop itself (:mod:`tests.faults.stop_in_save`), then continue it."""
+def _wait_until_stopped(proc: subprocess.Popen, point: KillPoint, timeout_s: float = 120.0):
+    """Wait for ``proc`` to stop itself at ``point.stop_at`` (:mod:`tests.faults.stop_at`)."""
     deadline = time.monotonic() + timeout_s
     while not _stopped(proc.pid):
-        assert proc.poll() is None, "the run ended inside its save instead of stopping there"
-        assert time.monotonic() < deadline, f"the run did not stop in its save in {timeout_s} s"
+        assert proc.poll() is None, f"the run ended instead of stopping at {point.stop_at}"
+        assert time.monotonic() < deadline, f"the run did not stop at {point.stop_at}"
         time.sleep(0.001)
-    os.kill(proc.pid, signal.SIGCONT)
 
 
 def run_until(cwd: Path, args: list[str], run_dir: Path, point: KillPoint) -> Outcome:
     """Start the run, kill -9 it at ``point``; if it ends first, it must have succeeded."""
     started = time.monotonic()
-    proc = start(cwd, args, "tests.faults.stop_in_save" if point.stops_in_save else "treadle.cli")
+    proc = start(cwd, args, point.stop_at)
     watch = Watch.at_start(run_dir, proc.pid)
     while proc.poll() is None:
         if point.condition(watch):
-            if point.stops_in_save:
-                _continue_when_stopped(proc)
+            if point.stop_at:
+                _wait_until_stopped(proc, point)
+                if point.delay_s > 0:
+                    os.kill(proc.pid, signal.SIGCONT)
             time.sleep(point.delay_s)
             kill_group(proc)
             return Outcome(point.name, True, time.monotonic() - started)
