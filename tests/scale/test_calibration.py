@@ -7,6 +7,7 @@ from treadle.scale.costs import segment_s, train_s
 from treadle.scale.hardware import GIB, gpu
 from treadle.scale.memory import Layout, trainer
 from treadle.scale.plan import Question, plan
+from treadle.scale.published import AREAL, ROWS
 from treadle.scale.shapes import NAMED
 from treadle.scale.simulate import Lengths, Setup, Workload, simulate
 
@@ -76,29 +77,45 @@ def test_pipeline_stages_stretch_an_update_by_the_1f1b_bubble():
     )
 
 
-AREAL = Workload(64, 16, 300, Lengths(5000, 8192, 0.8), minibatches=4)
+MISSED = {
+    "verl colocated sync, 64 H20": "+22%: verl's 64- and 128-GPU steps differ by 2.5%, the "
+    "model's by 1.4x (SCALE.md)",
+    **dict.fromkeys(
+        (f"verl fully async {n}:{n} H20" for n in (16, 32, 64)),
+        "+141/+103/+44%: verl's own phase times give these runs 0.4x the colocated runs' "
+        "training GPU-seconds a step, which one workload cannot give (SCALE.md)",
+    ),
+    **dict.fromkeys(
+        (f"NeMo-RL DeepSeek-V3 colocated, {n} H100" for n in (512, 256)),
+        "-77/-79%: cross-node decode, MoE kernels on sliced experts and the Megatron-to-vLLM "
+        "refit are not modelled (SCALE.md)",
+    ),
+}
+"""Published rows the simulator misses by more than 20%, with why: strict, so a change that
+brings one within 20% fails here until it is moved out of this list."""
 
 
-def _areal(eta: int) -> float:
-    mode = "sync" if eta == 0 else "async"
-    setup = Setup(gpu("h800"), 6, 2, mode=mode, staleness=eta, partial=eta > 0)
-    return simulate(NAMED["r1-distill-qwen-1.5b"], AREAL, setup, steps=6).tokens_per_s
-
-
-# staleness 0 sits at the line (+19.9%, SCALE.md)
-@pytest.mark.parametrize(("eta", "published", "rel"), [(0, 27.1e3, 0.20), (1, 47.8e3, 0.20),
-                                                       (16, 52.0e3, 0.20)])  # fmt: skip
-def test_areal_throughput_by_staleness(eta, published, rel):
-    # AReaL (arXiv 2505.24298): R1-Distill-Qwen-1.5B, 8 H800, 8k context, 64 x 16; assumed:
-    # 6 generation : 2 training GPUs, 300-token prompts, responses lognormal mean 5,000
-    assert _areal(eta) == pytest.approx(published, rel=rel)
+@pytest.mark.parametrize(
+    "row",
+    [
+        pytest.param(row, id=row.setting, marks=pytest.mark.xfail(reason=MISSED[row.setting],
+                                                                  strict=True))
+        if row.setting in MISSED
+        else pytest.param(row, id=row.setting)
+        for row in ROWS
+    ],
+)  # fmt: skip
+def test_published_step_times_and_throughputs_within_20_percent(row):
+    # SCALE.md's table: each paper's or README's figure from its stated setting (AReaL staleness
+    # 0 sits at the line, +19.9%)
+    assert row.predict() == pytest.approx(row.published, rel=0.20)
 
 
 def test_areal_speedups_of_staleness_over_synchronous():
     # published 47.8k / 27.1k = 1.76x at staleness 1, 52.0k / 27.1k = 1.92x at 16
-    sync = _areal(0)
-    assert _areal(1) / sync == pytest.approx(47.8 / 27.1, rel=0.20)
-    assert _areal(16) / sync == pytest.approx(52.0 / 27.1, rel=0.20)
+    sync, eta1, eta16 = (row.predict() for row in ROWS[:3])
+    assert eta1 / sync == pytest.approx(47.8 / 27.1, rel=0.20)
+    assert eta16 / sync == pytest.approx(52.0 / 27.1, rel=0.20)
 
 
 def test_engines_share_the_requests_as_a_router_would():

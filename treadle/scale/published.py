@@ -1,0 +1,102 @@
+"""The published step times and throughputs the simulator is checked against (SCALE.md's table,
+``tests/scale/test_calibration.py``, ``bench/scale_published.py``): each figure with the
+setting it was measured in, as the simulator takes it.
+
+Settings the papers and READMEs state are used as stated; the rest are assumptions, each named
+in a comment and in SCALE.md. Nothing here is fitted to the figure it is checked against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from treadle.scale.costs import Lengths, Setup, Workload
+from treadle.scale.hardware import gpu
+from treadle.scale.shapes import NAMED
+from treadle.scale.simulate import simulate
+
+
+@dataclass(frozen=True)
+class Row:
+    """One published figure and its setting."""
+
+    setting: str
+    published: float
+    unit: Literal["s", "tok/s"]
+    """Seconds a step, or trained tokens a second."""
+    shape: str
+    work: Workload
+    setup: Setup
+    steps: int = 4
+
+    def predict(self) -> float:
+        """The simulator's figure in ``unit``, for this setting (seconds, no device)."""
+        r = simulate(NAMED[self.shape], self.work, self.setup, steps=self.steps)
+        return r.tokens_per_s if self.unit == "tok/s" else r.step_s
+
+
+# AReaL (arXiv 2505.24298), R1-Distill-Qwen-1.5B, 8 H800, 8k context, 64 prompts x 16; assumed
+# 6 generation : 2 training GPUs, 300-token prompts, responses lognormal mean 5,000, 4
+# optimizer steps a batch
+AREAL = Workload(64, 16, 300, Lengths(5000, 8192, 0.8), minibatches=4)
+# verl fully-async README: Qwen2.5-Math-7B, DAPO, 28K max response, n=16, 512 prompts in 16
+# mini-batches; the async scripts' engine TP 4, 4 streamed updates of 128 prompts a sync and no
+# old-logprob forward (use_rollout_log_probs); assumed 200-token prompts, lognormal responses
+# (mean 1,500, sigma 1.0) and the colocated runs' engine TP 2 (verl's one-step-off colocate
+# script: the table's colocated script is not published)
+VERL_SYNC = Workload(512, 16, 200, Lengths(1500, 28672, 1.0), extra_forwards=1, minibatches=16)
+VERL_ASYNC = Workload(512, 16, 200, Lengths(1500, 28672, 1.0), extra_forwards=0, minibatches=16)
+# NeMo-RL v0.6 performance summary, DeepSeek-V3: GRPO 32 x 16, max sequence 1,536, average
+# sequence 697-710 tokens, engines of TP 32, training PP 16 x EP 16; assumed 150-token prompts
+# (OpenMathInstruct-2 problems in a chat template), responses lognormal mean 547 (697 in all)
+# capped at 1,386, a reference and an old-logprob forward
+NEMO = Workload(32, 16, 150, Lengths(547, 1386, 0.8), extra_forwards=2)
+
+
+def _areal(eta: int, published: float) -> Row:
+    mode = "sync" if eta == 0 else "async"
+    setup = Setup(gpu("h800"), 6, 2, mode=mode, staleness=eta, partial=eta > 0)
+    return Row(f"AReaL 6:2 H800, staleness {eta}", published, "tok/s", "r1-distill-qwen-1.5b",
+               AREAL, setup, steps=6)  # fmt: skip
+
+
+def _verl_colocated(gpus: int, published: float) -> Row:
+    setup = Setup(gpu("h20"), gpus, gpus, colocated=True, engine_tp=2)
+    return Row(f"verl colocated sync, {gpus} H20", published, "s", "qwen2.5-math-7b",
+               VERL_SYNC, setup)  # fmt: skip
+
+
+def _verl_async(half: int, published: float) -> Row:
+    setup = Setup(gpu("h20"), half, half, engine_tp=4, mode="async", staleness=0.5,
+                  partial=True, updates_per_sync=4)  # fmt: skip
+    return Row(f"verl fully async {half}:{half} H20", published, "s", "qwen2.5-math-7b",
+               VERL_ASYNC, setup, steps=5)  # fmt: skip
+
+
+def _nemo(gpus: int, published: float, mode: str) -> Row:
+    if mode == "sync":
+        setup = Setup(gpu("h100"), gpus, gpus, colocated=True, engine_tp=32, train_pp=16)
+        name = f"NeMo-RL DeepSeek-V3 colocated, {gpus} H100"
+    else:  # the engines on half the GPUs, the trainer on the other half
+        half = gpus // 2
+        setup = Setup(gpu("h100"), half, half, engine_tp=32, train_pp=16, mode="one_step")
+        name = f"NeMo-RL DeepSeek-V3 one-step off-policy {half}:{half}"
+    return Row(name, published, "s", "deepseek-v3", NEMO, setup)
+
+
+ROWS: tuple[Row, ...] = (
+    _areal(0, 27.1e3),
+    _areal(1, 47.8e3),
+    _areal(16, 52.0e3),
+    _verl_colocated(32, 790.0),
+    _verl_colocated(64, 365.0),
+    _verl_colocated(128, 356.0),
+    _verl_async(16, 295.0),
+    _verl_async(32, 189.0),
+    _verl_async(64, 151.0),
+    _nemo(512, 111.0, "sync"),
+    _nemo(256, 134.0, "sync"),
+    _nemo(512, 64.1, "one_step"),
+)
+"""Every published figure of SCALE.md's step-time table, in its order."""
