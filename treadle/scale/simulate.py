@@ -418,24 +418,7 @@ def check(shape: ModelShape, work: Workload, setup: Setup) -> None:
         raise UserError(f"--engine-tp {setup.engine_tp} does not divide {shape.heads} heads")
     if not (0 <= setup.staleness <= MAX_STALENESS):  # also refuses NaN
         raise UserError(f"--staleness {setup.staleness:g} must be in 0..{MAX_STALENESS}")
-    layout = setup.train_tp * setup.train_pp
-    if setup.train_tp < 1 or setup.train_pp < 1 or setup.train_gpus % layout:
-        raise UserError(
-            f"--train-tp {setup.train_tp} x --train-pp {setup.train_pp} must be at least 1 each "
-            f"and divide the {setup.train_gpus} training GPUs"
-        )
-    if setup.train_pp > shape.layers:
-        raise UserError(f"--train-pp {setup.train_pp}: more stages than {shape.layers} layers")
-    if setup.updates_per_sync < 1 or work.prompts % setup.updates_per_sync:
-        raise UserError(
-            f"--updates-per-sync {setup.updates_per_sync} must be at least 1 and divide "
-            f"--prompts {work.prompts}"
-        )
-    if setup.colocated and setup.updates_per_sync > 1:
-        raise UserError(
-            "--updates-per-sync streams a step's groups to a trainer of its own: give the "
-            "engines GPUs of their own with --rollout-gpus N"
-        )
+    _check_training(shape, work, setup)
     if setup.partial and setup.mode != "async":
         raise UserError("--partial applies to --mode async (one_step and sync drain instead)")
     if setup.mode == "async" and setup.staleness <= 0 and setup.partial:
@@ -454,6 +437,28 @@ def check(shape: ModelShape, work: Workload, setup: Setup) -> None:
             f"one engine's KV cache holds {max(0, int(capacity)):,} tokens after "
             f"{weights:.1f} GiB of weights per GPU, fewer than one prompt + longest response "
             f"({longest:,}): {more}"
+        )
+
+
+def _check_training(shape: ModelShape, work: Workload, setup: Setup) -> None:
+    """The trainer's part of :func:`check`: its layout and streamed updates."""
+    layout = setup.train_tp * setup.train_pp
+    if setup.train_tp < 1 or setup.train_pp < 1 or setup.train_gpus % layout:
+        raise UserError(
+            f"--train-tp {setup.train_tp} x --train-pp {setup.train_pp} must be at least 1 each "
+            f"and divide the {setup.train_gpus} training GPUs"
+        )
+    if setup.train_pp > shape.layers:
+        raise UserError(f"--train-pp {setup.train_pp}: more stages than {shape.layers} layers")
+    if setup.updates_per_sync < 1 or work.prompts % setup.updates_per_sync:
+        raise UserError(
+            f"--updates-per-sync {setup.updates_per_sync} must be at least 1 and divide "
+            f"--prompts {work.prompts}"
+        )
+    if setup.colocated and setup.updates_per_sync > 1:
+        raise UserError(
+            "--updates-per-sync streams a step's groups to a trainer of its own: give the "
+            "engines GPUs of their own with --rollout-gpus N"
         )
 
 
