@@ -6,7 +6,7 @@ from treadle.core.errors import UserError
 from treadle.scale.costs import segment_s, train_s
 from treadle.scale.hardware import GIB, gpu
 from treadle.scale.memory import Layout, trainer
-from treadle.scale.plan import Question, plan
+from treadle.scale.plan import Question, _two_sizes, check_fits, plan
 from treadle.scale.published import AREAL, ROWS
 from treadle.scale.shapes import NAMED
 from treadle.scale.simulate import Lengths, Setup, Workload, simulate
@@ -137,6 +137,20 @@ def test_plan_refuses_a_model_that_fits_no_placement_and_says_what_would():
     q = Question(NAMED["llama3.1-70b"], gpu("a100"), 4, AREAL)
     with pytest.raises(UserError, match=r"it fits \d+ GPUs"):
         plan(q)
+
+
+def test_a_colocated_engine_without_room_beside_the_trainer_is_named():
+    # vLLM's share at 0.3 of 79.6 GiB is 23.9 GiB: the engine alone fits it (check passes),
+    # but not beside the trainer's 44.4 GiB of states on each of the 4 GPUs
+    h100, work = gpu("h100", kv_memory_fraction=0.3), Workload(64, 8, 512, Lengths(1000, 4096))
+    setup = Setup(h100, 4, 4, colocated=True)
+    with pytest.raises(UserError, match=r"beside the trainer.s 44\.4 GiB .* no room for one seq"):
+        check_fits(Question(NAMED["qwen2.5-7b"], h100, 4, work), setup)
+
+
+def test_sizes_that_round_alike_get_the_decimals_that_part_them():
+    assert _two_sizes(79.61 * GIB, 79.6 * GIB) == ("79.61 GiB", "79.60 GiB")
+    assert _two_sizes(80.0 * GIB, 79.6 * GIB) == ("80.0 GiB", "79.6 GiB")
 
 
 def test_cli_plan_refusal_is_one_line_exit_2(capsys):

@@ -145,8 +145,15 @@ def test_lengths_from_a_damaged_buffer_file_is_one_line_exit_2(tmp_path, capsys)
         (["simulate", "qwen2.5-0.5b", "--updates-per-sync", "2"], "GPUs of their own"),
         (["simulate", "qwen2.5-0.5b", "--train-pp", "3"], "divide the 8 training GPUs"),
         (["simulate", "qwen2.5-0.5b", "--gpus", "64", "--train-pp", "32"], "than 24 layers"),
-        # 70B x 16 bytes of weights, gradients and Adam moments / 2 GPUs = 521 GiB alone
-        (["simulate", "llama3.1-70b", "--gpus", "2"], "does not fit 2 training x h100"),
+        # one engine GPU cannot hold 70B's 131 GiB of bf16 weights: the engine is named first
+        (["simulate", "llama3.1-70b", "--gpus", "2"], "131.4 GiB of weights per GPU, fewer"),
+        # 70B x 16 bytes of weights, gradients and Adam moments / 32 GPUs = 33 GiB, but a whole
+        # layer's activations and logits per GPU at tensor parallel 1 do not fit; 8 does
+        (
+            ["simulate", "llama3.1-70b", "--gpus", "32", "--engine-tp", "8"],
+            "needs 233.7 GiB per training GPU in tp1 pp1 over 32 x h100 (79.6 GiB): "
+            "--train-tp 8 --train-pp 1 fits",
+        ),
         (["simulate", "qwen2.5-0.5b", "--staleness", "2"], "applies to --mode async, not sync"),
         (
             ["simulate", "qwen2.5-0.5b", "--mode", "one_step", "--rollout-gpus", "2", "--partial"],

@@ -50,11 +50,19 @@ def test_streamed_updates_keep_a_trainer_bound_step_busy(mean):
 @pytest.mark.parametrize(
     ("setup", "says"),
     [
-        (Setup(gpu("h100"), 2, 2, updates_per_sync=3), "--updates-per-sync 3 must be at least"),
-        (Setup(gpu("h100"), 2, 2, updates_per_sync=0), "--updates-per-sync 0 must be at least"),
+        (Setup(gpu("h100"), 2, 2, updates_per_sync=3), r"--updates-per-sync 3 must be in 1\.\.256"),
+        (Setup(gpu("h100"), 2, 2, updates_per_sync=0), "--updates-per-sync 0 must be in"),
+        (Setup(gpu("h100"), 2, 2, updates_per_sync=512), "--updates-per-sync 512 must be in"),
         (Setup(gpu("h100"), 2, 2, colocated=True, updates_per_sync=2), "--rollout-gpus N"),
     ],
 )
 def test_updates_that_do_not_divide_the_batch_or_share_its_gpus_are_refused(setup, says):
     with pytest.raises(UserError, match=says):
-        simulate(SHAPE, Workload(8, 4, 100, Lengths(500, 1000)), setup)
+        simulate(SHAPE, Workload(512, 4, 100, Lengths(500, 1000)), setup)
+
+
+def test_optimizer_steps_that_do_not_split_over_the_updates_are_refused():
+    # 3 optimizer steps over 2 updates would train 2 x 1 (fewer) or 2 x 2 (more) steps a sync
+    setup = Setup(gpu("h100"), 2, 2, updates_per_sync=2)
+    with pytest.raises(UserError, match=r"3 optimizer steps a step .* use a multiple of 2"):
+        simulate(SHAPE, Workload(8, 4, 100, Lengths(500, 1000), minibatches=3), setup)

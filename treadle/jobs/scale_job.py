@@ -11,9 +11,9 @@ from pathlib import Path
 from treadle.core.errors import UserError
 from treadle.scale.hardware import GIB, GPUS, gpu
 from treadle.scale.memory import Breakdown
-from treadle.scale.plan import MAX_GPUS, ROLES, Placement, Question, check_trainer_fits, plan
+from treadle.scale.plan import MAX_GPUS, ROLES, Placement, Question, check_fits, plan
 from treadle.scale.shapes import resolve
-from treadle.scale.simulate import Lengths, Result, Setup, Workload, simulate
+from treadle.scale.simulate import Lengths, Result, Setup, Workload, check, simulate
 
 SHORT = {
     "parameters": "params",
@@ -74,7 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
         type=int,
         default=1,
         help="trainer updates per weight sync, each on --prompts / N groups as they complete "
-        "(verl's trigger_parameter_sync_step; disaggregated only) (1)",
+        "and at least one optimizer step (verl's trigger_parameter_sync_step; disaggregated "
+        "only) (1)",
     )
     parser.add_argument("--rollout-gpus", type=int, help="disaggregated: engines' GPUs")
     parser.add_argument("--engine-tp", type=int, default=1)
@@ -234,7 +235,8 @@ def run(args: argparse.Namespace, console) -> int:
                   engine_tp=args.engine_tp, train_tp=args.train_tp, train_pp=args.train_pp,
                   mode=args.mode, staleness=staleness, partial=args.partial,
                   updates_per_sync=args.updates_per_sync, drop_stale=args.drop_stale)  # fmt: skip
-    check_trainer_fits(Question(shape, g, args.gpus, work), setup)
+    check(shape, work, setup)  # the setup's own errors (an engine's KV cache) first
+    check_fits(Question(shape, g, args.gpus, work), setup)
     r = simulate(shape, work, setup, steps=args.steps)
     if args.plot:
         from treadle.scale.plots import timeline

@@ -70,6 +70,9 @@ class Placement:
     """Peak bytes per training GPU (colocated: the larger of the rollout and update phases)."""
     engine_peak: float = 0.0
     fits: bool = False
+    engine_fits: bool = True
+    """Whether one engine's KV cache holds one prompt and longest response (colocated: beside
+    the trainer's resident states)."""
     result: Result | None = None
 
     @property
@@ -110,6 +113,7 @@ def measure(q: Question, p: Placement) -> Placement:
         p.engine_peak = p.train_peak
     else:
         p.train_peak = update
+    p.engine_fits = engine_fits
     p.fits = engine_fits and p.train_peak <= memory
     return p
 
@@ -183,28 +187,57 @@ def plan(q: Question, steps: int = 3) -> list[Placement]:
     return sorted(fits, key=lambda p: -p.result.tokens_per_s if p.result else p.train_peak)
 
 
-def check_trainer_fits(q: Question, setup: Setup) -> Placement:
-    """The placement with the least training model parallelism on ``setup``'s GPUs that
-    fits ``q.gpu``'s memory (what ``treadle simulate`` assumes the trainer runs as).
+def check_fits(q: Question, setup: Setup) -> Placement:
+    """The memory per GPU of ``setup``'s placement as it stands (its training layout
+    ``train_tp`` x ``train_pp`` over the training GPUs, FSDP over the rest, and its engine TP),
+    which ``treadle simulate`` runs.
 
     Raises:
-        UserError: none fits; says how much the closest needs per GPU and to ask ``treadle
-            plan`` for the placements that do.
+        UserError: the trainer does not fit (says what it needs, and the --train-tp and
+            --train-pp that fit these GPUs, if any), or a colocated engine's KV cache beside the
+            trainer's states holds less than one sequence.
     """
     kind = "colocated" if setup.colocated else "disaggregated"
-    placed = _smallest_fit(q, kind, setup.rollout_gpus, setup.train_gpus)
-    if placed is not None and placed.fits:
-        return placed
-    need = (
-        f": the closest needs {placed.train_peak / GIB:.1f} GiB per GPU ({placed.label})"
-        if placed
-        else ""
+    dp = setup.train_gpus // (setup.train_tp * setup.train_pp)
+    layout = Layout(dp=dp, tp=setup.train_tp, pp=setup.train_pp, zero=q.zero,
+                    ep=dp if q.shape.experts else 1)  # fmt: skip
+    mode = "sync" if setup.colocated else "async"
+    p = measure(q, Placement(kind, setup.rollout_gpus, setup.train_gpus, layout, setup.engine_tp,
+                             mode))  # fmt: skip
+    if p.fits:
+        return p
+    memory = q.gpu.memory_bytes
+    where = f"{q.shape.name} with {', '.join(q.roles)} at {q.seq:,} tokens per sequence"
+    if p.train_peak > memory:
+        need, have = _two_sizes(p.train_peak, memory)
+        other = _smallest_fit(replace(q, tp=None, pp=None), kind, setup.rollout_gpus,
+                              setup.train_gpus)  # fmt: skip
+        fix = (
+            f"--train-tp {other.layout.tp} --train-pp {other.layout.pp} fits"
+            if other is not None and other.fits
+            else f"`treadle plan {q.shape.name} --gpus N` lists the placements that fit"
+        )
+        raise UserError(
+            f"{where} needs {need} per training GPU in tp{layout.tp} pp{layout.pp} over "
+            f"{setup.train_gpus} x {q.gpu.name} ({have}): {fix}"
+        )
+    states = sum(b.parameters + b.gradients + b.optimizer for b in p.memory if b.role != "engine")
+    raise UserError(  # colocated: the engine's KV cache beside the trainer's states
+        f"{where}: beside the trainer's {states / GIB:.1f} GiB of parameters, gradients and "
+        f"optimizer states per GPU, an engine of --engine-tp {setup.engine_tp} on "
+        f"{q.gpu.name} has no room for one sequence's KV cache; use a larger --engine-tp or "
+        "--train-tp, or give the engines GPUs of their own (--rollout-gpus N)"
     )
-    raise UserError(
-        f"{q.shape.name} with {', '.join(q.roles)} at {q.seq:,} tokens per sequence does not "
-        f"fit {setup.train_gpus} training x {q.gpu.name} ({q.gpu.memory_gib:.1f} GiB){need}; "
-        f"`treadle plan {q.shape.name} --gpus N` lists the placements that fit"
-    )
+
+
+def _two_sizes(need: float, have: float) -> tuple[str, str]:
+    """``need`` and ``have`` (bytes) in GiB, with as many decimals (1 to 3) as tell them
+    apart."""
+    for decimals in (1, 2, 3):
+        a, b = f"{need / GIB:.{decimals}f} GiB", f"{have / GIB:.{decimals}f} GiB"
+        if a != b:
+            break
+    return a, b
 
 
 MAX_GPUS = 16384

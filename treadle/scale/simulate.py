@@ -379,6 +379,9 @@ class _Simulation:
 
 
 MAX_STALENESS = 64
+MAX_UPDATES_PER_SYNC = 256
+"""Most updates a weight sync :func:`simulate` takes (verl's trigger_parameter_sync_step is 4 in
+its recipes): each update is at least one optimizer step and an event of its own."""
 MAX_BATCH = 65536
 """Largest eta and samples per step :func:`simulate` takes: its queue holds ``eta + steps``
 batches of requests, so time and memory grow with both."""
@@ -450,10 +453,16 @@ def _check_training(shape: ModelShape, work: Workload, setup: Setup) -> None:
         )
     if setup.train_pp > shape.layers:
         raise UserError(f"--train-pp {setup.train_pp}: more stages than {shape.layers} layers")
-    if setup.updates_per_sync < 1 or work.prompts % setup.updates_per_sync:
+    k = setup.updates_per_sync
+    if not (1 <= k <= MAX_UPDATES_PER_SYNC) or work.prompts % k:
         raise UserError(
-            f"--updates-per-sync {setup.updates_per_sync} must be at least 1 and divide "
-            f"--prompts {work.prompts}"
+            f"--updates-per-sync {k} must be in 1..{MAX_UPDATES_PER_SYNC} and divide --prompts "
+            f"{work.prompts}"
+        )
+    if work.minibatches > 1 and work.minibatches % k:
+        raise UserError(
+            f"{work.minibatches} optimizer steps a step (Workload.minibatches) do not split "
+            f"evenly over {k} updates a sync: use a multiple of {k}"
         )
     if setup.colocated and setup.updates_per_sync > 1:
         raise UserError(
