@@ -98,6 +98,8 @@ class _Request:
 @dataclass
 class _Engine:
     index: int
+    checked: int = 0
+    """The simulation's ``unwanted`` count when this engine last dropped unwanted requests."""
     clock: float = 0.0
     version: int = 0
     running: list[_Request] = field(default_factory=list)
@@ -135,6 +137,7 @@ class _Simulation:
         self.ready: list[_Group] = []  # scored, waiting for the trainer
         self.open: set[_Group] = set()  # admitted, not yet scored, not dropped
         self.dropped = 0  # samples dropped as stale (drop_stale)
+        self.unwanted = 0  # batches filled and drops: when running requests may be unwanted
         self.running = 0  # requests running on all engines
         self.version = 0  # weight syncs: the policy versions the engines see
         self.trainer_free = True
@@ -194,7 +197,9 @@ class _Simulation:
         if time < self.blocked_until:
             self.push(self.blocked_until, "wake", engine)
             return
-        self.set_running(engine, [r for r in engine.running if self.wanted(r)])
+        if engine.checked != self.unwanted:  # a batch filled or a group dropped since
+            self.set_running(engine, [r for r in engine.running if self.wanted(r)])
+            engine.checked = self.unwanted
         time = self.take_weights(time, engine)
         time = self.admit(time, engine)
         if not engine.running:
@@ -304,11 +309,13 @@ class _Simulation:
         self.ready.append(group)
         if self.finished[r.batch] == self.work.prompts:
             self.full.add(r.batch)
+            self.unwanted += 1
             self.generate.append(time - self.first_admit[r.batch])
         self.try_train(time)
 
     def drop(self, groups: list[_Group]) -> None:
         """Drop groups as stale: their running requests stop at the engines' next look."""
+        self.unwanted += 1
         for group in groups:
             group.dropped = True
             self.open.discard(group)
