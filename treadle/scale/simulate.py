@@ -201,13 +201,12 @@ class _Simulation:
             self.set_running(engine, [r for r in engine.running if self.wanted(r)])
             engine.checked = self.unwanted
         time = self.take_weights(time, engine)
-        time = self.admit(time, engine)
+        time, context = self.admit(time, engine)
         if not engine.running:
             engine.idle, engine.clock = True, time
             return
         engine.idle = False
         n = min(SEGMENT_STEPS, min(r.length - r.done for r in engine.running))
-        context = sum(self.work.prompt_tokens + r.done for r in engine.running)
         weights = weight_read_s(self.shape, self.setup.gpu, self.setup.engine_tp,
                                 len(engine.running))  # fmt: skip
         end = time + segment_s(self.costs, weights, len(engine.running), context, n,
@@ -236,13 +235,14 @@ class _Simulation:
             self.end_sync(max(end, self.trained_at + self.sync))
         return end
 
-    def admit(self, time: float, engine: _Engine) -> float:
+    def admit(self, time: float, engine: _Engine) -> tuple[float, int]:
         """Start queued requests while the staleness bound, the batch limit and the KV cache
-        allow; their prompts' prefill delays the engine."""
-        if engine.running and not self.setup.partial and engine.version < self.version:
-            return time  # draining before the update
-        cap = min(self.setup.gpu.efficiency.max_batch, self.share(engine))
+        allow; their prompts' prefill delays the engine. Returns the time it is done and the
+        engine's context (tokens in its running requests)."""
         context = sum(self.work.prompt_tokens + r.done for r in engine.running)
+        if engine.running and not self.setup.partial and engine.version < self.version:
+            return time, context  # draining before the update
+        cap = min(self.setup.gpu.efficiency.max_batch, self.share(engine))
         prompts = 0
         need = self.work.prompt_tokens + self.work.lengths.mean
         allowed = self.gate(engine)
@@ -267,7 +267,7 @@ class _Simulation:
             self.first_admit.setdefault(head.batch, time)
         end = time + prompts * self.prefill_per_token
         self.bar(f"engine {engine.index}", time, end, "decode")
-        return end
+        return end, context
 
     def share(self, engine: _Engine) -> int:
         """Requests an engine may run: an equal share of those running and those the staleness
