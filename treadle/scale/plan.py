@@ -70,9 +70,6 @@ class Placement:
     """Peak bytes per training GPU (colocated: the larger of the rollout and update phases)."""
     engine_peak: float = 0.0
     fits: bool = False
-    engine_fits: bool = True
-    """Whether one engine's KV cache holds one prompt and longest response (colocated: beside
-    the trainer's resident states)."""
     result: Result | None = None
 
     @property
@@ -113,7 +110,6 @@ def measure(q: Question, p: Placement) -> Placement:
         p.engine_peak = p.train_peak
     else:
         p.train_peak = update
-    p.engine_fits = engine_fits
     p.fits = engine_fits and p.train_peak <= memory
     return p
 
@@ -135,6 +131,16 @@ def candidates(q: Question) -> list[Placement]:
     return out
 
 
+def _measured(q: Question, kind: str, rollout: int, train: int, tp: int, pp: int,
+              engine_tp: int) -> Placement:  # fmt: skip
+    """:func:`measure` of one placement: the trainer in tp x pp over ``train`` GPUs, data
+    parallel (ZeRO ``q.zero``, experts sharded over the data-parallel ranks) over the rest."""
+    dp = train // (tp * pp)
+    layout = Layout(dp=dp, tp=tp, pp=pp, ep=dp if q.shape.experts else 1, zero=q.zero)
+    mode = "sync" if kind == "colocated" else "async"
+    return measure(q, Placement(kind, rollout, train, layout, engine_tp, mode))
+
+
 def _smallest_fit(q: Question, kind: str, rollout: int, train: int) -> Placement | None:
     """The placement with the least model parallelism that fits, else the one tried that
     needs the least memory per training GPU (so a refusal can say how far it was)."""
@@ -146,14 +152,10 @@ def _smallest_fit(q: Question, kind: str, rollout: int, train: int) -> Placement
         for tp in tps:
             if train % (tp * pp) or pp > q.shape.layers:
                 continue
-            layout = Layout(dp=train // (tp * pp), tp=tp, pp=pp, zero=q.zero)
-            ep = layout.dp if q.shape.experts else 1
-            layout = replace(layout, ep=ep)
             for etp in engine_tps or [1]:
                 if rollout % etp:
                     continue
-                mode = "sync" if kind == "colocated" else "async"
-                placed = measure(q, Placement(kind, rollout, train, layout, etp, mode))
+                placed = _measured(q, kind, rollout, train, tp, pp, etp)
                 if placed.fits:
                     return placed
                 if tried is None or placed.train_peak < tried.train_peak:
@@ -198,12 +200,9 @@ def check_fits(q: Question, setup: Setup) -> Placement:
             trainer's states holds less than one sequence.
     """
     kind = "colocated" if setup.colocated else "disaggregated"
-    dp = setup.train_gpus // (setup.train_tp * setup.train_pp)
-    layout = Layout(dp=dp, tp=setup.train_tp, pp=setup.train_pp, zero=q.zero,
-                    ep=dp if q.shape.experts else 1)  # fmt: skip
-    mode = "sync" if setup.colocated else "async"
-    p = measure(q, Placement(kind, setup.rollout_gpus, setup.train_gpus, layout, setup.engine_tp,
-                             mode))  # fmt: skip
+    p = _measured(q, kind, setup.rollout_gpus, setup.train_gpus, setup.train_tp, setup.train_pp,
+                  setup.engine_tp)  # fmt: skip
+    layout = p.layout
     if p.fits:
         return p
     memory = q.gpu.memory_bytes

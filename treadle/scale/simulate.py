@@ -124,7 +124,6 @@ class _Simulation:
         self.update_work = replace(
             work, minibatches=max(1, work.minibatches // setup.updates_per_sync)
         )
-        self.updates = 0  # updates the trainer has made (a sync every updates_per_sync)
         self.rng = random.Random(seed)
         self.queue: deque[_Request] = deque()  # not yet admitted, next first
         self.batches_drawn = 0
@@ -354,8 +353,7 @@ class _Simulation:
         wake and the sync begins (else the trainer takes the next groups). Where the engines
         drain before they update (not partial, not colocated) the sync waits for the last of
         them, as treadle's and verl's one-step-off syncs do; else it takes ``self.sync``."""
-        self.updates += 1
-        if self.updates % self.setup.updates_per_sync:
+        if len(self.train_times) % self.setup.updates_per_sync:  # one time an update made
             self.trainer_free = True
             self.try_train(time)
             return
