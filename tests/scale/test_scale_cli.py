@@ -147,8 +147,10 @@ def test_lengths_from_a_damaged_buffer_file_is_one_line_exit_2(tmp_path, capsys)
         (["simulate", "qwen2.5-0.5b", "--gpus", "64", "--train-pp", "32"], "than 24 layers"),
         # one engine GPU cannot hold 70B's 131 GiB of bf16 weights: the engine is named first
         (["simulate", "llama3.1-70b", "--gpus", "2"], "131.4 GiB of weights per GPU, fewer"),
-        # 70B x 16 bytes of weights, gradients and Adam moments / 32 GPUs = 33 GiB, but a whole
-        # layer's activations and logits per GPU at tensor parallel 1 do not fit; 8 does
+        # the user's tensor parallel 1, not the 8 that fits: the frozen reference's bf16
+        # weights stay whole on every GPU, 70.6B x 2 bytes = 131.4 GiB (142.6 with its logits
+        # and overhead), beside the policy's 91.1 (13.4 + 8.2 + 16.4 GiB of parameters,
+        # gradients and Adam moments over 32 ranks, 40.1 activations, 7.7 logits, 5.3 other)
         (
             ["simulate", "llama3.1-70b", "--gpus", "32", "--engine-tp", "8"],
             "needs 233.7 GiB per training GPU in tp1 pp1 over 32 x h100 (79.6 GiB): "
