@@ -11,7 +11,15 @@ from pathlib import Path
 from treadle.core.errors import UserError
 from treadle.scale.hardware import GIB, GPUS, gpu
 from treadle.scale.memory import Breakdown
-from treadle.scale.plan import MAX_GPUS, ROLES, Placement, Question, check_fits, plan
+from treadle.scale.plan import (
+    MAX_GPUS,
+    ROLES,
+    Placement,
+    Question,
+    check_fits,
+    layout_name,
+    plan,
+)
 from treadle.scale.shapes import resolve
 from treadle.scale.simulate import Lengths, Result, Setup, Workload, check, simulate
 
@@ -52,6 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     if command == "plan":
         parser.add_argument("--tp", type=int, help="training tensor-parallel degree")
+        parser.add_argument("--sp", type=int,
+                            help="training Ulysses sequence-parallel degree")  # fmt: skip
         parser.add_argument("--micro-batch", type=int, default=1, help="sequences per pass")
         parser.add_argument("--recompute", choices=("none", "selective", "full"),
                             default="selective", help="activation checkpointing")  # fmt: skip
@@ -82,6 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--train-tp", type=int, default=1, help="trainer's tensor parallel (1)")
     parser.add_argument("--train-pp", type=int, default=1,
                         help="trainer's pipeline stages: adds the 1F1B bubble (1)")  # fmt: skip
+    parser.add_argument("--train-sp", type=int, default=1,
+                        help="trainer's Ulysses sequence parallel: splits each sequence's "
+                        "activations, adds all-to-alls (1)")  # fmt: skip
     parser.add_argument("--plot", help="write the timeline (engines and trainer) to this PNG")
 
 
@@ -139,6 +152,8 @@ def _check(args: argparse.Namespace) -> None:
         bounds += [("--micro-batch", args.micro_batch, 1, 4096)]
         if args.tp is not None:
             bounds += [("--tp", args.tp, 1, 1024)]
+        if args.sp is not None:
+            bounds += [("--sp", args.sp, 1, 1024)]
     for name, value, low, high in bounds:
         if not low <= value <= high:
             raise UserError(f"{name} {value}: must be {low}..{high:,}")
@@ -216,7 +231,7 @@ def run(args: argparse.Namespace, console) -> int:
     shape, g, work = resolve(args.model), gpu(args.gpu.lower()), _workload(args)
     if args.command == "plan":
         q = Question(shape, g, args.gpus, work, args.micro_batch, _roles(args.roles),
-                     args.recompute, tp=args.tp)  # fmt: skip
+                     args.recompute, tp=args.tp, sp=args.sp)  # fmt: skip
         placements = plan(q, steps=args.steps)
         if args.plot:
             from treadle.scale.plots import memory
@@ -233,6 +248,7 @@ def run(args: argparse.Namespace, console) -> int:
     staleness = 1.0 if args.staleness is None else args.staleness
     setup = Setup(g, rollout, args.gpus - rollout if not colocated else args.gpus, colocated,
                   engine_tp=args.engine_tp, train_tp=args.train_tp, train_pp=args.train_pp,
+                  train_sp=args.train_sp,
                   mode=args.mode, staleness=staleness, partial=args.partial,
                   updates_per_sync=args.updates_per_sync, drop_stale=args.drop_stale)  # fmt: skip
     check(shape, work, setup)  # the setup's own errors (an engine's KV cache) first
@@ -284,16 +300,18 @@ def _table(title: str, columns: list[str], left: int = 1):
 
 
 def _print_plan(console, placements: list[Placement], memory_gib: float) -> None:
+    zero = placements[0].layout.zero  # one ZeRO stage for every placement of a question
     table = _table(
         "placements that fit, best first (simulated trained tokens per second)",
-        ["#", "placement e:t", "trainer", "engine", "GiB t/e", "step s", "tok/s", "busy e/t"],
+        ["#", "placement e:t", f"trainer z{zero}", "engine", "GiB t/e", "step s", "tok/s",
+         "busy e/t"],  # fmt: skip
         left=4,
     )
     for i, p in enumerate(placements, 1):
         r, lay = p.result, p.layout
         kind = "colocated" if p.kind == "colocated" else f"disagg {p.rollout_gpus}:{p.train_gpus}"
         table.add_row(
-            str(i), f"{kind} {p.mode}", f"dp{lay.dp} tp{lay.tp} pp{lay.pp} z{lay.zero}",
+            str(i), f"{kind} {p.mode}", layout_name(lay, compact=True),
             f"tp{p.engine_tp}", f"{p.train_peak / GIB:.0f}/{p.engine_peak / GIB:.0f}",
             "-" if r is None else f"{r.step_s:.1f}",
             "-" if r is None else f"{r.tokens_per_s:,.0f}",

@@ -92,9 +92,11 @@ class Setup:
     engine_tp: int = 1
     train_tp: int = 1
     train_pp: int = 1
-    """The trainer's tensor- and pipeline-parallel degrees: its data-parallel ranks are
-    ``train_gpus / (train_tp x train_pp)``, and pipeline stages add the 1F1B schedule's bubble
-    (:func:`train_s`); tensor parallelism's own all-reduces are not modelled."""
+    train_sp: int = 1
+    """The trainer's tensor-, pipeline- and Ulysses sequence-parallel degrees: its
+    data-parallel ranks are ``train_gpus / (train_tp x train_pp x train_sp)``, pipeline stages
+    add the 1F1B schedule's bubble and sequence parallelism its all-to-alls (:func:`train_s`);
+    tensor parallelism's own all-reduces are not modelled."""
     mode: Mode = "sync"
     staleness: float = 0.0
     """eta for ``async``: batches the engines may run ahead of the trainer (AReaL's eta;
@@ -184,23 +186,41 @@ def train_flops(shape: ModelShape, work: Workload, lengths: list[int]) -> float:
 
 
 def train_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, lengths: list[int],
-            tp: int = 1, pp: int = 1) -> float:  # fmt: skip
+            tp: int = 1, pp: int = 1, sp: int = 1) -> float:  # fmt: skip
     """Seconds to train on one batch: :func:`train_flops` on ``gpus`` GPUs at the MFU that the
     tokens per GPU and optimizer step reach, stretched by the pipeline bubble of ``pp`` stages,
-    plus the fixed ``train_overhead_s``.
+    plus :func:`ulysses_s` for ``sp`` > 1 and the fixed ``train_overhead_s``.
 
-    The bubble: each of the ``gpus / (tp x pp)`` data-parallel ranks pushes its share of an
-    optimizer step's samples through the stages one sample a micro-batch (m of them), and the
-    1F1B schedule takes (m + pp - 1) / m of the time without stages (Narayanan et al. 2021,
-    arXiv 2104.04473, Sec. 2.2: bubble fraction (pp - 1) / m)."""
+    The bubble: each of the ``gpus / (tp x pp x sp)`` data-parallel ranks pushes its share of
+    an optimizer step's samples through the stages one sample a micro-batch (m of them), and
+    the 1F1B schedule takes (m + pp - 1) / m of the time without stages (Narayanan et al.
+    2021, arXiv 2104.04473, Sec. 2.2: bubble fraction (pp - 1) / m)."""
     e = gpu.efficiency
     tokens = sum(lengths) + len(lengths) * work.prompt_tokens  # every sample's prompt too
     tokens_per_gpu = tokens / (gpus * work.minibatches)
     mfu = e.train_mfu * tokens_per_gpu / (tokens_per_gpu + e.train_half_tokens)
     flops = train_flops(shape, work, lengths)
-    micro = max(1.0, len(lengths) / (work.minibatches * max(1, gpus // (tp * pp))))
+    micro = max(1.0, len(lengths) / (work.minibatches * max(1, gpus // (tp * pp * sp))))
     bubble = (micro + pp - 1) / micro
-    return flops / (gpus * gpu.bf16_tflops * 1e12 * mfu) * bubble + e.train_overhead_s
+    compute = flops / (gpus * gpu.bf16_tflops * 1e12 * mfu) * bubble
+    return compute + ulysses_s(shape, gpu, gpus, work, tokens, tp, sp) + e.train_overhead_s
+
+
+def ulysses_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, tokens: float, tp: int,
+              sp: int) -> float:  # fmt: skip
+    """Seconds of DeepSpeed-Ulysses' all-to-alls for training on ``tokens`` tokens (Jacobs et
+    al. 2023, arXiv 2309.14509, Sec. 3.1): per layer and pass, each GPU sends (sp - 1) / sp of
+    its tokens' queries, keys and values (bf16, its tensor-parallel share) and receives as much
+    attention output, ``2 (2 q + 2 kv) / tp`` bytes a token, over NVLink (the network where
+    tp x sp spans nodes); the passes as in :func:`train_flops`: the update's forward, backward
+    and recomputed forward, and one per extra forward. Not overlapped with compute."""
+    if sp == 1:
+        return 0.0
+    per_gpu = tokens * tp / gpus  # a tensor-parallel group holds the same tokens
+    per_token = 2.0 * (2 * shape.q_dim + 2 * shape.kv_dim) / tp * shape.layers * (sp - 1) / sp
+    link = gpu.nvlink_gbps if tp * sp <= gpu.per_node else gpu.network_gbps
+    passes = 3 + work.extra_forwards
+    return passes * per_gpu * per_token / (link * 1e9 * gpu.efficiency.interconnect)
 
 
 def sync_s(shape: ModelShape, setup: Setup) -> float:

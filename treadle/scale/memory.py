@@ -6,7 +6,10 @@ parameter with K = 12 for mixed-precision Adam, each term divided by the data-pa
 from its stage on); activations per layer after Korthikanti et al. 2022 (arXiv 2205.05198,
 Eq. 1 to 6), counted for today's layers (RMSNorm, SwiGLU, grouped-query attention, flash
 attention, no dropout): for a GPT layer this gives 32 sbh bytes, their 34 sbh less the two
-dropout masks, and flash attention keeps none of their 5 a s^2 b score bytes.
+dropout masks, and flash attention keeps none of their 5 a s^2 b score bytes. Sequence
+parallelism after DeepSpeed-Ulysses (Jacobs et al. 2023, arXiv 2309.14509, Sec. 3): each of
+``sp`` GPUs holds ``seq / sp`` of every sequence's tokens, and all-to-alls hand attention whole
+sequences of ``heads / sp`` heads.
 """
 
 from __future__ import annotations
@@ -28,24 +31,28 @@ FRAGMENTATION = 0.05
 
 @dataclass(frozen=True)
 class Layout:
-    """How one role's model is split over GPUs: dp x tp x pp GPUs (ep shards the experts over
-    the data-parallel ranks, as Megatron's expert parallelism does)."""
+    """How one role's model is split over GPUs: dp x tp x pp x sp GPUs (ep shards the experts
+    over the data-parallel ranks, as Megatron's expert parallelism does)."""
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
     ep: int = 1
     zero: int = 3
-    """ZeRO stage 0-3 over the dp ranks; 3 is FSDP's full sharding."""
+    """ZeRO stage 0-3 over the dp x sp ranks; 3 is FSDP's full sharding."""
     convention: Convention = "fsdp"
     """``mixed``: bf16 parameters and gradients, fp32 master copy and Adam moments (ZeRO's
     2 + 2 + 12 bytes). ``fsdp``: fp32 sharded parameters, gradients and Adam moments
     (4 + 4 + 8), with bf16 copies of the layers being all-gathered (torchtitan's FSDP2)."""
+    sp: int = 1
+    """Ulysses sequence-parallel degree (verl's ``ulysses_sequence_parallel_size``): each
+    sequence's tokens split over ``sp`` GPUs, which hold the same data and join the ZeRO/FSDP
+    sharding group (verl's FSDP mesh spans them)."""
 
     @property
     def gpus(self) -> int:
-        """GPUs of the layout: dp x tp x pp."""
-        return self.dp * self.tp * self.pp
+        """GPUs of the layout: dp x tp x pp x sp."""
+        return self.dp * self.tp * self.pp * self.sp
 
 
 @dataclass(frozen=True)
@@ -79,6 +86,14 @@ def check_layout(shape: ModelShape, layout: Layout) -> None:
         raise UserError(
             f"tensor parallel {layout.tp} does not divide the {shape.heads} attention heads of "
             f"{shape.name}; use --tp {' or '.join(map(str, fits))}"
+        )
+    if layout.sp < 1 or shape.heads % (layout.tp * layout.sp):
+        per_tp = shape.heads // layout.tp
+        fits = [s for s in (1, 2, 4, 8, 16, 32) if per_tp % s == 0][-4:]
+        raise UserError(
+            f"sequence parallel {layout.sp} does not divide the {per_tp} attention heads per "
+            f"tensor-parallel rank of {shape.name} (Ulysses hands each GPU whole heads); use "
+            f"--sp {' or '.join(map(str, fits))}"
         )
     if layout.pp > shape.layers:
         raise UserError(
@@ -120,22 +135,23 @@ def trainer(
     """Bytes per GPU of a trained (policy, critic) or forward-only (reference, reward model)
     role holding ``micro_batch`` sequences of ``seq`` tokens per pass.
 
-    Model states are divided by tp x pp, then per ZeRO stage by dp (experts also by ep). The
-    activations of L / pp layers are held for pp micro-batches in flight (1F1B's first stage),
-    divided by tp (sequence parallel). A critic has a value head instead of the vocabulary
-    logits. Forward-only roles keep bf16 weights and one layer's activations.
+    Model states are divided by tp x pp, then per ZeRO stage by dp x sp (experts also by ep).
+    The activations of L / pp layers are held for pp micro-batches in flight (1F1B's first
+    stage), divided by tp (Megatron's sequence parallel); each GPU holds ``seq / sp`` tokens of
+    a sequence (Ulysses), for activations and logits alike. A critic has a value head instead
+    of the vocabulary logits. Forward-only roles keep bf16 weights and one layer's activations.
     """
     check_layout(shape, layout)
     model_split = layout.tp * layout.pp
     expert = shape.expert_params()
     psi = (shape.params() - expert) / model_split + expert / (model_split * layout.ep)
-    tokens = micro_batch * seq
+    tokens = micro_batch * seq / layout.sp
     vocab = 1 if role in ("critic", "reward") else shape.vocab
     if not trainable:
         activations = 4 * tokens * shape.hidden / layout.tp
         logits = tokens * vocab * (2 + 4) / layout.tp  # bf16 logits, fp32 log-softmax
         return _with_overhead(Breakdown(role, 2 * psi, 0, 0, activations, logits))
-    z, dp = layout.zero, layout.dp
+    z, dp = layout.zero, layout.dp * layout.sp
     if layout.convention == "mixed":
         params = 2 * psi / (dp if z >= 3 else 1)
         grads = 2 * psi / (dp if z >= 2 else 1)

@@ -10,6 +10,7 @@ gives the engines their own GPUs (AReaL, verl's fully-async recipe).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field, replace
 
 from treadle.core.errors import UserError
@@ -45,6 +46,8 @@ class Question:
     tp: int | None = None
     """Training tensor-parallel degree; None: the smallest that fits."""
     pp: int | None = None
+    sp: int | None = None
+    """Training Ulysses sequence-parallel degree; None: the smallest that fits."""
     zero: int = 3
 
     @property
@@ -78,9 +81,24 @@ class Placement:
         lay = self.layout
         split = "" if self.kind == "colocated" else f" {self.rollout_gpus}:{self.train_gpus}"
         return (
-            f"{self.kind}{split} {self.mode} | train dp{lay.dp} tp{lay.tp} pp{lay.pp} "
-            f"zero{lay.zero} | engine tp{self.engine_tp}"
+            f"{self.kind}{split} {self.mode} | train {layout_name(lay)} zero{lay.zero} | "
+            f"engine tp{self.engine_tp}"
         )
+
+
+def layout_name(lay: Layout, dp: bool = True, compact: bool = False) -> str:
+    """``dp8 tp1 pp1``, with `` sp4`` where sequence parallel (``compact``: the degrees above
+    1 only, ``dp8 sp4``)."""
+    degrees = [("dp", lay.dp)] if dp else []
+    degrees += [("tp", lay.tp), ("pp", lay.pp), ("sp", lay.sp)]
+    return " ".join(f"{name}{n}" for name, n in degrees
+                    if n > 1 or name == "dp" or (name != "sp" and not compact))  # fmt: skip
+
+
+def layout_options(lay: Layout) -> str:
+    """The ``treadle simulate`` options of a trainer layout (``--train-sp`` where > 1)."""
+    sp = f" --train-sp {lay.sp}" if lay.sp > 1 else ""
+    return f"--train-tp {lay.tp} --train-pp {lay.pp}{sp}"
 
 
 def measure(q: Question, p: Placement) -> Placement:
@@ -116,7 +134,7 @@ def measure(q: Question, p: Placement) -> Placement:
 
 def candidates(q: Question) -> list[Placement]:
     """Colocated and disaggregated placements (rollout shares of 1/4, 1/2 and 3/4), each
-    with the smallest training model-parallel layout and engine TP that fit."""
+    with the smallest training model- and sequence-parallel layout and engine TP that fit."""
     out = []
     splits = [("colocated", q.gpus, q.gpus)]
     if "engine" in q.roles and q.gpus >= 2:
@@ -132,34 +150,35 @@ def candidates(q: Question) -> list[Placement]:
 
 
 def _measured(q: Question, kind: str, rollout: int, train: int, tp: int, pp: int,
-              engine_tp: int) -> Placement:  # fmt: skip
-    """:func:`measure` of one placement: the trainer in tp x pp over ``train`` GPUs, data
+              engine_tp: int, sp: int = 1) -> Placement:  # fmt: skip
+    """:func:`measure` of one placement: the trainer in tp x pp x sp over ``train`` GPUs, data
     parallel (ZeRO ``q.zero``, experts sharded over the data-parallel ranks) over the rest."""
-    dp = train // (tp * pp)
-    layout = Layout(dp=dp, tp=tp, pp=pp, ep=dp if q.shape.experts else 1, zero=q.zero)
+    dp = train // (tp * pp * sp)
+    layout = Layout(dp=dp, tp=tp, pp=pp, sp=sp, ep=dp if q.shape.experts else 1, zero=q.zero)
     mode = "sync" if kind == "colocated" else "async"
     return measure(q, Placement(kind, rollout, train, layout, engine_tp, mode))
 
 
 def _smallest_fit(q: Question, kind: str, rollout: int, train: int) -> Placement | None:
-    """The placement with the least model parallelism that fits, else the one tried that
-    needs the least memory per training GPU (so a refusal can say how far it was)."""
+    """The placement with the least parallelism that fits (fewest pipeline stages, then
+    tensor-parallel ranks, then sequence-parallel ranks, then engine TP), else the one tried
+    that needs the least memory per training GPU (so a refusal can say how far it was)."""
     tps = [q.tp] if q.tp else [t for t in (1, 2, 4, 8) if q.shape.heads % t == 0]
     pps = [q.pp] if q.pp else [1, 2, 4, 8, 16]
+    sps = [q.sp] if q.sp else [1, 2, 4, 8]
     engine_tps = [t for t in (1, 2, 4, 8, 16, 32, 64) if q.shape.heads % t == 0 and t <= rollout]
     tried = None
-    for pp in pps:
-        for tp in tps:
-            if train % (tp * pp) or pp > q.shape.layers:
+    for pp, tp, sp in itertools.product(pps, tps, sps):
+        if train % (tp * pp * sp) or pp > q.shape.layers or q.shape.heads % (tp * sp):
+            continue
+        for etp in engine_tps or [1]:
+            if rollout % etp:
                 continue
-            for etp in engine_tps or [1]:
-                if rollout % etp:
-                    continue
-                placed = _measured(q, kind, rollout, train, tp, pp, etp)
-                if placed.fits:
-                    return placed
-                if tried is None or placed.train_peak < tried.train_peak:
-                    tried = placed
+            placed = _measured(q, kind, rollout, train, tp, pp, etp, sp)
+            if placed.fits:
+                return placed
+            if tried is None or placed.train_peak < tried.train_peak:
+                tried = placed
     return tried
 
 
@@ -169,11 +188,11 @@ def plan(q: Question, steps: int = 3) -> list[Placement]:
     by training memory per GPU).
 
     Raises:
-        UserError: an explicit --tp the model cannot take, or no placement fits (says how
-            many GPUs of this type the smallest fitting placement needs).
+        UserError: an explicit --tp or --sp the model cannot take, or no placement fits (says
+            how many GPUs of this type the smallest fitting placement needs).
     """
-    if q.tp:
-        check_layout(q.shape, Layout(tp=q.tp, pp=q.pp or 1))
+    if q.tp or q.sp:
+        check_layout(q.shape, Layout(tp=q.tp or 1, pp=q.pp or 1, sp=q.sp or 1))
     fits = [p for p in candidates(q) if p.fits]
     if not fits:
         raise UserError(_nothing_fits(q))
@@ -181,6 +200,7 @@ def plan(q: Question, steps: int = 3) -> list[Placement]:
         setup = Setup(
             q.gpu, p.rollout_gpus, p.train_gpus, colocated=p.kind == "colocated",
             engine_tp=p.engine_tp, train_tp=p.layout.tp, train_pp=p.layout.pp,
+            train_sp=p.layout.sp,
             mode="sync" if p.kind == "colocated" else "async",
             staleness=0 if p.kind == "colocated" else 1, partial=p.kind != "colocated",
         )  # fmt: skip
@@ -191,17 +211,17 @@ def plan(q: Question, steps: int = 3) -> list[Placement]:
 
 def check_fits(q: Question, setup: Setup) -> Placement:
     """The memory per GPU of ``setup``'s placement as it stands (its training layout
-    ``train_tp`` x ``train_pp`` over the training GPUs, FSDP over the rest, and its engine TP),
-    which ``treadle simulate`` runs.
+    ``train_tp`` x ``train_pp`` x ``train_sp`` over the training GPUs, FSDP over the rest, and
+    its engine TP), which ``treadle simulate`` runs.
 
     Raises:
-        UserError: the trainer does not fit (says what it needs, and the --train-tp and
-            --train-pp that fit these GPUs, if any), or a colocated engine's KV cache beside the
-            trainer's states holds less than one sequence.
+        UserError: the trainer does not fit (says what it needs, and the --train-tp,
+            --train-pp and --train-sp that fit these GPUs, if any), or a colocated engine's KV
+            cache beside the trainer's states holds less than one sequence.
     """
     kind = "colocated" if setup.colocated else "disaggregated"
     p = _measured(q, kind, setup.rollout_gpus, setup.train_gpus, setup.train_tp, setup.train_pp,
-                  setup.engine_tp)  # fmt: skip
+                  setup.engine_tp, setup.train_sp)  # fmt: skip
     layout = p.layout
     if p.fits:
         return p
@@ -209,15 +229,15 @@ def check_fits(q: Question, setup: Setup) -> Placement:
     where = f"{q.shape.name} with {', '.join(q.roles)} at {q.seq:,} tokens per sequence"
     if p.train_peak > memory:
         need, have = _two_sizes(p.train_peak, memory)
-        other = _smallest_fit(replace(q, tp=None, pp=None), kind, setup.rollout_gpus,
+        other = _smallest_fit(replace(q, tp=None, pp=None, sp=None), kind, setup.rollout_gpus,
                               setup.train_gpus)  # fmt: skip
         fix = (
-            f"--train-tp {other.layout.tp} --train-pp {other.layout.pp} fits"
+            f"{layout_options(other.layout)} fits"
             if other is not None and other.fits
             else f"`treadle plan {q.shape.name} --gpus N` lists the placements that fit"
         )
         raise UserError(
-            f"{where} needs {need} per training GPU in tp{layout.tp} pp{layout.pp} over "
+            f"{where} needs {need} per training GPU in {layout_name(layout, dp=False)} over "
             f"{setup.train_gpus} x {q.gpu.name} ({have}): {fix}"
         )
     states = sum(b.parameters + b.gradients + b.optimizer for b in p.memory if b.role != "engine")

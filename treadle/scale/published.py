@@ -41,10 +41,11 @@ class Row:
 # optimizer steps a batch
 AREAL = Workload(64, 16, 300, Lengths(5000, 8192, 0.8), minibatches=4)
 # verl fully-async README: Qwen2.5-Math-7B, DAPO, 28K max response, n=16, 512 prompts in 16
-# mini-batches; the async scripts' engine TP 4, 4 streamed updates of 128 prompts a sync and no
-# old-logprob forward (use_rollout_log_probs); assumed 200-token prompts, lognormal responses
-# (mean 1,500, sigma 1.0) and the colocated runs' engine TP 2 (verl's one-step-off colocate
-# script: the table's colocated script is not published)
+# mini-batches; the async scripts' engine TP 4, Ulysses sequence parallel 4, 4 streamed updates
+# of 128 prompts a sync and no old-logprob forward (use_rollout_log_probs); assumed 200-token
+# prompts, lognormal responses (mean 1,500, sigma 1.0) and the colocated runs' engine TP 2 and
+# Ulysses 4 (verl's one-step-off colocate script: the table's colocated script is not
+# published)
 VERL_SYNC = Workload(512, 16, 200, Lengths(1500, 28672, 1.0), extra_forwards=1, minibatches=16)
 VERL_ASYNC = Workload(512, 16, 200, Lengths(1500, 28672, 1.0), extra_forwards=0, minibatches=16)
 # NeMo-RL v0.6 performance summary, DeepSeek-V3: GRPO 32 x 16, max sequence 1,536, average
@@ -65,14 +66,14 @@ def _areal(eta: int, published: float) -> Row:
 
 
 def _verl_colocated(gpus: int, published: float) -> Row:
-    setup = Setup(gpu("h20"), gpus, gpus, colocated=True, engine_tp=2)
+    setup = Setup(gpu("h20"), gpus, gpus, colocated=True, engine_tp=2, train_sp=4)
     return Row(f"verl colocated sync, {gpus} H20", published, "s", "qwen2.5-math-7b",
                VERL_SYNC, setup)  # fmt: skip
 
 
 def _verl_async(half: int, published: float) -> Row:
-    setup = Setup(gpu("h20"), half, half, engine_tp=4, mode="async", staleness=0.5,
-                  partial=True, updates_per_sync=4)  # fmt: skip
+    setup = Setup(gpu("h20"), half, half, engine_tp=4, train_sp=4, mode="async",
+                  staleness=0.5, partial=True, updates_per_sync=4)  # fmt: skip
     return Row(f"verl fully async {half}:{half} H20", published, "s", "qwen2.5-math-7b",
                VERL_ASYNC, setup, steps=5)  # fmt: skip
 

@@ -339,7 +339,7 @@ class _Simulation:
         lengths = [r.length for r in batch]
         setup = self.setup
         duration = train_s(self.shape, setup.gpu, setup.train_gpus, self.update_work, lengths,
-                           setup.train_tp, setup.train_pp)  # fmt: skip
+                           setup.train_tp, setup.train_pp, setup.train_sp)  # fmt: skip
         self.trainer_free = False
         self.train_times.append(duration)
         end = time + duration
@@ -450,11 +450,16 @@ def check(shape: ModelShape, work: Workload, setup: Setup) -> None:
 
 def _check_training(shape: ModelShape, work: Workload, setup: Setup) -> None:
     """The trainer's part of :func:`check`: its layout and streamed updates."""
-    layout = setup.train_tp * setup.train_pp
-    if setup.train_tp < 1 or setup.train_pp < 1 or setup.train_gpus % layout:
+    tp, pp, sp = setup.train_tp, setup.train_pp, setup.train_sp
+    if min(tp, pp, sp) < 1 or setup.train_gpus % (tp * pp * sp):
         raise UserError(
-            f"--train-tp {setup.train_tp} x --train-pp {setup.train_pp} must be at least 1 each "
-            f"and divide the {setup.train_gpus} training GPUs"
+            f"--train-tp {tp} x --train-pp {pp} x --train-sp {sp} must be at least 1 each and "
+            f"divide the {setup.train_gpus} training GPUs"
+        )
+    if shape.heads % (tp * sp):
+        raise UserError(
+            f"--train-tp {tp} x --train-sp {sp} must divide {shape.name}'s {shape.heads} "
+            "attention heads (each GPU attends over whole heads)"
         )
     if setup.train_pp > shape.layers:
         raise UserError(f"--train-pp {setup.train_pp}: more stages than {shape.layers} layers")
