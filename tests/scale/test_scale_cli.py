@@ -147,14 +147,15 @@ def test_lengths_from_a_damaged_buffer_file_is_one_line_exit_2(tmp_path, capsys)
         (["simulate", "qwen2.5-0.5b", "--gpus", "64", "--train-pp", "32"], "than 24 layers"),
         # one engine GPU cannot hold 70B's 131 GiB of bf16 weights: the engine is named first
         (["simulate", "llama3.1-70b", "--gpus", "2"], "131.4 GiB of weights per GPU, fewer"),
-        # the user's tensor parallel 1, not the 8 that fits: the frozen reference's bf16
-        # weights stay whole on every GPU, 70.6B x 2 bytes = 131.4 GiB (142.6 with its logits
-        # and overhead), beside the policy's 91.1 (13.4 + 8.2 + 16.4 GiB of parameters,
-        # gradients and Adam moments over 32 ranks, 40.1 activations, 7.7 logits, 5.3 other)
+        # the policy's 91.1 GiB (13.4 + 8.2 + 16.4 of parameters, gradients and Adam moments
+        # over 32 ranks, 40.1 activations, 7.7 logits, 5.3 other) beside the frozen
+        # reference's 14.3: its bf16 weights sharded 32 ways, 70.55B x 2 / 32 = 4.1 GiB, 5.1 of
+        # two gathered 856M-parameter layers and the 1.05B-parameter output layer, 3.3 logits,
+        # 1.6 other: 105.4 GiB; Ulysses 2 halves the activations and logits (51.2 GiB of them)
         (
             ["simulate", "llama3.1-70b", "--gpus", "32", "--engine-tp", "8"],
-            "needs 233.7 GiB per training GPU in tp1 pp1 over 32 x h100 (79.6 GiB): "
-            "--train-tp 8 --train-pp 1 fits",
+            "needs 105.4 GiB per training GPU in tp1 pp1 over 32 x h100 (79.6 GiB): "
+            "--train-tp 1 --train-pp 1 --train-sp 2 fits",
         ),
         (["simulate", "qwen2.5-0.5b", "--staleness", "2"], "applies to --mode async, not sync"),
         (

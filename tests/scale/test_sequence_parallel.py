@@ -51,13 +51,14 @@ def test_the_all_to_alls_add_their_bytes_over_nvlink():
 def test_verls_28k_sequences_fit_only_with_sequence_parallel_and_the_refusal_says_so():
     # verl's fully-async 16:16 on H20s (95.0 GiB) at 200 + 28,672 tokens, tensor parallel 1:
     # the policy's logits alone are 28,872 x 152,064 x 14 bytes = 57.2 GiB and its activations
-    # 48.2; with the reference's 14.2 GiB of bf16 weights and 24.5 of logits, 163.2 GiB in all.
-    # sp 2 halves every activation and logit term: 94.75 GiB, which fits
+    # 48.2 (121.1 with its states and overhead); the reference's logits 28,872 x 152,064 x 6
+    # bytes = 24.5 GiB beside its 2.8 of sharded and gathered weights (30.1 in all): 151.2 GiB.
+    # sp 2 halves every activation and logit term: 82.8 GiB, which fits
     work = Workload(512, 16, 200, Lengths(1500, 28672))
     q = Question(NAMED["qwen2.5-math-7b"], gpu("h20"), 32, work)
     setup = Setup(gpu("h20"), 16, 16, engine_tp=4, mode="async", staleness=0.5, partial=True)
     says = (
-        r"needs 163\.2 GiB per training GPU in tp1 pp1 over 16 x h20 \(95\.0 GiB\): "
+        r"needs 151\.2 GiB per training GPU in tp1 pp1 over 16 x h20 \(95\.0 GiB\): "
         r"--train-tp 1 --train-pp 1 --train-sp 2 fits"
     )
     with pytest.raises(UserError, match=says):

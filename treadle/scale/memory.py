@@ -139,7 +139,9 @@ def trainer(
     The activations of L / pp layers are held for pp micro-batches in flight (1F1B's first
     stage), divided by tp (Megatron's sequence parallel); each GPU holds ``seq / sp`` tokens of
     a sequence (Ulysses), for activations and logits alike. A critic has a value head instead
-    of the vocabulary logits. Forward-only roles keep bf16 weights and one layer's activations.
+    of the vocabulary logits. Forward-only roles keep bf16 weights, sharded like the trained
+    ones at ZeRO-3 (verl's FSDP reference, OpenRLHF's and TRL's ZeRO-3 one), and one layer's
+    activations.
     """
     check_layout(shape, layout)
     model_split = layout.tp * layout.pp
@@ -147,18 +149,22 @@ def trainer(
     psi = (shape.params() - expert) / model_split + expert / (model_split * layout.ep)
     tokens = micro_batch * seq / layout.sp
     vocab = 1 if role in ("critic", "reward") else shape.vocab
+    z, dp = layout.zero, layout.dp * layout.sp
+    layer = (shape.params() - 2 * shape.vocab * shape.hidden) / shape.layers / model_split
+    gathered = 2 * 2 * layer + 2 * shape.vocab * shape.hidden / model_split  # 2 layers + head
+    if layout.convention == "mixed":
+        gathered = 0.0  # ZeRO's own accounting (Fig. 1) counts the shards alone
     if not trainable:
+        sharded = z >= 3 and dp > 1  # FSDP gathers a layer at a time; whole bf16 weights else
+        params = 2 * psi / dp + gathered if sharded else 2 * psi
         activations = 4 * tokens * shape.hidden / layout.tp
         logits = tokens * vocab * (2 + 4) / layout.tp  # bf16 logits, fp32 log-softmax
-        return _with_overhead(Breakdown(role, 2 * psi, 0, 0, activations, logits))
-    z, dp = layout.zero, layout.dp * layout.sp
+        return _with_overhead(Breakdown(role, params, 0, 0, activations, logits))
     if layout.convention == "mixed":
         params = 2 * psi / (dp if z >= 3 else 1)
         grads = 2 * psi / (dp if z >= 2 else 1)
         optimizer = 12 * psi / (dp if z >= 1 else 1)
     else:
-        layer = (shape.params() - 2 * shape.vocab * shape.hidden) / shape.layers / model_split
-        gathered = 2 * 2 * layer + 2 * shape.vocab * shape.hidden / model_split  # 2 layers + head
         params = 4 * psi / (dp if z >= 3 else 1) + (gathered if z >= 3 else 0)
         grads = 4 * psi / (dp if z >= 2 else 1)
         optimizer = 8 * psi / (dp if z >= 1 else 1)
