@@ -303,8 +303,16 @@ def _print_plan(console, placements: list[Placement], memory_gib: float) -> None
     zero = placements[0].layout.zero  # one ZeRO stage for every placement of a question
     table = _table(
         "placements that fit, best first (simulated trained tokens per second)",
-        ["#", "placement e:t", f"trainer z{zero}", "engine", "GiB t/e", "step s", "tok/s",
-         "busy e/t"],  # fmt: skip
+        [
+            "#",
+            "placement e:t",
+            f"trainer z{zero}",
+            "engine",
+            "GiB t/e",
+            "step s",
+            "tok/s",
+            "busy e/t",
+        ],
         left=4,
     )
     for i, p in enumerate(placements, 1):
