@@ -37,14 +37,24 @@ import threading
 from pathlib import Path
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with treadle's one-line errors: ``treadle: error: ...`` naming the help to
+    read, exit 2, no usage block."""
+
+    def error(self, message: str):
+        command = self.prog.removeprefix("treadle").strip()
+        self.exit(2, f"treadle: error: {message} (treadle {command + ' ' if command else ''}"
+                     "--help lists the options)\n")  # fmt: skip
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="treadle",
         description="RL post-training for LLMs",
         epilog="treadle COMMAND --help: what a command reads and writes, with an example. "
         "treadle config: every config key with its type, default and meaning.",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     train = sub.add_parser("train", **_about("train"))
     train.add_argument("recipe", nargs="?", help="YAML recipe (omit with --resume)")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-5")
