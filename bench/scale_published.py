@@ -19,7 +19,7 @@ def main() -> None:
         error = predicted / row.published - 1
         miss = "" if abs(error) <= 0.20 else " (missed)"
         print(f"| {row.setting} | {row.published:,.4g} {row.unit} | {predicted:,.4g} {row.unit} | "
-              f"{error:+.0%}{miss} |")  # fmt: skip
+              f"{error:+.1%}{miss} |")  # fmt: skip
 
 
 if __name__ == "__main__":

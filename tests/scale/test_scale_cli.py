@@ -86,7 +86,7 @@ def test_simulate_draws_lengths_from_a_runs_buffer(tmp_path, capsys):
     groups = ((10,) * 4,) * 3 + ((300,) * 4,)
     work = Workload(4, 4, 20, Lengths(sum(responses) / 16, 300, measured=groups))
     direct = simulate(NAMED["qwen2.5-0.5b"], work, Setup(gpu("h100"), 2, 2, colocated=True),
-                      steps=4)  # fmt: skip
+                      steps=None)  # fmt: skip  # the CLI's default: to the steady state
     assert row["step_s"] == pytest.approx(direct.step_s)
     # trained tokens per step: 16 x 20 prompt tokens + 16 drawn responses of 10 or 300 each
     tokens = row["tokens_per_s"] * row["step_s"]

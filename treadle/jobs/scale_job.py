@@ -21,7 +21,16 @@ from treadle.scale.plan import (
     plan,
 )
 from treadle.scale.shapes import resolve
-from treadle.scale.simulate import Lengths, Result, Setup, Workload, check, simulate
+from treadle.scale.simulate import (
+    AUTO_TOLERANCE,
+    MAX_STEPS,
+    Lengths,
+    Result,
+    Setup,
+    Workload,
+    check,
+    simulate,
+)
 
 SHORT = {
     "parameters": "params",
@@ -34,8 +43,6 @@ SHORT = {
 }
 """Column titles of the memory terms (``other``: CUDA context, workspaces, fragmentation)."""
 TERMS = tuple(SHORT)
-MAX_STEPS = 64
-"""Most RL steps one simulation runs (seconds each at the largest settings)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
@@ -55,7 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
         help="draw response (and prompt) lengths from a treadle run's buffer instead",
     )
     parser.add_argument(
-        "--steps", type=int, default=4, help=f"RL steps simulated, 2..{MAX_STEPS} (4)"
+        "--steps",
+        type=int,
+        help=f"RL steps simulated, 2..{MAX_STEPS} (default: until the steady-state step time "
+        f"is known to {AUTO_TOLERANCE:.0%}, the warm-up dropped)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     if command == "plan":
@@ -147,7 +157,9 @@ def run_lengths(run_dir: Path) -> tuple[list[tuple[int, ...]], list[int]]:
 
 def _check(args: argparse.Namespace) -> None:
     """Raises UserError for options out of range, naming the option and its range."""
-    bounds = [("--gpus", args.gpus, 1, MAX_GPUS), ("--steps", args.steps, 2, MAX_STEPS)]
+    bounds = [("--gpus", args.gpus, 1, MAX_GPUS)]
+    if args.steps is not None:
+        bounds += [("--steps", args.steps, 2, MAX_STEPS)]
     if args.command == "plan":
         bounds += [("--micro-batch", args.micro_batch, 1, 4096)]
         if args.tp is not None:
@@ -232,7 +244,8 @@ def run(args: argparse.Namespace, console) -> int:
     if args.command == "plan":
         q = Question(shape, g, args.gpus, work, args.micro_batch, _roles(args.roles),
                      args.recompute, tp=args.tp, sp=args.sp)  # fmt: skip
-        placements = plan(q, steps=args.steps)
+        with console.status("simulating the placements that fit") as status:
+            placements = plan(q, steps=args.steps, progress=_progress(status))
         if args.plot:
             from treadle.scale.plots import memory
 
@@ -253,7 +266,8 @@ def run(args: argparse.Namespace, console) -> int:
                   updates_per_sync=args.updates_per_sync, drop_stale=args.drop_stale)  # fmt: skip
     check(shape, work, setup)  # the setup's own errors (an engine's KV cache) first
     check_fits(Question(shape, g, args.gpus, work), setup)
-    r = simulate(shape, work, setup, steps=args.steps)
+    with console.status("simulating") as status:
+        r = simulate(shape, work, setup, steps=args.steps, progress=_progress(status))
     if args.plot:
         from treadle.scale.plots import timeline
 
@@ -264,6 +278,16 @@ def run(args: argparse.Namespace, console) -> int:
     else:
         _print_result(out, r)
     return 0
+
+
+def _progress(status):
+    """A ``progress`` callback showing the simulation's steps on ``status`` (a rich Status)."""
+
+    def show(steps: int, error: float, label: str = "") -> None:
+        where = f"{label}: " if label else ""
+        status.update(f"simulating {where}step {steps}, step time known to {error:.1%}")
+
+    return show
 
 
 def _gib(b: Breakdown) -> dict[str, float]:
@@ -281,6 +305,8 @@ def _placement_row(p: Placement) -> dict:
         "kind": p.kind,
         "rollout_gpus": p.rollout_gpus,
         "train_gpus": p.train_gpus,
+        "train_layout": {k: getattr(p.layout, k) for k in ("dp", "tp", "pp", "sp", "ep", "zero")},
+        "engine_tp": p.engine_tp,
         "train_peak_gib": p.train_peak / GIB,
         "engine_peak_gib": p.engine_peak / GIB,
         "memory_gib": {b.role: _gib(b) for b in p.memory},
@@ -345,6 +371,8 @@ def _print_result(console, r: Result) -> None:
         ("engines busy", f"{r.engine_busy:.0%}"),
         ("trainer busy", f"{r.trainer_busy:.0%}"),
         ("staleness mean / max", f"{r.staleness_mean:.2f} / {r.staleness_max}"),
+        ("steps simulated", f"{r.steps}, the first {r.warmup_steps} as warm-up"),
+        ("step time's std. error", f"{r.step_error:.1%}"),
         ("samples dropped stale", f"{r.dropped_stale:,}"),
     ]
     for name, value in rows:

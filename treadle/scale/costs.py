@@ -249,4 +249,4 @@ def kv_capacity(shape: ModelShape, setup: Setup) -> float:
     if left == 0.0:  # engine() clamps at 0: say how far short the weights are
         left = setup.gpu.memory_bytes * setup.gpu.efficiency.kv_memory_fraction
         left -= OVERHEAD_BYTES + 2.0 * shape.params() / tp
-    return tp * left / kv_bytes_per_token(shape, tp)
+    return left / kv_bytes_per_token(shape, tp)  # each GPU holds its share of every token

@@ -89,7 +89,7 @@ def check_layout(shape: ModelShape, layout: Layout) -> None:
         )
     if layout.sp < 1 or shape.heads % (layout.tp * layout.sp):
         per_tp = shape.heads // layout.tp
-        fits = [s for s in (1, 2, 4, 8, 16, 32) if per_tp % s == 0][-4:]
+        fits = [s for s in range(1, min(per_tp, 32) + 1) if per_tp % s == 0][-4:]
         raise UserError(
             f"sequence parallel {layout.sp} does not divide the {per_tp} attention heads per "
             f"tensor-parallel rank of {shape.name} (Ulysses hands each GPU whole heads); use "
@@ -135,7 +135,10 @@ def trainer(
     """Bytes per GPU of a trained (policy, critic) or forward-only (reference, reward model)
     role holding ``micro_batch`` sequences of ``seq`` tokens per pass.
 
-    Model states are divided by tp x pp, then per ZeRO stage by dp x sp (experts also by ep).
+    Model states are divided by tp x pp, then per ZeRO stage by dp x sp; each expert's by ep,
+    then per ZeRO stage by the dp x sp / ep ranks that hold it (Megatron's expert data
+    parallelism). FSDP's gathered bf16 copies: two layers (a layer's own experts only) and the
+    output layer, whether tied to the embedding or not.
     The activations of L / pp layers are held for pp micro-batches in flight (1F1B's first
     stage), divided by tp (Megatron's sequence parallel); each GPU holds ``seq / sp`` tokens of
     a sequence (Ulysses), for activations and logits alike. A critic has a value head instead
@@ -146,28 +149,39 @@ def trainer(
     check_layout(shape, layout)
     model_split = layout.tp * layout.pp
     expert = shape.expert_params()
-    psi = (shape.params() - expert) / model_split + expert / (model_split * layout.ep)
+    dense = (shape.params() - expert) / model_split
+    experts = expert / (model_split * layout.ep)
     tokens = micro_batch * seq / layout.sp
     vocab = 1 if role in ("critic", "reward") else shape.vocab
     z, dp = layout.zero, layout.dp * layout.sp
-    layer = (shape.params() - 2 * shape.vocab * shape.hidden) / shape.layers / model_split
-    gathered = 2 * 2 * layer + 2 * shape.vocab * shape.hidden / model_split  # 2 layers + head
-    if layout.convention == "mixed":
-        gathered = 0.0  # ZeRO's own accounting (Fig. 1) counts the shards alone
+    # ZeRO shards the dense part over every data-parallel rank and each expert over the ranks
+    # holding it (Megatron's expert data parallel: dp x sp / ep)
+    expert_dp = max(1, dp // layout.ep)
+
+    def states(bytes_per_param: float, stage: int) -> float:
+        """Bytes per GPU of one model state, sharded from ZeRO ``stage`` on."""
+        sharded = z >= stage
+        return bytes_per_param * (dense / (dp if sharded else 1) +
+                                  experts / (expert_dp if sharded else 1))  # fmt: skip
+
+    head = shape.vocab * shape.hidden / model_split  # the output layer (tied: the embedding)
+    embeddings = shape.vocab * shape.hidden * (1 if shape.tied_embeddings else 2)
+    layer = (shape.params() - expert - embeddings) / shape.layers / model_split
+    layer += expert / shape.layers / (model_split * layout.ep)  # only its own experts
+    # FSDP gathers two layers (one computing, one prefetched) and the output layer in bf16;
+    # ZeRO's own accounting (Fig. 1) counts the shards alone
+    gathered = 0.0 if layout.convention == "mixed" else 2 * (2 * layer + head)
     if not trainable:
         sharded = z >= 3 and dp > 1  # FSDP gathers a layer at a time; whole bf16 weights else
-        params = 2 * psi / dp + gathered if sharded else 2 * psi
+        params = states(2, 3) + gathered if sharded else 2 * (dense + experts)
         activations = 4 * tokens * shape.hidden / layout.tp
         logits = tokens * vocab * (2 + 4) / layout.tp  # bf16 logits, fp32 log-softmax
         return _with_overhead(Breakdown(role, params, 0, 0, activations, logits))
     if layout.convention == "mixed":
-        params = 2 * psi / (dp if z >= 3 else 1)
-        grads = 2 * psi / (dp if z >= 2 else 1)
-        optimizer = 12 * psi / (dp if z >= 1 else 1)
+        params, grads, optimizer = states(2, 3), states(2, 2), states(12, 1)
     else:
-        params = 4 * psi / (dp if z >= 3 else 1) + (gathered if z >= 3 else 0)
-        grads = 4 * psi / (dp if z >= 2 else 1)
-        optimizer = 8 * psi / (dp if z >= 1 else 1)
+        params = states(4, 3) + (gathered if z >= 3 else 0)
+        grads, optimizer = states(4, 2), states(8, 1)
     per_layer = per_token_layer_bytes(shape, recompute) * tokens
     activations = per_layer * shape.layers / layout.tp
     if recompute == "full":  # plus one layer recomputed at a time

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 from treadle.core.errors import UserError
 from treadle.scale.hardware import GIB, Gpu
@@ -159,14 +160,18 @@ def _measured(q: Question, kind: str, rollout: int, train: int, tp: int, pp: int
     return measure(q, Placement(kind, rollout, train, layout, engine_tp, mode))
 
 
-def _smallest_fit(q: Question, kind: str, rollout: int, train: int) -> Placement | None:
+def _smallest_fit(q: Question, kind: str, rollout: int, train: int,
+                  engine_tp: int | None = None) -> Placement | None:  # fmt: skip
     """The placement with the least parallelism that fits (fewest pipeline stages, then
-    tensor-parallel ranks, then sequence-parallel ranks, then engine TP), else the one tried
-    that needs the least memory per training GPU (so a refusal can say how far it was)."""
+    tensor-parallel ranks, then sequence-parallel ranks, then engine TP, or only
+    ``engine_tp``), else the one tried that needs the least memory per training GPU (so a
+    refusal can say how far it was)."""
     tps = [q.tp] if q.tp else [t for t in (1, 2, 4, 8) if q.shape.heads % t == 0]
     pps = [q.pp] if q.pp else [1, 2, 4, 8, 16]
     sps = [q.sp] if q.sp else [1, 2, 4, 8]
-    engine_tps = [t for t in (1, 2, 4, 8, 16, 32, 64) if q.shape.heads % t == 0 and t <= rollout]
+    engine_tps = [engine_tp] if engine_tp else [
+        t for t in (1, 2, 4, 8, 16, 32, 64) if q.shape.heads % t == 0 and t <= rollout
+    ]  # fmt: skip
     tried = None
     for pp, tp, sp in itertools.product(pps, tps, sps):
         if train % (tp * pp * sp) or pp > q.shape.layers or q.shape.heads % (tp * sp):
@@ -182,7 +187,7 @@ def _smallest_fit(q: Question, kind: str, rollout: int, train: int) -> Placement
     return tried
 
 
-def plan(q: Question, steps: int = 3) -> list[Placement]:
+def plan(q: Question, steps: int | None = 3, progress=None) -> list[Placement]:
     """The placements that fit, best first by simulated trained tokens per second (colocated:
     sync; disaggregated: asynchronous, staleness 1, partial rollouts; without an engine role,
     by training memory per GPU).
@@ -193,6 +198,13 @@ def plan(q: Question, steps: int = 3) -> list[Placement]:
     """
     if q.tp or q.sp:
         check_layout(q.shape, Layout(tp=q.tp or 1, pp=q.pp or 1, sp=q.sp or 1))
+        replica = (q.tp or 1) * (q.pp or 1) * (q.sp or 1)
+        if q.gpus % replica:
+            given = " x ".join(f"--{n} {v}" for n, v in (("tp", q.tp), ("sp", q.sp)) if v)
+            raise UserError(
+                f"{given} takes the trainer's GPUs {replica} at a time, which --gpus {q.gpus} "
+                f"does not divide: use --gpus {(q.gpus // replica + 1) * replica}"
+            )
     fits = [p for p in candidates(q) if p.fits]
     if not fits:
         raise UserError(_nothing_fits(q))
@@ -205,7 +217,8 @@ def plan(q: Question, steps: int = 3) -> list[Placement]:
             staleness=0 if p.kind == "colocated" else 1, partial=p.kind != "colocated",
         )  # fmt: skip
         if "engine" in q.roles:
-            p.result = simulate(q.shape, q.work, setup, steps=steps)
+            show = None if progress is None else partial(progress, label=p.label.split(" |")[0])
+            p.result = simulate(q.shape, q.work, setup, steps=steps, progress=show)
     return sorted(fits, key=lambda p: -p.result.tokens_per_s if p.result else p.train_peak)
 
 
@@ -229,10 +242,14 @@ def check_fits(q: Question, setup: Setup) -> Placement:
     where = f"{q.shape.name} with {', '.join(q.roles)} at {q.seq:,} tokens per sequence"
     if p.train_peak > memory:
         need, have = _two_sizes(p.train_peak, memory)
-        other = _smallest_fit(replace(q, tp=None, pp=None, sp=None), kind, setup.rollout_gpus,
-                              setup.train_gpus)  # fmt: skip
+        free = replace(q, tp=None, pp=None, sp=None)
+        other = _smallest_fit(free, kind, setup.rollout_gpus, setup.train_gpus, setup.engine_tp)
+        engine = ""
+        if other is None or not other.fits:  # the user's engine TP leaves too little room
+            other = _smallest_fit(free, kind, setup.rollout_gpus, setup.train_gpus)
+            engine = "" if other is None else f"--engine-tp {other.engine_tp} "
         fix = (
-            f"{layout_options(other.layout)} fits"
+            f"{engine}{layout_options(other.layout)} fits"
             if other is not None and other.fits
             else f"`treadle plan {q.shape.name} --gpus N` lists the placements that fit"
         )

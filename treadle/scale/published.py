@@ -28,7 +28,8 @@ class Row:
     shape: str
     work: Workload
     setup: Setup
-    steps: int = 4
+    steps: int | None = None
+    """Steps simulated: None, to the steady state (:func:`treadle.scale.simulate.simulate`)."""
 
     def predict(self) -> float:
         """The simulator's figure in ``unit``, for this setting (seconds, no device)."""
@@ -62,7 +63,7 @@ def _areal(eta: int, published: float) -> Row:
     mode = "sync" if eta == 0 else "async"
     setup = Setup(gpu("h800"), 6, 2, mode=mode, staleness=eta, partial=eta > 0)
     return Row(f"AReaL 6:2 H800, staleness {eta}", published, "tok/s", "r1-distill-qwen-1.5b",
-               AREAL, setup, steps=6)  # fmt: skip
+               AREAL, setup)  # fmt: skip
 
 
 def _verl_colocated(gpus: int, published: float) -> Row:
@@ -75,7 +76,7 @@ def _verl_async(half: int, published: float) -> Row:
     setup = Setup(gpu("h20"), half, half, engine_tp=4, train_sp=4, mode="async",
                   staleness=0.5, partial=True, updates_per_sync=4)  # fmt: skip
     return Row(f"verl fully async {half}:{half} H20", published, "s", "qwen2.5-math-7b",
-               VERL_ASYNC, setup, steps=5)  # fmt: skip
+               VERL_ASYNC, setup)  # fmt: skip
 
 
 def _nemo(gpus: int, published: float, mode: Literal["sync", "one_step"]) -> Row:

@@ -17,6 +17,7 @@ than the bound (treadle's rule), where AReaL's bounds admission only.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import random
 from collections import deque
@@ -43,11 +44,19 @@ __all__ = ["Lengths", "Mode", "Result", "Setup", "SyncMethod", "Workload", "chec
 SEGMENT_STEPS = 64
 """Decode steps an engine runs before it looks again at the trainer's version: new weights
 reach a partial rollout within this many tokens."""
+AUTO_MIN_STEPS = 16
+"""Steps a simulation to the steady state (``simulate(steps=None)``) runs at least."""
+AUTO_TOLERANCE = 0.01
+"""Relative standard error of the steady-state step time at which such a simulation stops."""
+MAX_STEPS = 64
+"""Most steps one simulation runs (seconds each at the largest settings)."""
 
 
 @dataclass
 class Result:
-    """What a simulation measured, over the steps after the first (the pipeline's fill)."""
+    """What a simulation measured: the step time and throughput over the steps after the
+    warm-up (the first step, the pipeline's fill, or as many as :func:`steady_state` drops),
+    the other figures over the whole run."""
 
     step_s: float
     tokens_per_s: float
@@ -63,6 +72,12 @@ class Result:
     train_s: float
     """Mean seconds of training a step (all its updates)."""
     sync_s: float
+    steps: int = 0
+    """Steps simulated."""
+    warmup_steps: int = 1
+    """Steps not averaged into ``step_s`` and ``tokens_per_s``."""
+    step_error: float = 0.0
+    """Relative standard error of ``step_s`` over the averaged steps (0 with one step)."""
     timeline: list[tuple[str, float, float, str]] = field(default_factory=list)
     """(lane, start s, end s, kind) bars: kind is decode, train, sync or idle."""
 
@@ -174,9 +189,11 @@ class _Simulation:
         heapq.heappush(self.events, (time, self.order, kind, payload))
 
     def run(self) -> None:
-        """Process events until ``steps`` steps have ended (the last one's sync included)."""
-        for engine in self.engines:
-            self.push(0.0, "wake", engine)
+        """Process events until ``steps`` steps have ended (the last one's sync included);
+        called again after ``steps`` grew, it goes on from where it stopped."""
+        if not self.order:  # the first call: every engine looks at the queue at time 0
+            for engine in self.engines:
+                self.push(0.0, "wake", engine)
         while len(self.step_ends) < self.steps:
             if not self.events:
                 raise RuntimeError("simulation stalled: no event left")  # a bug, not input
@@ -457,9 +474,13 @@ def _check_training(shape: ModelShape, work: Workload, setup: Setup) -> None:
             f"divide the {setup.train_gpus} training GPUs"
         )
     if shape.heads % (tp * sp):
+        fits = [s for s in range(1, shape.heads // tp + 1) if shape.heads % (tp * s) == 0]
+        hint = (
+            f"; with --train-tp {tp}: --train-sp {' or '.join(map(str, fits[-4:]))}" if fits else ""
+        )
         raise UserError(
             f"--train-tp {tp} x --train-sp {sp} must divide {shape.name}'s {shape.heads} "
-            "attention heads (each GPU attends over whole heads)"
+            f"attention heads (each GPU attends over whole heads){hint}"
         )
     if setup.train_pp > shape.layers:
         raise UserError(f"--train-pp {setup.train_pp}: more stages than {shape.layers} layers")
@@ -481,19 +502,72 @@ def _check_training(shape: ModelShape, work: Workload, setup: Setup) -> None:
         )
 
 
+def steady_state(ends: list[float], truncate: bool = True) -> tuple[int, float, float]:
+    """The warm-up to drop from a run's step intervals (``ends``' differences, step 2 on) by
+    MSER on batch means (White 1997, "An effective truncation heuristic for bias reduction in
+    simulation output", Simulation 69(6); with batch means, the rule Hoad, Robinson and Davies
+    2010 recommend): the intervals, the oldest one left out where their count is odd, are
+    averaged in consecutive pairs y_1..y_m, and the d in [0, m / 2] minimising
+    sum_{j > d} (y_j - mean)^2 / (m - d)^2, the squared standard error of the mean of the rest,
+    is dropped (``truncate=False``: d = 0). Returns (intervals dropped, the mean of the rest in
+    seconds, its relative standard error).
+
+    Pairs, because a pipelined run alternates: the trainer trains one batch while the engines
+    generate the next, and an asynchronous run's steps swing long and short (a 1,024-GPU,
+    eta = 1 run: 206, 96, 182, 121, ... settling at 144 s; a 32-GPU one keeps swinging 37, 51,
+    37, 51 s); a pair averages the swing, and a mean over the first few steps alone is off by
+    10-15%.
+    """
+    x = [b - a for a, b in itertools.pairwise(ends)]
+    odd = len(x) % 2
+    y = [(x[i] + x[i + 1]) / 2 for i in range(odd, len(x) - 1, 2)]
+    if not y:  # one interval: nothing to average it with
+        return 0, x[0], 0.0
+    best = None
+    for d in range(len(y) // 2 + 1 if truncate else 1):
+        rest = y[d:]
+        mean = sum(rest) / len(rest)
+        mser = sum((v - mean) ** 2 for v in rest) / len(rest) ** 2
+        if best is None or mser < best[0] - 1e-12 * mean**2:
+            best = (mser, d, mean)
+    mser, d, mean = best
+    return odd + 2 * d, mean, math.sqrt(mser) / mean if mean > 0 else 0.0
+
+
 def simulate(
-    shape: ModelShape, work: Workload, setup: Setup, steps: int = 8, seed: int = 0
+    shape: ModelShape,
+    work: Workload,
+    setup: Setup,
+    steps: int | None = 8,
+    seed: int = 0,
+    progress=None,
 ) -> Result:
     """Simulate ``steps`` RL steps (at least 2; the first, filling the pipeline, is not
-    averaged). Deterministic for a seed.
+    averaged), or with ``steps=None`` until the steady state: at least
+    :data:`AUTO_MIN_STEPS`, then one more at a time until the step time after
+    :func:`steady_state`'s warm-up has a relative standard error of at most
+    :data:`AUTO_TOLERANCE`, or :data:`MAX_STEPS` have run. ``progress(steps, error)`` is called
+    after each added step. Deterministic for a seed.
 
     Raises:
         UserError: a setup :func:`check` refuses.
     """
     check(shape, work, setup)
-    sim = _Simulation(shape, work, setup, max(2, steps), seed)
+    auto = steps is None
+    sim = _Simulation(shape, work, setup, AUTO_MIN_STEPS if auto else max(2, steps), seed)
     sim.run()
-    ends, k = sim.step_ends, setup.updates_per_sync
+    warm, error = 0, 0.0
+    while auto:
+        warm, _, error = steady_state(sim.step_ends)
+        if error <= AUTO_TOLERANCE or sim.steps >= MAX_STEPS:
+            break
+        sim.steps += 1
+        sim.run()
+        if progress is not None:
+            progress(sim.steps, error)
+    if not auto:
+        _, _, error = steady_state(sim.step_ends, truncate=False)
+    ends, k = sim.step_ends[warm:], setup.updates_per_sync
     step = (ends[-1] - ends[0]) / (len(ends) - 1)
     total = ends[-1]
     mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
@@ -504,7 +578,7 @@ def simulate(
     )
     return Result(
         step_s=step,
-        tokens_per_s=k * mean(sim.trained_tokens[k:]) / step,
+        tokens_per_s=k * mean(sim.trained_tokens[k * (warm + 1) :]) / step,
         engine_busy=decoding / (len(sim.engines) * total),
         trainer_busy=sum(sim.train_times) / total,
         staleness_mean=mean(sim.staleness),
@@ -513,5 +587,8 @@ def simulate(
         generate_s=mean(sim.generate[1:] or sim.generate),
         train_s=k * mean(sim.train_times),
         sync_s=sim.sync,
+        steps=sim.steps,
+        warmup_steps=warm + 1,
+        step_error=error,
         timeline=sim.timeline,
     )

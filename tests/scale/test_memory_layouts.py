@@ -1,0 +1,74 @@
+"""The memory model's layouts: an engine's KV cache over tensor-parallel GPUs, experts under
+ZeRO, tied embeddings, and refusals whose suggested layout runs when passed back."""
+
+import re
+
+import pytest
+
+from treadle.cli import main
+from treadle.scale.costs import kv_capacity
+from treadle.scale.hardware import GIB, gpu
+from treadle.scale.memory import Layout, trainer
+from treadle.scale.shapes import NAMED
+from treadle.scale.simulate import Setup
+
+
+def test_an_engine_over_two_gpus_holds_each_token_once():
+    # Qwen2.5-7B, engine TP 2 on H100s: each GPU has 79.6 x 0.85 - 1 GiB less half the bf16
+    # weights (7,615,616,512 bytes) for its half of every token's KV: 28 layers x 2 x 512
+    # elements x 2 bytes / 2 = 28,672 bytes; about 2.23M tokens (the engine's, not per GPU)
+    left = (79.6 * 0.85 - 1) * GIB - 7_615_616_512
+    capacity = kv_capacity(NAMED["qwen2.5-7b"], Setup(gpu("h100"), 2, 2, engine_tp=2))
+    assert capacity == pytest.approx(left / 28_672)
+    assert 2.2e6 < capacity < 2.3e6
+
+
+def test_experts_are_sharded_once_over_the_ranks_that_hold_them():
+    # DeepSeek-V3 on 256 GPUs with expert parallel 256: each GPU holds one expert per layer and
+    # a 256th of the dense part, so fp32 gradients are 4 bytes x 671.03B / 256 = 10.48 GB
+    b = trainer(NAMED["deepseek-v3"], Layout(dp=256, ep=256), 1, 1024)
+    assert b.gradients == pytest.approx(4 * 671_026_279_424 / 256)
+
+
+def test_a_tied_output_layer_is_counted_once_in_the_gathered_layers():
+    # Qwen2.5-0.5B ties its embedding (151,936 x 896 = 136,134,656 parameters): a layer holds
+    # (494,032,768 - 136,134,656) / 24 = 14,912,421.3; a reference sharded over 4 GPUs keeps
+    # 2 x 494,032,768 / 4 = 247,016,384 bytes and gathers two layers and the output layer in
+    # bf16, 2 x (2 x 14,912,421.3 + 136,134,656) = 331,918,997.3: 578,935,381.3 bytes
+    b = trainer(NAMED["qwen2.5-0.5b"], Layout(dp=4), 1, 1024, role="reference", trainable=False)
+    assert b.parameters == pytest.approx(578_935_381.3)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["simulate", "qwen2.5-32b", "--gpus", "32"],  # fits only with a wider engine
+        ["simulate", "qwen2.5-32b", "--gpus", "16"],  # a wider engine and sequence parallel
+        ["simulate", "llama3.1-70b", "--gpus", "32", "--engine-tp", "8"],
+    ],
+)
+def test_a_refusals_suggested_layout_runs_when_passed_back(argv, capsys):
+    assert main([*argv, "--steps", "2"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    suggested = re.search(r": ((?:--[a-z-]+ \d+ ?)+) fits$", line)
+    assert suggested, line
+    options = suggested.group(1).split()
+    assert main([*argv, *options, "--steps", "2", "--json"]) == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["plan", "qwen2.5-0.5b", "--gpus", "8", "--sp", "7"], "--sp 7 takes the trainer's GPUs 7"),
+        (["plan", "qwen2.5-0.5b", "--sp", "4"], "use --sp 1 or 2 or 7 or 14"),
+        (["simulate", "qwen2.5-0.5b", "--train-sp", "1.5"], "invalid int value: '1.5'"),
+    ],
+)
+def test_layouts_the_gpus_or_heads_cannot_take_are_one_line_exit_2(argv, says, capsys):
+    try:
+        code = main(argv)
+    except SystemExit as stopped:  # argparse's own refusals (a value that is no integer)
+        code = stopped.code
+    assert code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("treadle: error: ") and says in line, line

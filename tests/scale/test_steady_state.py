@@ -1,0 +1,64 @@
+"""The simulator's steady state: MSER on pairs of steps drops the warm-up, a simulation goes on
+from where it stopped, and `treadle simulate` runs until the step time is known (SCALE.md)."""
+
+import itertools
+
+import pytest
+
+from treadle.cli import main
+from treadle.scale.hardware import gpu
+from treadle.scale.shapes import NAMED
+from treadle.scale.simulate import Lengths, Setup, Workload, _Simulation, simulate, steady_state
+
+
+def _ends(intervals):
+    return list(itertools.accumulate([100.0, *intervals]))
+
+
+def test_mser_drops_the_pairs_of_the_warm_up():
+    # 9 intervals, odd: the oldest (5) is left out; pairs (40 + 10) / 2 = 25, then 20, 20, 20.
+    # d = 0: mean 21.25, squared deviations 3.75^2 + 3 x 1.25^2 = 18.75, / 4^2 = 1.17;
+    # d = 1: 20, 20, 20, no deviation: 0. Dropped: 1 + 2 x 1 = 3 intervals, mean 20, error 0
+    ends = _ends([5, 40, 10, 20, 20, 20, 20, 20, 20])
+    assert steady_state(ends) == (3, 20.0, 0.0)
+    dropped, mean, error = steady_state(ends, truncate=False)
+    assert (dropped, mean) == (1, 21.25)
+    assert error == pytest.approx(1.171875**0.5 / 21.25)
+
+
+def test_a_step_that_swings_long_and_short_averages_in_pairs():
+    # 37, 51, 37, 51, ...: every pair is 44, so nothing to drop and no error
+    assert steady_state(_ends([37, 51] * 6)) == (0, 44.0, 0.0)
+
+
+def test_a_simulation_goes_on_from_where_it_stopped():
+    shape, work = NAMED["qwen2.5-7b"], Workload(64, 16, 512, Lengths(4096 / 3, 4096))
+    setup = Setup(gpu("h100"), 8, 8, mode="async", staleness=1, partial=True)
+    whole = _Simulation(shape, work, setup, 8, 0)
+    whole.run()
+    parts = _Simulation(shape, work, setup, 4, 0)
+    parts.run()
+    parts.steps = 8
+    parts.run()
+    assert parts.step_ends == pytest.approx(whole.step_ends)
+
+
+def test_steps_to_the_steady_state_match_a_long_runs_tail():
+    # 16 H100s, eta = 1 with partial rollouts: the steps swing (40, 48, 37, 51, ...); the mean
+    # of steps 2-4 is several percent short of the steady state a 64-step run's last 32 give
+    shape, work = NAMED["qwen2.5-7b"], Workload(64, 16, 512, Lengths(4096 / 3, 4096))
+    setup = Setup(gpu("h100"), 8, 8, mode="async", staleness=1, partial=True)
+    long = _Simulation(shape, work, setup, 64, 0)
+    long.run()
+    tail = (long.step_ends[-1] - long.step_ends[-33]) / 32
+    auto = simulate(shape, work, setup, steps=None)
+    assert auto.step_s == pytest.approx(tail, rel=0.02)
+    assert auto.step_error <= 0.01 and 16 <= auto.steps <= 64 and auto.warmup_steps >= 1
+    assert abs(simulate(shape, work, setup, steps=4).step_s / tail - 1) > 0.04
+
+
+def test_the_cli_says_how_many_steps_it_simulated(capsys):
+    argv = ["simulate", "qwen2.5-0.5b", "--gpus", "4", "--rollout-gpus", "2", "--mode", "async"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "steps simulated" in out and "as warm-up" in out and "std. error" in out
