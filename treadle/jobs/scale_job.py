@@ -69,16 +69,25 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     if command == "plan":
-        parser.add_argument("--tp", type=int, help="training tensor-parallel degree")
-        parser.add_argument("--sp", type=int,
-                            help="training Ulysses sequence-parallel degree")  # fmt: skip
-        parser.add_argument("--micro-batch", type=int, default=1, help="sequences per pass")
-        parser.add_argument("--recompute", choices=("none", "selective", "full"),
-                            default="selective", help="activation checkpointing")  # fmt: skip
-        parser.add_argument("--roles", default="policy,reference,engine",
-                            help=f"comma-separated, of: {', '.join(ROLES)}")  # fmt: skip
-        parser.add_argument("--plot", help="write memory per GPU by term and role to this PNG")
-        return
+        _plan_arguments(parser)
+    else:
+        _simulate_arguments(parser)
+
+
+def _plan_arguments(parser: argparse.ArgumentParser) -> None:
+    """``treadle plan``'s own options."""
+    parser.add_argument("--tp", type=int, help="training tensor-parallel degree")
+    parser.add_argument("--sp", type=int, help="training Ulysses sequence-parallel degree")
+    parser.add_argument("--micro-batch", type=int, default=1, help="sequences per pass")
+    parser.add_argument("--recompute", choices=("none", "selective", "full"),
+                        default="selective", help="activation checkpointing")  # fmt: skip
+    parser.add_argument("--roles", default="policy,reference,engine",
+                        help=f"comma-separated, of: {', '.join(ROLES)}")  # fmt: skip
+    parser.add_argument("--plot", help="write memory per GPU by term and role to this PNG")
+
+
+def _simulate_arguments(parser: argparse.ArgumentParser) -> None:
+    """``treadle simulate``'s own options."""
     parser.add_argument("--mode", choices=("sync", "one_step", "async"), default="sync",
                         help="sync (default), one_step or async")  # fmt: skip
     parser.add_argument("--staleness", type=float, help="eta, for --mode async (default 1)")

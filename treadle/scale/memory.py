@@ -147,12 +147,30 @@ def trainer(
     activations.
     """
     check_layout(shape, layout)
+    tokens = micro_batch * seq / layout.sp
+    vocab = 1 if role in ("critic", "reward") else shape.vocab
+    params, grads, optimizer = model_states(shape, layout, trainable)
+    if not trainable:
+        activations = 4 * tokens * shape.hidden / layout.tp
+        logits = tokens * vocab * (2 + 4) / layout.tp  # bf16 logits, fp32 log-softmax
+        return _with_overhead(Breakdown(role, params, 0, 0, activations, logits))
+    per_layer = per_token_layer_bytes(shape, recompute) * tokens
+    activations = per_layer * shape.layers / layout.tp
+    if recompute == "full":  # plus one layer recomputed at a time
+        activations += per_token_layer_bytes(shape, "none") * tokens / layout.tp
+    # bf16 logits, their fp32 copy, cross-entropy's saved log-probabilities, the fp32 gradient
+    logits = tokens * vocab * (2 + 4 + 4 + 4) / layout.tp
+    return _with_overhead(Breakdown(role, params, grads, optimizer, activations, logits))
+
+
+def model_states(shape: ModelShape, layout: Layout, trainable: bool = True) -> tuple[float, ...]:
+    """Bytes per GPU of (parameters, gradients, optimizer states) of a trained role, or of a
+    forward-only role's bf16 weights (then gradients and optimizer states are 0), in
+    ``layout``; see :func:`trainer` for the sharding."""
     model_split = layout.tp * layout.pp
     expert = shape.expert_params()
     dense = (shape.params() - expert) / model_split
     experts = expert / (model_split * layout.ep)
-    tokens = micro_batch * seq / layout.sp
-    vocab = 1 if role in ("critic", "reward") else shape.vocab
     z, dp = layout.zero, layout.dp * layout.sp
     # ZeRO shards the dense part over every data-parallel rank and each expert over the ranks
     # holding it (Megatron's expert data parallel: dp x sp / ep)
@@ -171,24 +189,11 @@ def trainer(
     # FSDP gathers two layers (one computing, one prefetched) and the output layer in bf16;
     # ZeRO's own accounting (Fig. 1) counts the shards alone
     gathered = 0.0 if layout.convention == "mixed" else 2 * (2 * layer + head)
-    if not trainable:
-        sharded = z >= 3 and dp > 1  # FSDP gathers a layer at a time; whole bf16 weights else
-        params = states(2, 3) + gathered if sharded else 2 * (dense + experts)
-        activations = 4 * tokens * shape.hidden / layout.tp
-        logits = tokens * vocab * (2 + 4) / layout.tp  # bf16 logits, fp32 log-softmax
-        return _with_overhead(Breakdown(role, params, 0, 0, activations, logits))
+    if not trainable:  # FSDP gathers a layer at a time; whole bf16 weights unsharded
+        return (states(2, 3) + gathered if z >= 3 and dp > 1 else 2 * (dense + experts)), 0, 0
     if layout.convention == "mixed":
-        params, grads, optimizer = states(2, 3), states(2, 2), states(12, 1)
-    else:
-        params = states(4, 3) + (gathered if z >= 3 else 0)
-        grads, optimizer = states(4, 2), states(8, 1)
-    per_layer = per_token_layer_bytes(shape, recompute) * tokens
-    activations = per_layer * shape.layers / layout.tp
-    if recompute == "full":  # plus one layer recomputed at a time
-        activations += per_token_layer_bytes(shape, "none") * tokens / layout.tp
-    # bf16 logits, their fp32 copy, cross-entropy's saved log-probabilities, the fp32 gradient
-    logits = tokens * vocab * (2 + 4 + 4 + 4) / layout.tp
-    return _with_overhead(Breakdown(role, params, grads, optimizer, activations, logits))
+        return states(2, 3), states(2, 2), states(12, 1)
+    return states(4, 3) + (gathered if z >= 3 else 0), states(4, 2), states(8, 1)
 
 
 def engine(
