@@ -119,3 +119,13 @@ def test_a_word_that_is_no_override_after_an_option_is_still_refused(argv, capsy
         _parse(argv)
     assert stopped.value.code == 2
     assert "unrecognized arguments: " in capsys.readouterr().err
+
+
+def test_every_commands_help_formats():
+    # argparse formats a help string with %: a bare "1%" in one option's help made
+    # `treadle simulate --help` raise ValueError (2026-12-06)
+    from treadle.cli import _parser
+
+    choices = next(a for a in _parser()._actions if a.dest == "command").choices
+    for name, sub in choices.items():
+        assert sub.format_help().startswith(f"usage: treadle {name}"), name

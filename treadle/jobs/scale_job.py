@@ -65,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
         "--steps",
         type=int,
         help=f"RL steps simulated, 2..{MAX_STEPS} (default: until the steady-state step time "
-        f"is known to {AUTO_TOLERANCE:.0%}, the warm-up dropped)",
+        f"is known to {AUTO_TOLERANCE * 100:g}%%, the warm-up dropped)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     if command == "plan":
