@@ -46,11 +46,14 @@ def environment() -> dict[str, str]:
 
 def start(cwd: Path, args: list[str], stop_at: str | None = None) -> subprocess.Popen:
     """``python -m treadle.cli ARGS`` in its own process group (its reward workers too); with
-    ``stop_at``, under :mod:`tests.faults.stop_at`, which stops it at that moment."""
+    ``stop_at``, under :mod:`tests.faults.stop_at`, which makes it wait at that moment: it
+    writes the file ``proc.stop_file`` then, and goes on once :func:`let_go` is called."""
     module, env = "treadle.cli", environment()
+    stop_file = cwd / f".stopped-{time.monotonic_ns()}"
     if stop_at:
         module, env["TREADLE_TEST_STOP_AT"] = "tests.faults.stop_at", stop_at
-    return subprocess.Popen(
+        env["TREADLE_TEST_STOP_FILE"] = str(stop_file)
+    proc = subprocess.Popen(
         [sys.executable, "-m", module, *args],
         cwd=cwd,
         env=env,
@@ -59,6 +62,14 @@ def start(cwd: Path, args: list[str], stop_at: str | None = None) -> subprocess.
         text=True,
         start_new_session=True,
     )
+    proc.stop_file = stop_file  # type: ignore[attr-defined]
+    return proc
+
+
+def let_go(proc: subprocess.Popen) -> None:
+    """Let a process waiting under :mod:`tests.faults.stop_at` go on."""
+    stop_file = proc.stop_file  # type: ignore[attr-defined]
+    stop_file.with_name(stop_file.name + ".go").touch()
 
 
 def finish(proc: subprocess.Popen, timeout_s: float = 600) -> tuple[int, str, str]:
@@ -142,9 +153,14 @@ class KillPoint:
     condition: Callable[[Watch], bool]
     delay_s: float = 0.0
     stop_at: str | None = None
-    """A moment of :mod:`tests.faults.stop_at` the process stops at (``save``, ``summary``)
-    until the harness has seen ``condition``: then a delay counts from when the harness
-    continues it, and no delay kills it stopped."""
+    """A moment of :mod:`tests.faults.stop_at` the process waits at (``save``, ``summary``)
+    until the harness has seen ``condition``: then a delay counts from when the harness lets
+    it go on (:func:`let_go`), and no delay kills it waiting."""
+    bound: Callable[[Watch], bool] | None = None
+    """Kill at once, before the delay is out, when this holds: the run has reached the next
+    point's phase (its next RL row). A tiny run's RL steps take a few tens of milliseconds on
+    a fast CPU, so a 0.27 s delay after the pre-RL evaluation once let the run save its last
+    checkpoint, and the resumed runs had none of the later points left to reach."""
 
 
 def sft_rows(n: int) -> KillPoint:
@@ -153,19 +169,31 @@ def sft_rows(n: int) -> KillPoint:
     )
 
 
+def _logged(step: int) -> Callable[[Watch], bool]:
+    """Whether this process has logged RL step ``step``'s row."""
+
+    def logged(w: Watch) -> bool:
+        return any(r.get("step") == step and "loss" in r for r in w.fresh_rows("metrics.jsonl"))
+
+    return logged
+
+
 def before_first_step(delay_s: float) -> KillPoint:
     return KillPoint(
         f"after the pre-RL evaluation (+{delay_s:.2f} s)",
         lambda w: w.rewritten("before_rl.json"),
         delay_s,
+        bound=_logged(1),
     )
 
 
 def rl_row(step: int, delay_s: float) -> KillPoint:
-    def logged(w: Watch) -> bool:
-        return any(r.get("step") == step and "loss" in r for r in w.fresh_rows("metrics.jsonl"))
-
-    return KillPoint(f"after RL step {step} is logged (+{delay_s:.2f} s)", logged, delay_s)
+    return KillPoint(
+        f"after RL step {step} is logged (+{delay_s:.2f} s)",
+        _logged(step),
+        delay_s,
+        bound=_logged(step + 1),
+    )
 
 
 def inside_save(delay_s: float) -> KillPoint:
@@ -195,19 +223,10 @@ class Outcome:
     """From the process's start to its kill (or its exit)."""
 
 
-def _stopped(pid: int) -> bool:
-    """Whether ``pid`` is stopped by a signal (state ``T`` in ``/proc/PID/stat``)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rpartition(")")[2].split()[0] == "T"
-
-
 def _wait_until_stopped(proc: subprocess.Popen, point: KillPoint, timeout_s: float = 120.0):
-    """Wait for ``proc`` to stop itself at ``point.stop_at`` (:mod:`tests.faults.stop_at`)."""
+    """Wait for ``proc`` to wait at ``point.stop_at`` (:mod:`tests.faults.stop_at`)."""
     deadline = time.monotonic() + timeout_s
-    while not _stopped(proc.pid):
+    while not proc.stop_file.exists():  # type: ignore[attr-defined]
         assert proc.poll() is None, f"the run ended instead of stopping at {point.stop_at}"
         assert time.monotonic() < deadline, f"the run did not stop at {point.stop_at}"
         time.sleep(0.001)
@@ -223,8 +242,10 @@ def run_until(cwd: Path, args: list[str], run_dir: Path, point: KillPoint) -> Ou
             if point.stop_at:
                 _wait_until_stopped(proc, point)
                 if point.delay_s > 0:
-                    os.kill(proc.pid, signal.SIGCONT)
-            time.sleep(point.delay_s)
+                    let_go(proc)
+            deadline = time.monotonic() + point.delay_s
+            while time.monotonic() < deadline and not (point.bound and point.bound(watch)):
+                time.sleep(0.001)
             kill_group(proc)
             return Outcome(point.name, True, time.monotonic() - started)
         time.sleep(0.001)

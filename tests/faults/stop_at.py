@@ -1,31 +1,42 @@
-"""``python -m tests.faults.stop_at ARGS``: treadle's CLI, stopping itself (SIGSTOP) at the moment
-``$TREADLE_TEST_STOP_AT`` names, until the harness continues (SIGCONT) or kills it:
+"""``python -m tests.faults.stop_at ARGS``: treadle's CLI, waiting at the moment
+``$TREADLE_TEST_STOP_AT`` names until the harness lets it go on or kills it:
 
 - ``save``: as a checkpoint save starts writing its parts (a tiny run's save lasts a few
   milliseconds: a harness polling from outside misses it whenever the machine is busy);
 - ``summary``: just before ``summary.json`` is written, the run's last act.
 
-Stopped there, the process waits to be seen, however loaded the machine. treadle's code is not
-changed: this module replaces one function in this process only.
+There the process writes its pid to the file ``$TREADLE_TEST_STOP_FILE`` and waits until a file
+of that name plus ``.go`` exists, however loaded the machine. It waits in a loop rather than
+stopping itself with SIGSTOP: a process group whose member stops is "orphaned" here (its own
+session), and the kernel sends such a group SIGHUP and SIGCONT whenever one of its processes
+exits (a reward worker, say), which can let a stopped run go on unseen: the likely cause of
+CI's 7 of 10 unreached kill points on 2026-12-06, on a machine other jobs loaded. treadle's
+code is not changed: this module replaces one function in this process only.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
-import signal
 import sys
+import time
+from pathlib import Path
 
 MOMENTS = {"save": ("treadle.store.checkpoint", "_write_parts"),
            "summary": ("treadle.jobs.train", "write_summary")}  # fmt: skip
 
 
 def _stopping(function):
-    def stop_then_call(*args, **kwargs):
-        os.kill(os.getpid(), signal.SIGSTOP)
+    def wait_then_call(*args, **kwargs):
+        here = Path(os.environ["TREADLE_TEST_STOP_FILE"])
+        go = here.with_name(here.name + ".go")
+        if not go.exists():  # once let go, later calls go straight on
+            here.write_text(str(os.getpid()))
+            while not go.exists():
+                time.sleep(0.001)
         return function(*args, **kwargs)
 
-    return stop_then_call
+    return wait_then_call
 
 
 module_name, name = MOMENTS[os.environ["TREADLE_TEST_STOP_AT"]]

@@ -72,7 +72,7 @@ def chain(request, tmp_path_factory) -> tuple:
 def test_every_kill_point_was_reached(chain):
     _, _, outcomes = chain
     # Each condition holds for a while (a row stays), or the process waits in it to be seen
-    # (tests/faults/stop_at.py stops it in a save of a few milliseconds, which polling alone
+    # (tests/faults/stop_at.py holds it in a save of a few milliseconds, which polling alone
     # missed on a busy CI machine, and before summary.json), so every point is reached.
     assert [o.point for o in outcomes if not o.killed] == []
     assert len(outcomes) == 10

@@ -144,14 +144,13 @@ def test_plan_refuses_a_model_that_fits_no_placement_and_says_what_would():
 
 def test_a_colocated_engine_without_room_beside_the_trainer_is_named():
     # vLLM's share at 0.3 of 79.6 GiB is 23.9 GiB: the engine alone fits it (check passes),
-    # but not beside the trainer's states on each of the 4 GPUs: 7.62B / 4 x (4 + 4 + 8) bytes
-    # of fp32 parameters, gradients and Adam moments = 28.37 GiB, 1.88 of all-gathered bf16
-    # layers (2 of 233M parameters and the 545M-parameter output layer, 2 bytes each), and the
-    # reference's bf16 weights sharded 4 ways, 7.62B x 2 / 4 = 3.55 GiB, with the same 1.88
-    # gathered: 35.7 GiB
+    # but not beside the trainer's resident states on each of the 4 GPUs: 7.62B / 4 x
+    # (4 + 4 + 8) bytes of fp32 parameters, gradients and Adam moments = 28.37 GiB and the
+    # reference's bf16 weights sharded 4 ways, 7.62B x 2 / 4 = 3.55 GiB: 31.9 GiB (the layers
+    # FSDP gathers for a pass are not held during rollout)
     h100, work = gpu("h100", kv_memory_fraction=0.3), Workload(64, 8, 512, Lengths(1000, 4096))
     setup = Setup(h100, 4, 4, colocated=True)
-    with pytest.raises(UserError, match=r"beside the trainer.s 35\.7 GiB .* no room for one seq"):
+    with pytest.raises(UserError, match=r"beside the trainer.s 31\.9 GiB .* no room for one seq"):
         check_fits(Question(NAMED["qwen2.5-7b"], h100, 4, work), setup)
 
 

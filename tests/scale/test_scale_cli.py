@@ -48,10 +48,14 @@ def test_memory_plot_bars_hold_each_phase_on_its_gpus(tmp_path):
     assert (rollout_label, update_label) == ("rollout", "update")
     assert rollout["activations"] == 0 and update["kv_cache"] == 0  # the engine asleep
     engine = next(b for b in colocated.memory if b.role == "engine")
-    # rollout: the trainer roles' parameters beside the engine's weights
-    assert rollout["parameters"] == pytest.approx(update["parameters"] + engine.parameters)
-    assert sum(update.values()) == pytest.approx(sum(
-        b.total for b in colocated.memory if b.role != "engine"))  # fmt: skip
+    policy, reference = (b for b in colocated.memory if b.role != "engine")
+    # rollout: the trainer roles' parameter shards beside the engine's weights (no layer is
+    # gathered while the engine runs)
+    shards = policy.parameters - policy.gathered + reference.parameters - reference.gathered
+    assert rollout["parameters"] == pytest.approx(shards + engine.parameters)
+    # update: the policy's pass is the larger, and the reference's logits are freed by then
+    assert (update["activations"], update["logits"]) == (policy.activations, policy.logits)
+    assert update["parameters"] == pytest.approx(shards + policy.gathered)
     from treadle.scale.plots import memory
 
     path = memory(placements, 79.6, tmp_path / "m.png")
@@ -147,14 +151,14 @@ def test_lengths_from_a_damaged_buffer_file_is_one_line_exit_2(tmp_path, capsys)
         (["simulate", "qwen2.5-0.5b", "--gpus", "64", "--train-pp", "32"], "than 24 layers"),
         # one engine GPU cannot hold 70B's 131 GiB of bf16 weights: the engine is named first
         (["simulate", "llama3.1-70b", "--gpus", "2"], "131.4 GiB of weights per GPU, fewer"),
-        # the policy's 91.1 GiB (13.4 + 8.2 + 16.4 of parameters, gradients and Adam moments
-        # over 32 ranks, 40.1 activations, 7.7 logits, 5.3 other) beside the frozen
-        # reference's 14.3: its bf16 weights sharded 32 ways, 70.55B x 2 / 32 = 4.1 GiB, 5.1 of
-        # two gathered 856M-parameter layers and the 1.05B-parameter output layer, 3.3 logits,
-        # 1.6 other: 105.4 GiB; Ulysses 2 halves the activations and logits (51.2 GiB of them)
+        # the policy's resident 32.9 GiB (8.2 + 8.2 + 16.4 of parameter shards, gradients and
+        # Adam moments over 32 ranks) and the frozen reference's 4.1 (70.55B x 2 bytes / 32),
+        # plus the policy's pass: 5.1 of two gathered 856M-parameter layers and the
+        # 1.05B-parameter output layer, 40.1 activations, 7.7 logits; 89.9 GiB held, 1 + 5%
+        # more: 95.4 GiB; Ulysses 2 halves the activations and logits
         (
             ["simulate", "llama3.1-70b", "--gpus", "32", "--engine-tp", "8"],
-            "needs 105.4 GiB per training GPU in tp1 pp1 over 32 x h100 (79.6 GiB): "
+            "needs 95.4 GiB per training GPU in tp1 pp1 over 32 x h100 (79.6 GiB): "
             "--train-tp 1 --train-pp 1 --train-sp 2 fits",
         ),
         (["simulate", "qwen2.5-0.5b", "--staleness", "2"], "applies to --mode async, not sync"),

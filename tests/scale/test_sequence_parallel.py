@@ -50,15 +50,15 @@ def test_the_all_to_alls_add_their_bytes_over_nvlink():
 
 def test_verls_28k_sequences_fit_only_with_sequence_parallel_and_the_refusal_says_so():
     # verl's fully-async 16:16 on H20s (95.0 GiB) at 200 + 28,672 tokens, tensor parallel 1:
-    # the policy's logits alone are 28,872 x 152,064 x 14 bytes = 57.2 GiB and its activations
-    # 48.2 (121.1 with its states and overhead); the reference's logits 28,872 x 152,064 x 6
-    # bytes = 24.5 GiB beside its 2.8 of sharded and gathered weights (30.1 in all): 151.2 GiB.
-    # sp 2 halves every activation and logit term: 82.8 GiB, which fits
+    # the policy's logits alone are 28,872 x 152,064 x 14 bytes = 57.2 GiB, its activations
+    # 48.2 and its gathered layers 1.9; beside them the resident states, 7.1 GiB of the
+    # policy's (1.8 + 1.8 + 3.5) and 0.9 of the reference's bf16 shards: 115.3 GiB held, 1 + 5%
+    # more: 122.1 GiB. sp 2 halves the activations and logits: 66.7 GiB, which fits
     work = Workload(512, 16, 200, Lengths(1500, 28672))
     q = Question(NAMED["qwen2.5-math-7b"], gpu("h20"), 32, work)
     setup = Setup(gpu("h20"), 16, 16, engine_tp=4, mode="async", staleness=0.5, partial=True)
     says = (
-        r"needs 151\.2 GiB per training GPU in tp1 pp1 over 16 x h20 \(95\.0 GiB\): "
+        r"needs 122\.1 GiB per training GPU in tp1 pp1 over 16 x h20 \(95\.0 GiB\): "
         r"--train-tp 1 --train-pp 1 --train-sp 2 fits"
     )
     with pytest.raises(UserError, match=says):
@@ -96,12 +96,12 @@ def test_sequence_parallel_degrees_the_model_cannot_take_are_one_line_exit_2(arg
 
 
 def test_plan_names_the_sequence_parallel_layout_it_chose(capsys):
-    argv = ["plan", "qwen2.5-7b", "--gpus", "8", "--max-response", "8192", "--steps", "2"]
+    argv = ["plan", "qwen2.5-7b", "--gpus", "8", "--max-response", "16384", "--steps", "2"]
     assert main([*argv, "--json"]) == 0
     import json
 
     rows = json.loads(capsys.readouterr().out)
-    # 8,704-token sequences need the policy's activations and logits split to fit beside the
-    # reference on the disaggregated trainers; the colocated dp8 fits without
-    assert any("sp2" in r["placement"] for r in rows)
+    # 16,896-token sequences need the policy's activations and logits split over 2 GPUs in
+    # every placement
+    assert all(r["train_layout"]["sp"] == 2 for r in rows) and len(rows) == 3
     assert all(r["train_peak_gib"] <= 79.6 for r in rows)

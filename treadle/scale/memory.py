@@ -67,11 +67,20 @@ class Breakdown:
     logits: float = 0.0
     kv_cache: float = 0.0
     overhead: float = 0.0
+    gathered: float = 0.0
+    """Of ``parameters``: the bf16 layers FSDP gathers for the role's own passes, held only
+    while they run."""
 
     @property
     def total(self) -> float:
         """Bytes of all terms."""
         return sum(self.terms().values())
+
+    @property
+    def resident(self) -> float:
+        """Bytes held between the role's passes: its parameter shards, gradients and optimizer
+        states."""
+        return self.parameters - self.gathered + self.gradients + self.optimizer
 
     def terms(self) -> dict[str, float]:
         """Each term by name, in bytes."""
@@ -149,24 +158,27 @@ def trainer(
     check_layout(shape, layout)
     tokens = micro_batch * seq / layout.sp
     vocab = 1 if role in ("critic", "reward") else shape.vocab
-    params, grads, optimizer = model_states(shape, layout, trainable)
+    params, grads, optimizer, gathered = model_states(shape, layout, trainable)
     if not trainable:
         activations = 4 * tokens * shape.hidden / layout.tp
         logits = tokens * vocab * (2 + 4) / layout.tp  # bf16 logits, fp32 log-softmax
-        return _with_overhead(Breakdown(role, params, 0, 0, activations, logits))
+        return _with_overhead(Breakdown(role, params, 0, 0, activations, logits,
+                                        gathered=gathered))  # fmt: skip
     per_layer = per_token_layer_bytes(shape, recompute) * tokens
     activations = per_layer * shape.layers / layout.tp
     if recompute == "full":  # plus one layer recomputed at a time
         activations += per_token_layer_bytes(shape, "none") * tokens / layout.tp
     # bf16 logits, their fp32 copy, cross-entropy's saved log-probabilities, the fp32 gradient
     logits = tokens * vocab * (2 + 4 + 4 + 4) / layout.tp
-    return _with_overhead(Breakdown(role, params, grads, optimizer, activations, logits))
+    return _with_overhead(Breakdown(role, params, grads, optimizer, activations, logits,
+                                    gathered=gathered))  # fmt: skip
 
 
 def model_states(shape: ModelShape, layout: Layout, trainable: bool = True) -> tuple[float, ...]:
-    """Bytes per GPU of (parameters, gradients, optimizer states) of a trained role, or of a
-    forward-only role's bf16 weights (then gradients and optimizer states are 0), in
-    ``layout``; see :func:`trainer` for the sharding."""
+    """Bytes per GPU of (parameters, gradients, optimizer states, the gathered layers among
+    the parameters) of a trained role, or of a forward-only role's bf16 weights (then
+    gradients and optimizer states are 0), in ``layout``; see :func:`trainer` for the
+    sharding."""
     model_split = layout.tp * layout.pp
     expert = shape.expert_params()
     dense = (shape.params() - expert) / model_split
@@ -190,10 +202,13 @@ def model_states(shape: ModelShape, layout: Layout, trainable: bool = True) -> t
     # ZeRO's own accounting (Fig. 1) counts the shards alone
     gathered = 0.0 if layout.convention == "mixed" else 2 * (2 * layer + head)
     if not trainable:  # FSDP gathers a layer at a time; whole bf16 weights unsharded
-        return (states(2, 3) + gathered if z >= 3 and dp > 1 else 2 * (dense + experts)), 0, 0
+        if z >= 3 and dp > 1:
+            return states(2, 3) + gathered, 0.0, 0.0, gathered
+        return 2 * (dense + experts), 0.0, 0.0, 0.0
     if layout.convention == "mixed":
-        return states(2, 3), states(2, 2), states(12, 1)
-    return states(4, 3) + (gathered if z >= 3 else 0), states(4, 2), states(8, 1)
+        return states(2, 3), states(2, 2), states(12, 1), 0.0
+    gathered = gathered if z >= 3 else 0.0
+    return states(4, 3) + gathered, states(4, 2), states(8, 1), gathered
 
 
 def engine(
@@ -215,9 +230,25 @@ def kv_bytes_per_token(shape: ModelShape, tp: int = 1) -> float:
     return 2.0 * shape.kv_elements_per_token() / (1 if shape.mla else tp)
 
 
+def update_phase(roles: list[Breakdown]) -> Breakdown:
+    """Bytes per training GPU at the update phase's peak of ``roles`` sharing the GPUs in one
+    process (verl's and OpenRLHF's actor and reference workers, treadle's trainer): every
+    role's resident states, plus the largest of the roles' passes (gathered layers,
+    activations, logits: the reference's forward, the old-logprob forward and the update run
+    one after another), plus one process's overhead."""
+    if not roles:
+        return Breakdown("update")
+    peak = max(roles, key=lambda b: b.gathered + b.activations + b.logits)
+    resident = sum(b.parameters - b.gathered for b in roles) + peak.gathered
+    held = Breakdown("update", resident, sum(b.gradients for b in roles),
+                     sum(b.optimizer for b in roles), peak.activations, peak.logits,
+                     gathered=peak.gathered)  # fmt: skip
+    return _with_overhead(held)
+
+
 def _with_overhead(b: Breakdown) -> Breakdown:
     held = b.total
     return Breakdown(
         b.role, b.parameters, b.gradients, b.optimizer, b.activations, b.logits, b.kv_cache,
-        OVERHEAD_BYTES + FRAGMENTATION * held,
+        OVERHEAD_BYTES + FRAGMENTATION * held, b.gathered,
     )  # fmt: skip

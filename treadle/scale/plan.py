@@ -24,6 +24,7 @@ from treadle.scale.memory import (
     engine,
     kv_bytes_per_token,
     trainer,
+    update_phase,
 )
 from treadle.scale.shapes import ModelShape
 from treadle.scale.simulate import Result, Setup, Workload, simulate
@@ -110,8 +111,8 @@ def measure(q: Question, p: Placement) -> Placement:
         trainer(q.shape, p.layout, q.micro_batch, seq, q.recompute, r, trainable=r in TRAINED)
         for r in roles
     ]
-    states = sum(b.parameters + b.gradients + b.optimizer for b in p.memory)
-    update = sum(b.total for b in p.memory)
+    states = sum(b.resident for b in p.memory)
+    update = update_phase(p.memory).total
     memory = q.gpu.memory_bytes
     fraction = q.gpu.efficiency.kv_memory_fraction
     if "engine" in q.roles:
@@ -257,7 +258,7 @@ def check_fits(q: Question, setup: Setup) -> Placement:
             f"{where} needs {need} per training GPU in {layout_name(layout, dp=False)} over "
             f"{setup.train_gpus} x {q.gpu.name} ({have}): {fix}"
         )
-    states = sum(b.parameters + b.gradients + b.optimizer for b in p.memory if b.role != "engine")
+    states = sum(b.resident for b in p.memory if b.role != "engine")
     raise UserError(  # colocated: the engine's KV cache beside the trainer's states
         f"{where}: beside the trainer's {states / GIB:.1f} GiB of parameters, gradients and "
         f"optimizer states per GPU, an engine of --engine-tp {setup.engine_tp} on "

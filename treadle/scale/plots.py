@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from treadle.scale.hardware import GIB
+from treadle.scale.memory import update_phase
 from treadle.scale.plan import Placement
 from treadle.scale.simulate import Result
 
@@ -63,11 +64,11 @@ def memory_bars(p: Placement) -> list[tuple[str, dict[str, float]]]:
     the training GPUs and the engine GPUs."""
     engine = [b for b in p.memory if b.role == "engine"]
     trainers = [b for b in p.memory if b.role != "engine"]
-    update = {t: sum(b.terms()[t] for b in trainers) for t in TERM_COLORS}
+    update = update_phase(trainers).terms()
     if p.kind == "colocated":
-        states = {t: (v if t in ("parameters", "gradients", "optimizer") else 0.0)
-                  for t, v in update.items()}  # fmt: skip
-        rollout = {t: states[t] + sum(b.terms()[t] for b in engine) for t in TERM_COLORS}
+        states = {"parameters": sum(b.parameters - b.gathered for b in trainers),
+                  "gradients": update["gradients"], "optimizer": update["optimizer"]}  # fmt: skip
+        rollout = {t: states.get(t, 0.0) + sum(b.terms()[t] for b in engine) for t in TERM_COLORS}
         return [("rollout", rollout), ("update", update)]
     bars = [("trainer GPUs", update)]
     if engine:
