@@ -61,4 +61,15 @@ def test_the_cli_says_how_many_steps_it_simulated(capsys):
     argv = ["simulate", "qwen2.5-0.5b", "--gpus", "4", "--rollout-gpus", "2", "--mode", "async"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "steps simulated" in out and "as warm-up" in out and "std. error" in out
+    assert "steps simulated" in out and "as warm-up" in out and "step time's error" in out
+
+
+def test_too_few_steps_leave_the_error_unknown_and_an_unsettled_run_says_so(capsys):
+    # 3 steps give 2 intervals, one pair: no spread to measure (JSON: null)
+    assert main(["simulate", "qwen2.5-0.5b", "--steps", "3"]) == 0
+    assert "unknown (5 steps or more give one)" in capsys.readouterr().out
+    # one prompt, one sample: each step's single length is drawn anew, and 64 steps leave
+    # the mean several percent uncertain
+    assert main(["simulate", "qwen2.5-7b", "--prompts", "1", "--samples", "1"]) == 0
+    assert "(above the 1% target: not settled)" in capsys.readouterr().out
+    assert steady_state([100.0])[2] == steady_state([])[2] == float("inf")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from dataclasses import asdict
 from pathlib import Path
@@ -198,6 +199,8 @@ def _check(args: argparse.Namespace) -> None:
             raise UserError(f"--plot {path}: give a file name ending in .png")
         if not path.parent.is_dir():
             raise UserError(f"--plot {path}: the folder {path.parent} does not exist")
+        if path.is_dir():
+            raise UserError(f"--plot {path}: a folder has that name; give a file name")
 
 
 def _roles(text: str) -> tuple[str, ...]:
@@ -239,6 +242,9 @@ def _save(draw, path: Path, console) -> None:
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise UserError(f"--plot {path}: cannot write it ({e.strerror or e})") from None
+    except BaseException:  # Ctrl-C mid-write: no half-written file left beside the plot
+        tmp.unlink(missing_ok=True)
+        raise
     console.print(f"plot: {path}", markup=False)
 
 
@@ -281,7 +287,7 @@ def run(args: argparse.Namespace, console) -> int:
         from treadle.scale.plots import timeline
 
         _save(lambda p: timeline(r, p), Path(args.plot), console)
-    row = {k: v for k, v in asdict(r).items() if k != "timeline"}
+    row = _result_row(r)
     if args.json:
         print(json.dumps([row], indent=1))
     else:
@@ -303,12 +309,27 @@ def _gib(b: Breakdown) -> dict[str, float]:
     return {t: getattr(b, t) / GIB for t in TERMS} | {"total": b.total / GIB}
 
 
+def _result_row(r: Result) -> dict:
+    """A simulation's figures as JSON (an unknown step error, with too few steps, as null)."""
+    row = {k: v for k, v in asdict(r).items() if k != "timeline"}
+    row["step_error"] = None if math.isinf(r.step_error) else r.step_error
+    return row
+
+
+def _error_text(error: float) -> str:
+    """The step time's relative error in words, saying when it misses the target."""
+    if math.isinf(error):
+        return "unknown (5 steps or more give one)"
+    note = (
+        f" (above the {AUTO_TOLERANCE:.0%} target: not settled)" if error > AUTO_TOLERANCE else ""
+    )
+    return f"{error:.1%}{note}"
+
+
 def _placement_row(p: Placement) -> dict:
     """One placement as JSON: its label, peaks (GiB per GPU), memory per role by term and the
     simulated step."""
-    result = None if p.result is None else {
-        k: v for k, v in asdict(p.result).items() if k != "timeline"
-    }  # fmt: skip
+    result = None if p.result is None else _result_row(p.result)
     return {
         "placement": p.label,
         "kind": p.kind,
@@ -361,6 +382,14 @@ def _print_plan(console, placements: list[Placement], memory_gib: float) -> None
             "-" if r is None else f"{r.engine_busy * 100:.0f}/{r.trainer_busy:.0%}",
         )  # fmt: skip
     console.print(table)
+    results = [p.result for p in placements if p.result is not None]
+    if results:
+        worst = max(r.step_error for r in results)
+        console.print(
+            f"each simulated {min(r.steps for r in results)}-{max(r.steps for r in results)} "
+            f"steps, the warm-up dropped; step time's error at most {_error_text(worst)}",
+            markup=False,
+        )
     roles = _table(f"#1: GiB per GPU by role (GPUs of {memory_gib:.1f} GiB)",
                    ["role", *SHORT.values(), "total"])  # fmt: skip
     for b in placements[0].memory:
@@ -381,7 +410,7 @@ def _print_result(console, r: Result) -> None:
         ("trainer busy", f"{r.trainer_busy:.0%}"),
         ("staleness mean / max", f"{r.staleness_mean:.2f} / {r.staleness_max}"),
         ("steps simulated", f"{r.steps}, the first {r.warmup_steps} as warm-up"),
-        ("step time's std. error", f"{r.step_error:.1%}"),
+        ("step time's error", _error_text(r.step_error)),
         ("samples dropped stale", f"{r.dropped_stale:,}"),
     ]
     for name, value in rows:
