@@ -9,9 +9,8 @@ There the process writes its pid to the file ``$TREADLE_TEST_STOP_FILE`` and wai
 of that name plus ``.go`` exists, however loaded the machine. It waits in a loop rather than
 stopping itself with SIGSTOP: a process group whose member stops is "orphaned" here (its own
 session), and the kernel sends such a group SIGHUP and SIGCONT whenever one of its processes
-exits (a reward worker, say), which can let a stopped run go on unseen: the likely cause of
-CI's 7 of 10 unreached kill points on 2026-12-06, on a machine other jobs loaded. treadle's
-code is not changed: this module replaces one function in this process only.
+exits (a reward worker, say), which could let a stopped run go on unseen. treadle's code is
+not changed: this module replaces one function in this process only.
 """
 
 from __future__ import annotations

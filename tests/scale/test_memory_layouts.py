@@ -54,21 +54,3 @@ def test_a_refusals_suggested_layout_runs_when_passed_back(argv, capsys):
     assert suggested, line
     options = suggested.group(1).split()
     assert main([*argv, *options, "--steps", "2", "--json"]) == 0, capsys.readouterr().err
-
-
-@pytest.mark.parametrize(
-    ("argv", "says"),
-    [
-        (["plan", "qwen2.5-0.5b", "--gpus", "8", "--sp", "7"], "--sp 7 takes the trainer's GPUs 7"),
-        (["plan", "qwen2.5-0.5b", "--sp", "4"], "use --sp 1 or 2 or 7 or 14"),
-        (["simulate", "qwen2.5-0.5b", "--train-sp", "1.5"], "invalid int value: '1.5'"),
-    ],
-)
-def test_layouts_the_gpus_or_heads_cannot_take_are_one_line_exit_2(argv, says, capsys):
-    try:
-        code = main(argv)
-    except SystemExit as stopped:  # argparse's own refusals (a value that is no integer)
-        code = stopped.code
-    assert code == 2
-    (line,) = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith("treadle: error: ") and says in line, line

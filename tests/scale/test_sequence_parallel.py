@@ -76,25 +76,6 @@ def test_a_simulated_step_with_sequence_parallel_trains_longer_by_its_all_to_all
     assert split.train_s > flat.train_s
 
 
-@pytest.mark.parametrize(
-    ("argv", "says"),
-    [
-        # Qwen2.5-0.5B has 14 heads: 4 does not divide them
-        (
-            ["simulate", "qwen2.5-0.5b", "--train-sp", "4"],
-            "must divide qwen2.5-0.5b's 14 attention",
-        ),
-        (["simulate", "qwen2.5-0.5b", "--train-sp", "3"], "x --train-sp 3 must be at least 1 each"),
-        (["plan", "qwen2.5-0.5b", "--sp", "4"], "sequence parallel 4 does not divide the 14"),
-        (["plan", "qwen2.5-0.5b", "--sp", "0"], "--sp 0: must be 1..1,024"),
-    ],
-)
-def test_sequence_parallel_degrees_the_model_cannot_take_are_one_line_exit_2(argv, says, capsys):
-    assert main(argv) == 2
-    (line,) = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith("treadle: error: ") and says in line, line
-
-
 def test_plan_names_the_sequence_parallel_layout_it_chose(capsys):
     argv = ["plan", "qwen2.5-7b", "--gpus", "8", "--max-response", "16384", "--steps", "2"]
     assert main([*argv, "--json"]) == 0
@@ -102,6 +83,6 @@ def test_plan_names_the_sequence_parallel_layout_it_chose(capsys):
 
     rows = json.loads(capsys.readouterr().out)
     # 16,896-token sequences need the policy's activations and logits split over 2 GPUs in
-    # every placement
+    # every placement that fits: colocated, 4:4 and 2:6 (6:2 leaves 2 trainers, too few)
     assert all(r["train_layout"]["sp"] == 2 for r in rows) and len(rows) == 3
     assert all(r["train_peak_gib"] <= 79.6 for r in rows)

@@ -47,7 +47,8 @@ reach a partial rollout within this many tokens."""
 AUTO_MIN_STEPS = 16
 """Steps a simulation to the steady state (``simulate(steps=None)``) runs at least."""
 AUTO_TOLERANCE = 0.01
-"""Relative standard error of the steady-state step time at which such a simulation stops."""
+"""Relative error of the steady-state step time (:func:`steady_state`) at which such a
+simulation stops."""
 MAX_STEPS = 64
 """Most steps one simulation runs (seconds each at the largest settings)."""
 
@@ -77,7 +78,8 @@ class Result:
     warmup_steps: int = 1
     """Steps not averaged into ``step_s`` and ``tokens_per_s``."""
     step_error: float = 0.0
-    """Relative standard error of ``step_s`` over the averaged steps (0 with one step)."""
+    """Relative error of ``step_s`` over the averaged steps (:func:`steady_state`; ``inf``
+    with fewer than two pairs of steps)."""
     timeline: list[tuple[str, float, float, str]] = field(default_factory=list)
     """(lane, start s, end s, kind) bars: kind is decode, train, sync or idle."""
 
@@ -570,9 +572,9 @@ def simulate(
     """Simulate ``steps`` RL steps (at least 2; the first, filling the pipeline, is not
     averaged), or with ``steps=None`` until the steady state: at least
     :data:`AUTO_MIN_STEPS`, then one more at a time until the step time after
-    :func:`steady_state`'s warm-up has a relative standard error of at most
-    :data:`AUTO_TOLERANCE`, or :data:`MAX_STEPS` have run. ``progress(steps, error)`` is called
-    after each added step. Deterministic for a seed.
+    :func:`steady_state`'s warm-up has a relative error of at most :data:`AUTO_TOLERANCE`, or
+    :data:`MAX_STEPS` have run. ``progress(steps, error)`` is called after each added step.
+    Deterministic for a seed.
 
     Raises:
         UserError: a setup :func:`check` refuses.
@@ -581,17 +583,14 @@ def simulate(
     auto = steps is None
     sim = _Simulation(shape, work, setup, AUTO_MIN_STEPS if auto else max(2, steps), seed)
     sim.run()
-    warm, error = 0, 0.0
-    while auto:
-        warm, _, error = steady_state(sim.step_ends)
-        if error <= AUTO_TOLERANCE or sim.steps >= MAX_STEPS:
-            break
+    dropped, _, error = steady_state(sim.step_ends, truncate=auto)
+    while auto and error > AUTO_TOLERANCE and sim.steps < MAX_STEPS:
         sim.steps += 1
         sim.run()
+        dropped, _, error = steady_state(sim.step_ends)
         if progress is not None:
             progress(sim.steps, error)
-    if not auto:
-        _, _, error = steady_state(sim.step_ends, truncate=False)
+    warm = dropped if auto else 0  # --steps N averages steps 2..N
     ends, k = sim.step_ends[warm:], setup.updates_per_sync
     step = (ends[-1] - ends[0]) / (len(ends) - 1)
     total = ends[-1]
