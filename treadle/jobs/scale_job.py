@@ -6,7 +6,7 @@ import argparse
 import json
 import math
 import os
-from dataclasses import asdict
+from dataclasses import fields
 from pathlib import Path
 
 from treadle.core.errors import UserError
@@ -311,8 +311,9 @@ def _gib(b: Breakdown) -> dict[str, float]:
 
 def _result_row(r: Result) -> dict:
     """A simulation's figures as JSON (an unknown step error, with too few steps, as null)."""
-    row = {k: v for k, v in asdict(r).items() if k != "timeline"}
+    row = {f.name: getattr(r, f.name) for f in fields(r) if f.name != "timeline"}
     row["step_error"] = None if math.isinf(r.step_error) else r.step_error
+    row["generate_s"] = None if math.isnan(r.generate_s) else r.generate_s
     return row
 
 
@@ -403,7 +404,10 @@ def _print_result(console, r: Result) -> None:
     rows = [
         ("step", f"{r.step_s:.2f} s"),
         ("trained tokens / s", f"{r.tokens_per_s:,.0f}"),
-        ("generation of a batch", f"{r.generate_s:.2f} s"),
+        (
+            "generation of a batch",
+            "no batch completed" if math.isnan(r.generate_s) else f"{r.generate_s:.2f} s",
+        ),
         ("update", f"{r.train_s:.2f} s"),
         ("weight sync", f"{r.sync_s:.2f} s"),
         ("engines busy", f"{r.engine_busy:.0%}"),

@@ -21,6 +21,7 @@ import itertools
 import math
 import random
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from treadle.core.errors import UserError
@@ -69,7 +70,9 @@ class Result:
     dropped_stale: int
     """Samples dropped older than the bound (``Setup.drop_stale``), over the whole run."""
     generate_s: float
-    """Mean time from a batch's first admission to its last sample's completion."""
+    """Mean time from a batch's first admission to its last sample's completion (the first
+    batch left out where others completed); NaN where no batch completed, as at a large eta
+    over few steps, where the trainer takes groups as they complete, from many batches."""
     train_s: float
     """Mean seconds of training a step (all its updates)."""
     sync_s: float
@@ -103,8 +106,10 @@ class _Request:
     sample: int
     group: _Group
     length: int
-    done: int = 0
     version: int = 0
+    start: int = 0
+    """Its engine's decode steps when it was admitted: it has generated ``engine.steps -
+    start`` tokens since."""
 
     @property
     def batch(self) -> int:
@@ -114,13 +119,59 @@ class _Request:
 
 @dataclass
 class _Engine:
+    """One engine's continuous batch, kept so that a decode segment costs O(log n) per request
+    that starts or ends in it, not O(n) per segment: ``steps`` counts the engine's decode
+    steps, a request's tokens are ``steps - start``, and a heap of its requests' last steps
+    gives the next to end."""
+
     index: int
     checked: int = 0
     """The simulation's ``unwanted`` count when this engine last dropped unwanted requests."""
     clock: float = 0.0
     version: int = 0
-    running: list[_Request] = field(default_factory=list)
     idle: bool = True
+    steps: int = 0
+    running: dict[int, _Request] = field(default_factory=dict)
+    """Running requests by sample number, in admission order."""
+    ends: list[tuple[int, int, _Request]] = field(default_factory=list)
+    """Heap of (the decode step it ends at, sample, request) over ``running``."""
+    started: int = 0
+    """Sum of the running requests' ``start``."""
+
+    def context(self, prompt_tokens: int) -> int:
+        """Tokens in the running requests (prompts and generated tokens)."""
+        return len(self.running) * (prompt_tokens + self.steps) - self.started
+
+    def left(self) -> int:
+        """Decode steps until the first running request ends."""
+        return self.ends[0][0] - self.steps
+
+    def add(self, r: _Request) -> None:
+        """Start a request here, with no token generated yet."""
+        r.start = self.steps
+        self.running[r.sample] = r
+        heapq.heappush(self.ends, (self.steps + r.length, r.sample, r))
+        self.started += self.steps
+
+    def advance(self, n: int) -> list[_Request]:
+        """Run ``n`` decode steps; returns the requests that ended, by sample number."""
+        self.steps += n
+        ended = []
+        while self.ends and self.ends[0][0] <= self.steps:
+            r = heapq.heappop(self.ends)[2]
+            del self.running[r.sample]
+            self.started -= r.start
+            ended.append(r)
+        return ended
+
+    def keep(self, keep: Callable[[_Request], bool]) -> int:
+        """Stop the running requests ``keep`` refuses; returns how many stopped."""
+        before = len(self.running)
+        self.running = {k: r for k, r in self.running.items() if keep(r)}
+        self.ends = [(r.start + r.length, k, r) for k, r in self.running.items()]
+        heapq.heapify(self.ends)
+        self.started = sum(r.start for r in self.running.values())
+        return before - len(self.running)
 
 
 class _Simulation:
@@ -167,6 +218,7 @@ class _Simulation:
         self.staleness: list[int] = []
         self.trained_tokens: list[int] = []
         self.timeline: list[tuple[str, float, float, str]] = []
+        self.weights_s: dict[int, float] = {}  # batch -> seconds to read the weights it touches
 
     def draw(self, batches: int) -> None:
         """Queue the requests of ``batches`` more RL steps: each step's prompts, over-sampled,
@@ -216,25 +268,24 @@ class _Simulation:
             self.push(self.blocked_until, "wake", engine)
             return
         if engine.checked != self.unwanted:  # a batch filled or a group dropped since
-            self.set_running(engine, [r for r in engine.running if self.wanted(r)])
+            self.running -= engine.keep(self.wanted)
             engine.checked = self.unwanted
         time = self.take_weights(time, engine)
         time, context = self.admit(time, engine)
-        if not engine.running:
+        b = len(engine.running)
+        if not b:
             engine.idle, engine.clock = True, time
             return
         engine.idle = False
-        n = min(SEGMENT_STEPS, min(r.length - r.done for r in engine.running))
-        weights = weight_read_s(self.shape, self.setup.gpu, self.setup.engine_tp,
-                                len(engine.running))  # fmt: skip
-        end = time + segment_s(self.costs, weights, len(engine.running), context, n,
+        n = min(SEGMENT_STEPS, engine.left())
+        if b not in self.weights_s:
+            self.weights_s[b] = weight_read_s(self.shape, self.setup.gpu, self.setup.engine_tp, b)
+        end = time + segment_s(self.costs, self.weights_s[b], b, context, n,
                                self.setup.gpu.efficiency.step_floor_s)  # fmt: skip
         self.bar(f"engine {engine.index}", time, end, "decode")
-        for r in engine.running:
-            r.done += n
-            if r.done >= r.length:
-                self.push(end + self.work.reward_s, "scored", r)
-        self.set_running(engine, [r for r in engine.running if r.done < r.length])
+        for r in engine.advance(n):
+            self.running -= 1
+            self.push(end + self.work.reward_s, "scored", r)
         engine.clock = end
         self.push(end, "wake", engine)
 
@@ -246,7 +297,7 @@ class _Simulation:
         engine.version = self.version
         if self.setup.colocated:  # the sync was part of the trainer's turn on these GPUs
             return time
-        recompute = sum(self.work.prompt_tokens + r.done for r in engine.running)
+        recompute = engine.context(self.work.prompt_tokens)
         end = time + self.sync + recompute * self.prefill_per_token
         self.bar(f"engine {engine.index}", time, end, "sync")
         if self.barrier and all(e.version == self.version for e in self.engines):
@@ -257,7 +308,7 @@ class _Simulation:
         """Start queued requests while the staleness bound, the batch limit and the KV cache
         allow; their prompts' prefill delays the engine. Returns the time it is done and the
         engine's context (tokens in its running requests)."""
-        context = sum(self.work.prompt_tokens + r.done for r in engine.running)
+        context = engine.context(self.work.prompt_tokens)
         if engine.running and not self.setup.partial and engine.version < self.version:
             return time, context  # draining before the update
         cap = min(self.setup.gpu.efficiency.max_batch, self.share(engine))
@@ -278,7 +329,7 @@ class _Simulation:
             if head.group.version is None:
                 head.group.version = engine.version
                 self.open.add(head.group)
-            engine.running.append(head)
+            engine.add(head)
             self.running += 1
             context += self.work.prompt_tokens
             prompts += self.work.prompt_tokens
@@ -307,11 +358,6 @@ class _Simulation:
         """Whether a request still counts: not of a full batch (an over-sampled straggler) nor
         of a group dropped as stale."""
         return r.batch not in self.full and not r.group.dropped
-
-    def set_running(self, engine: _Engine, running: list[_Request]) -> None:
-        """Replace an engine's running requests, keeping the count over all engines."""
-        self.running += len(running) - len(engine.running)
-        engine.running = running
 
     def on_scored(self, time: float, r: _Request) -> None:
         """A sample is scored; its group, once all its samples are, joins the trainer's queue,
@@ -608,7 +654,7 @@ def simulate(
         staleness_mean=mean(sim.staleness),
         staleness_max=max(sim.staleness),
         dropped_stale=sim.dropped,
-        generate_s=mean(sim.generate[1:] or sim.generate),
+        generate_s=mean(sim.generate[1:] or sim.generate) if sim.generate else math.nan,
         train_s=k * mean(sim.train_times),
         sync_s=sim.sync,
         steps=sim.steps,
