@@ -1,10 +1,24 @@
 """The simulator's engine batch: a decode segment's bookkeeping by counters and a heap (SCALE.md,
-"Speed"), and the figures a run reports where no batch completed."""
+"Speed"), preemption when the KV cache is full, and the figures a run reports where no batch
+completed."""
 
 import json
 
 from treadle.cli import main
-from treadle.scale.simulate import _Engine, _Group, _Request
+from treadle.scale import simulate as simulate_module
+from treadle.scale.costs import kv_capacity
+from treadle.scale.hardware import gpu
+from treadle.scale.shapes import NAMED
+from treadle.scale.simulate import (
+    Lengths,
+    Setup,
+    Workload,
+    _Engine,
+    _Group,
+    _Request,
+    _Simulation,
+    simulate,
+)
 
 
 def _request(sample, length):
@@ -54,3 +68,54 @@ def test_with_no_batch_completed_generation_is_not_reported_as_zero(capsys):
     # eta 1: batches complete, and their time is a figure
     assert main([*_argv("1"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)[0]["generate_s"] > 0
+
+
+def test_a_full_kv_cache_preempts_the_last_admitted_and_recomputes_it(monkeypatch):
+    # One engine, 4 samples of 10 prompt tokens and 20 response tokens, a 70-token KV cache.
+    # Admission keeps room for the prompt and one decode step of every request: the 4th
+    # leaves 70 - 30 - 10 - 3 - 1 = 26, so all four start (context 40) and decode
+    # (70 - 40) // 4 = 7 steps to 68. The next step's 4 tokens do not fit: the last admitted
+    # (7 tokens) is preempted, 68 - 17 = 51, no admission that step, (70 - 51) // 3 = 6 steps
+    # to 69; then the third (13 tokens): 69 - 23 = 46, and 20 - 13 = 7 steps end the first two.
+    # The last preempted comes back first: 10 + 13 + 10 + 7 = 40 tokens recomputed, and 7 steps
+    # end it; the other, at 7 + 7 = 14 tokens, ends alone: 10 + 14 = 24, 6 steps. Both steps
+    # alike: 2 preemptions each.
+    segments = []
+    real = simulate_module.segment_s
+
+    def record(costs, weights, b, context, n, floor=0.0):
+        segments.append((b, context, n))
+        return real(costs, weights, b, context, n, floor)
+
+    monkeypatch.setattr(simulate_module, "segment_s", record)
+    work = Workload(1, 4, 10, Lengths(20, 20, measured=((20, 20, 20, 20),)))
+    sim = _Simulation(NAMED["qwen2.5-0.5b"], work, Setup(gpu("h100"), 1, 1, colocated=True), 2, 0)
+    sim.capacity = 70.0
+    sim.run()
+    assert segments == [(4, 40, 7), (3, 51, 6), (2, 46, 7), (2, 40, 7), (1, 24, 6)] * 2
+    assert sim.preemptions == 4
+    assert max(b * n + context for b, context, n in segments) <= 70
+
+
+def test_long_responses_never_hold_more_kv_cache_than_the_engine_has(monkeypatch, capsys):
+    # Qwen2.5-32B on 8 H100s, engines of TP 4 (842,189 tokens each), 16K responses of mean
+    # 5,461: admitted by the mean length, the running requests grew to 1.16x the cache; now
+    # the last admitted are preempted and recomputed instead
+    peak = []
+    real = simulate_module.segment_s
+
+    def record(costs, weights, b, context, n, floor=0.0):
+        peak.append(context + b * n)
+        return real(costs, weights, b, context, n, floor)
+
+    monkeypatch.setattr(simulate_module, "segment_s", record)
+    work = Workload(64, 16, 512, Lengths(16384 / 3, 16384))
+    setup = Setup(gpu("h100"), 8, 8, colocated=True, engine_tp=4)
+    capacity = kv_capacity(NAMED["qwen2.5-32b"], setup)
+    assert round(capacity) == 842_189
+    r = simulate(NAMED["qwen2.5-32b"], work, setup, steps=4)
+    assert max(peak) <= capacity and max(peak) > 0.99 * capacity and r.preemptions > 0
+    argv = ["simulate", "llama3.1-8b", "--gpus", "8", "--train-sp", "4", "--samples", "16",
+            "--max-response", "16384", "--mean-response", "8000", "--steps", "2"]  # fmt: skip
+    assert main(argv) == 0
+    assert "requests preempted (KV cache full)" in capsys.readouterr().out  # 318 here

@@ -416,6 +416,7 @@ def _print_result(console, r: Result) -> None:
         ("steps simulated", f"{r.steps}, the first {r.warmup_steps} as warm-up"),
         ("step time's error", _error_text(r.step_error)),
         ("samples dropped stale", f"{r.dropped_stale:,}"),
+        ("requests preempted (KV cache full)", f"{r.preemptions:,}"),
     ]
     for name, value in rows:
         table.add_row(name, value)

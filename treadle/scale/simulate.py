@@ -69,6 +69,8 @@ class Result:
     staleness_max: int
     dropped_stale: int
     """Samples dropped older than the bound (``Setup.drop_stale``), over the whole run."""
+    preemptions: int
+    """Requests preempted for KV cache (vLLM's recompute preemption), over the whole run."""
     generate_s: float
     """Mean time from a batch's first admission to its last sample's completion (the first
     batch left out where others completed); NaN where no batch completed, as at a large eta
@@ -108,8 +110,12 @@ class _Request:
     length: int
     version: int = 0
     start: int = 0
-    """Its engine's decode steps when it was admitted: it has generated ``engine.steps -
-    start`` tokens since."""
+    """Running: its engine's decode steps when it would have started from no token (its
+    tokens are ``engine.steps - start``)."""
+    done: int = 0
+    """Tokens generated when it was last preempted."""
+    admitted: int = 0
+    """Times it has been admitted: the key of its live entry in its engine's heap."""
 
     @property
     def batch(self) -> int:
@@ -122,7 +128,8 @@ class _Engine:
     """One engine's continuous batch, kept so that a decode segment costs O(log n) per request
     that starts or ends in it, not O(n) per segment: ``steps`` counts the engine's decode
     steps, a request's tokens are ``steps - start``, and a heap of its requests' last steps
-    gives the next to end."""
+    gives the next to end. Requests preempted for KV cache wait in ``preempted``, the last
+    preempted first back, as vLLM's scheduler prepends each to its waiting queue."""
 
     index: int
     checked: int = 0
@@ -133,10 +140,14 @@ class _Engine:
     steps: int = 0
     running: dict[int, _Request] = field(default_factory=dict)
     """Running requests by sample number, in admission order."""
-    ends: list[tuple[int, int, _Request]] = field(default_factory=list)
-    """Heap of (the decode step it ends at, sample, request) over ``running``."""
+    ends: list[tuple[int, int, int, _Request]] = field(default_factory=list)
+    """Heap of (the decode step it ends at, sample, admission, request) over ``running``;
+    entries of requests preempted since are skipped as they surface."""
     started: int = 0
     """Sum of the running requests' ``start``."""
+    preempted: deque[_Request] = field(default_factory=deque)
+    """Requests preempted here, the next to come back first: they keep their tokens, not their
+    KV cache."""
 
     def context(self, prompt_tokens: int) -> int:
         """Tokens in the running requests (prompts and generated tokens)."""
@@ -144,34 +155,56 @@ class _Engine:
 
     def left(self) -> int:
         """Decode steps until the first running request ends."""
+        self._skip_stale()
         return self.ends[0][0] - self.steps
 
     def add(self, r: _Request) -> None:
-        """Start a request here, with no token generated yet."""
-        r.start = self.steps
+        """Start a request here, or restart a preempted one with the tokens it had."""
+        r.start = self.steps - r.done
+        r.admitted += 1
         self.running[r.sample] = r
-        heapq.heappush(self.ends, (self.steps + r.length, r.sample, r))
-        self.started += self.steps
+        heapq.heappush(self.ends, (r.start + r.length, r.sample, r.admitted, r))
+        self.started += r.start
+
+    def preempt(self) -> _Request:
+        """Preempt the request admitted last (vLLM's FCFS policy): it keeps its tokens and
+        loses its KV cache, to be recomputed when it is admitted again."""
+        _, r = self.running.popitem()
+        r.done = self.steps - r.start
+        self.started -= r.start
+        self.preempted.appendleft(r)
+        return r
 
     def advance(self, n: int) -> list[_Request]:
         """Run ``n`` decode steps; returns the requests that ended, by sample number."""
         self.steps += n
         ended = []
         while self.ends and self.ends[0][0] <= self.steps:
-            r = heapq.heappop(self.ends)[2]
-            del self.running[r.sample]
-            self.started -= r.start
-            ended.append(r)
+            _, sample, admitted, r = heapq.heappop(self.ends)
+            if self.running.get(sample) is r and r.admitted == admitted:
+                del self.running[sample]
+                self.started -= r.start
+                ended.append(r)
         return ended
 
     def keep(self, keep: Callable[[_Request], bool]) -> int:
-        """Stop the running requests ``keep`` refuses; returns how many stopped."""
-        before = len(self.running)
+        """Stop the running and preempted requests ``keep`` refuses; returns how many
+        stopped."""
+        before = len(self.running) + len(self.preempted)
         self.running = {k: r for k, r in self.running.items() if keep(r)}
-        self.ends = [(r.start + r.length, k, r) for k, r in self.running.items()]
+        self.preempted = deque(r for r in self.preempted if keep(r))
+        self.ends = [(r.start + r.length, k, r.admitted, r) for k, r in self.running.items()]
         heapq.heapify(self.ends)
         self.started = sum(r.start for r in self.running.values())
-        return before - len(self.running)
+        return before - len(self.running) - len(self.preempted)
+
+    def _skip_stale(self) -> None:
+        """Drop the heap's top entries left by preempted requests."""
+        while self.ends:
+            _, sample, admitted, r = self.ends[0]
+            if self.running.get(sample) is r and r.admitted == admitted:
+                return
+            heapq.heappop(self.ends)
 
 
 class _Simulation:
@@ -204,6 +237,7 @@ class _Simulation:
         self.ready: list[_Group] = []  # scored, waiting for the trainer
         self.open: set[_Group] = set()  # admitted, not yet scored, not dropped
         self.dropped = 0  # samples dropped as stale (drop_stale)
+        self.preemptions = 0  # requests preempted for KV cache
         self.unwanted = 0  # batches filled and drops: when running requests may be unwanted
         self.running = 0  # requests running on all engines
         self.version = 0  # weight syncs: the policy versions the engines see
@@ -271,13 +305,14 @@ class _Simulation:
             self.running -= engine.keep(self.wanted)
             engine.checked = self.unwanted
         time = self.take_weights(time, engine)
-        time, context = self.admit(time, engine)
+        time, context = self.admit(time, engine, preempted=self.make_room(engine))
         b = len(engine.running)
         if not b:
             engine.idle, engine.clock = True, time
             return
         engine.idle = False
-        n = min(SEGMENT_STEPS, engine.left())
+        room = int((self.capacity - context) // b)  # steps until the KV cache is full: >= 1
+        n = min(SEGMENT_STEPS, engine.left(), room)
         if b not in self.weights_s:
             self.weights_s[b] = weight_read_s(self.shape, self.setup.gpu, self.setup.engine_tp, b)
         end = time + segment_s(self.costs, self.weights_s[b], b, context, n,
@@ -292,7 +327,8 @@ class _Simulation:
     def take_weights(self, time: float, engine: _Engine) -> float:
         """The engine loads the trainer's newest weights when it may: at once with partial
         rollouts (recomputing the running requests' KV cache), else once it has drained."""
-        if engine.version == self.version or (engine.running and not self.setup.partial):
+        busy = engine.running or engine.preempted
+        if engine.version == self.version or (busy and not self.setup.partial):
             return time
         engine.version = self.version
         if self.setup.colocated:  # the sync was part of the trainer's turn on these GPUs
@@ -304,17 +340,61 @@ class _Simulation:
             self.end_sync(max(end, self.trained_at + self.sync))
         return end
 
-    def admit(self, time: float, engine: _Engine) -> tuple[float, int]:
-        """Start queued requests while the staleness bound, the batch limit and the KV cache
-        allow; their prompts' prefill delays the engine. Returns the time it is done and the
-        engine's context (tokens in its running requests)."""
+    def make_room(self, engine: _Engine) -> int:
+        """Preempt the requests admitted last until the next decode step's tokens fit the KV
+        cache (vLLM's recompute preemption; one request always fits, :func:`check`); returns
+        how many."""
+        n = 0
+        while len(engine.running) > 1 and self.fits(engine, 0) < 0:
+            engine.preempt()
+            n += 1
+        self.preemptions += n
+        return n
+
+    def fits(self, engine: _Engine, tokens: int) -> float:
+        """KV cache tokens left after ``tokens`` more and one decode step of the running
+        requests and of a request holding them (negative where they do not fit)."""
         context = engine.context(self.work.prompt_tokens)
+        return self.capacity - context - tokens - len(engine.running) - (tokens > 0)
+
+    def admit(self, time: float, engine: _Engine, preempted: int) -> tuple[float, int]:
+        """Start requests while the KV cache holds them and one more decode step: the engine's
+        preempted requests first (their prompts and tokens recomputed), then queued ones while
+        the staleness bound and the batch limit allow, as vLLM's scheduler admits its waiting
+        queue in order and none in a step that preempted. Their prefill delays the engine.
+        Returns the time it is done and the engine's context (tokens in its running
+        requests)."""
+        prefill = 0
+        if not preempted:
+            prefill = self.readmit(engine)
+            if not engine.preempted:
+                prefill += self.admit_queued(time, engine)
+        end = time + prefill * self.prefill_per_token
+        self.bar(f"engine {engine.index}", time, end, "decode")
+        return end, engine.context(self.work.prompt_tokens)
+
+    def readmit(self, engine: _Engine) -> int:
+        """Restart preempted requests, the last preempted first, while they fit; returns the
+        tokens to recompute."""
+        tokens = 0
+        while engine.preempted and len(engine.running) < self.setup.gpu.efficiency.max_batch:
+            r = engine.preempted[0]
+            need = self.work.prompt_tokens + r.done
+            if engine.running and self.fits(engine, need) < 0:
+                break
+            engine.add(engine.preempted.popleft())
+            tokens += need
+        return tokens
+
+    def admit_queued(self, time: float, engine: _Engine) -> int:
+        """Start queued requests (unless the engine drains before an update); returns their
+        prompt tokens."""
         if engine.running and not self.setup.partial and engine.version < self.version:
-            return time, context  # draining before the update
+            return 0  # draining before the update
         cap = min(self.setup.gpu.efficiency.max_batch, self.share(engine))
         prompts = 0
-        need = self.work.prompt_tokens + self.work.lengths.mean
         allowed = self.gate(engine)
+        p = self.work.prompt_tokens
         while len(engine.running) < cap:
             if len(self.queue) < self.per_batch:
                 self.draw(1)
@@ -322,7 +402,7 @@ class _Simulation:
             if not self.wanted(head):
                 self.queue.popleft()
                 continue
-            if head.sample >= allowed or (context + need > self.capacity and engine.running):
+            if head.sample >= allowed or (engine.running and self.fits(engine, p) < 0):
                 break
             self.queue.popleft()
             head.version = engine.version
@@ -331,12 +411,9 @@ class _Simulation:
                 self.open.add(head.group)
             engine.add(head)
             self.running += 1
-            context += self.work.prompt_tokens
-            prompts += self.work.prompt_tokens
+            prompts += p
             self.first_admit.setdefault(head.batch, time)
-        end = time + prompts * self.prefill_per_token
-        self.bar(f"engine {engine.index}", time, end, "decode")
-        return end, context
+        return prompts
 
     def share(self, engine: _Engine) -> int:
         """Requests an engine may run: an equal share of those running and those the staleness
@@ -654,6 +731,7 @@ def simulate(
         staleness_mean=mean(sim.staleness),
         staleness_max=max(sim.staleness),
         dropped_stale=sim.dropped,
+        preemptions=sim.preemptions,
         generate_s=mean(sim.generate[1:] or sim.generate) if sim.generate else math.nan,
         train_s=k * mean(sim.train_times),
         sync_s=sim.sync,
