@@ -170,6 +170,14 @@ def test_lengths_from_a_damaged_buffer_file_is_one_line_exit_2(tmp_path, capsys)
         (["simulate", "qwen2.5-0.5b", "--train-sp", "4"], "must divide qwen2.5-0.5b's 14 atten"),
         (["simulate", "qwen2.5-0.5b", "--train-sp", "3"], "x --train-sp 3 must be at least 1"),
         (["simulate", "qwen2.5-0.5b", "--train-sp", "1.5"], "invalid int value: '1.5'"),
+        # a micro-batch of packed sequences holds one whole: 512 + 4,096 tokens by default
+        (["simulate", "qwen2.5-0.5b", "--pack-tokens", "4000"], "less than one prompt + longest"),
+        (["simulate", "qwen2.5-0.5b", "--pack-tokens", "-1"], "(4,608 tokens): a micro-batch"),
+        (
+            ["simulate", "qwen2.5-0.5b", "--rollout-gpus", "4", "--sync-method", "colocated"],
+            "it needs the engines on the trainer's GPUs (omit --rollout-gpus)",
+        ),
+        (["simulate", "qwen2.5-0.5b", "--sync-method", "nccl"], "invalid choice: 'nccl'"),
         (["plan", "qwen2.5-0.5b", "--sp", "4"], "sequence parallel 4 does not divide the 14"),
         (["plan", "qwen2.5-0.5b", "--sp", "4"], "use --sp 1 or 2 or 7 or 14"),
         (["plan", "qwen2.5-0.5b", "--sp", "0"], "--sp 0: must be 1..1,024"),

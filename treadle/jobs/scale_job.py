@@ -10,6 +10,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from treadle.core.errors import UserError
+from treadle.scale.costs import SYNC_METHODS
 from treadle.scale.hardware import GIB, GPUS, gpu
 from treadle.scale.memory import Breakdown
 from treadle.scale.plan import (
@@ -115,6 +116,16 @@ def _simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train-sp", type=int, default=1,
                         help="trainer's Ulysses sequence parallel: splits each sequence's "
                         "activations, adds all-to-alls (1)")  # fmt: skip
+    parser.add_argument("--pack-tokens", type=int, default=0,
+                        help="pack sequences into micro-batches of this many tokens (NeMo-RL's "
+                        "train_mb_tokens): fewer micro-batches, a larger pipeline bubble "
+                        "(default: one sequence a micro-batch)")  # fmt: skip
+    parser.add_argument("--sync-method", choices=SYNC_METHODS,
+                        help="how the engines get new weights: colocated (each GPU's shard in "
+                        "place), broadcast (the model over one GPU's link), resharded (each "
+                        "trainer GPU sends its shard), gathered (every GPU receives the whole "
+                        "model, as NeMo-RL's Megatron refit) (colocated if the engines share "
+                        "the GPUs, else broadcast)")  # fmt: skip
     parser.add_argument("--plot", help="write the timeline (engines and trainer) to this PNG")
 
 
@@ -226,7 +237,8 @@ def _workload(args: argparse.Namespace) -> Workload:
         longest = 4096 if args.max_response is None else args.max_response
         mean = longest / 3 if args.mean_response is None else args.mean_response
         lengths = Lengths(mean, longest)
-    return Workload(args.prompts, args.samples, prompt, lengths)
+    pack = getattr(args, "pack_tokens", 0)  # simulate's: plan's memory takes --micro-batch
+    return Workload(args.prompts, args.samples, prompt, lengths, pack_tokens=pack)
 
 
 def _save(draw, path: Path, console) -> None:
@@ -278,7 +290,8 @@ def run(args: argparse.Namespace, console) -> int:
                   engine_tp=args.engine_tp, train_tp=args.train_tp, train_pp=args.train_pp,
                   train_sp=args.train_sp,
                   mode=args.mode, staleness=staleness, partial=args.partial,
-                  updates_per_sync=args.updates_per_sync, drop_stale=args.drop_stale)  # fmt: skip
+                  updates_per_sync=args.updates_per_sync, drop_stale=args.drop_stale,
+                  sync_method=args.sync_method)  # fmt: skip
     check(shape, work, setup)  # the setup's own errors (an engine's KV cache) first
     check_fits(Question(shape, g, args.gpus, work), setup)
     with console.status("simulating") as status:

@@ -24,7 +24,8 @@ from treadle.scale.memory import OVERHEAD_BYTES, kv_bytes_per_token
 from treadle.scale.shapes import ModelShape
 
 Mode = Literal["sync", "one_step", "async"]
-SyncMethod = Literal["colocated", "broadcast", "resharded"]
+SyncMethod = Literal["colocated", "broadcast", "resharded", "gathered"]
+SYNC_METHODS: tuple[SyncMethod, ...] = ("colocated", "broadcast", "resharded", "gathered")
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,11 @@ class Workload:
     reference, +1 for a critic's values."""
     minibatches: int = 1
     """Optimizer steps per RL step (ppo_mini_batch_size = batch / minibatches)."""
+    pack_tokens: int = 0
+    """Tokens per micro-batch where sequences are packed (NeMo-RL's sequence packing,
+    ``train_mb_tokens``; verl's dynamic batch size): a data-parallel rank's share of an
+    optimizer step makes ``tokens / pack_tokens`` micro-batches, not one a sample (the pipeline
+    bubble of :func:`train_s`); 0: one sample a micro-batch."""
 
     @property
     def batch(self) -> int:
@@ -106,7 +112,8 @@ class Setup:
     """Extra prompts per batch (0.25: 25% more, rounded up); a batch ends with its first
     ``prompts`` complete groups and the rest are dropped."""
     sync_method: SyncMethod | None = None
-    """Default: ``colocated`` for a colocated setup, else ``broadcast``."""
+    """How the engines get new weights (:func:`sync_s`). Default: ``colocated`` for a
+    colocated setup, else ``broadcast``; ``colocated`` needs a colocated setup."""
     updates_per_sync: int = 1
     """Trainer updates per weight sync: the trainer takes ``prompts / updates_per_sync``
     complete groups at a time, in the order they complete, and updates the engines after
@@ -192,15 +199,17 @@ def train_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, lengths: lis
     plus :func:`ulysses_s` for ``sp`` > 1 and the fixed ``train_overhead_s``.
 
     The bubble: each of the ``gpus / (tp x pp x sp)`` data-parallel ranks pushes its share of
-    an optimizer step's samples through the stages one sample a micro-batch (m of them), and
-    the 1F1B schedule takes (m + pp - 1) / m of the time without stages (Narayanan et al.
-    2021, arXiv 2104.04473, Sec. 2.2: bubble fraction (pp - 1) / m)."""
+    an optimizer step's samples through the stages one sample a micro-batch, or packed into
+    micro-batches of ``work.pack_tokens`` tokens (m of them), and the 1F1B schedule takes
+    (m + pp - 1) / m of the time without stages (Narayanan et al. 2021, arXiv 2104.04473,
+    Sec. 2.2: bubble fraction (pp - 1) / m)."""
     e = gpu.efficiency
     tokens = sum(lengths) + len(lengths) * work.prompt_tokens  # every sample's prompt too
     tokens_per_gpu = tokens / (gpus * work.minibatches)
     mfu = e.train_mfu * tokens_per_gpu / (tokens_per_gpu + e.train_half_tokens)
     flops = train_flops(shape, work, lengths)
-    micro = max(1.0, len(lengths) / (work.minibatches * max(1, gpus // (tp * pp * sp))))
+    ranks = work.minibatches * max(1, gpus // (tp * pp * sp))
+    micro = max(1.0, (tokens / work.pack_tokens if work.pack_tokens else len(lengths)) / ranks)
     bubble = (micro + pp - 1) / micro
     compute = flops / (gpus * gpu.bf16_tflops * 1e12 * mfu) * bubble
     return compute + ulysses_s(shape, gpu, gpus, work, tokens, tp, sp) + e.train_overhead_s
@@ -228,13 +237,20 @@ def sync_s(shape: ModelShape, setup: Setup) -> float:
     ``colocated``: each GPU's shard copied in place and the engine's weights woken from host
     memory (PCIe); ``broadcast``: the whole model over one GPU's network link (a pipelined
     broadcast reaches every engine at that rate); ``resharded``: each trainer GPU sends its
-    shard over its own link."""
+    shard over its own link; ``gathered``: every tensor is gathered whole on every trainer GPU
+    before its engine takes its shard, so each GPU receives the whole model over its link
+    (the network where the trainer spans nodes): NeMo-RL's colocated refit from Megatron, whose
+    Megatron-Bridge export broadcasts each layer over the pipeline stages and all-gathers its
+    tensor- and expert-parallel pieces on every rank."""
     g, e = setup.gpu, setup.gpu.efficiency
     weights = 2.0 * shape.params()
     method = setup.sync_method or ("colocated" if setup.colocated else "broadcast")
     if method == "colocated":
         per_gpu = weights / setup.engine_tp
         return e.sync_overhead_s + per_gpu / (e.pcie_gbps * 1e9) + per_gpu / (g.hbm_tbps * 1e12)
+    if method == "gathered":
+        link = g.network_gbps if setup.train_gpus > g.per_node else g.nvlink_gbps
+        return e.sync_overhead_s + weights / (link * 1e9 * e.interconnect)
     link = (g.network_gbps if setup.train_gpus + setup.rollout_gpus > g.per_node else
             g.nvlink_gbps) * 1e9 * e.interconnect  # fmt: skip
     senders = 1 if method == "broadcast" else min(setup.train_gpus, setup.rollout_gpus)

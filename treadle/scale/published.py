@@ -50,13 +50,18 @@ AREAL = Workload(64, 16, 300, Lengths(5000, 8192, 0.8), minibatches=4)
 VERL_SYNC = Workload(512, 16, 200, Lengths(1500, 28672, 1.0), extra_forwards=1, minibatches=16)
 VERL_ASYNC = Workload(512, 16, 200, Lengths(1500, 28672, 1.0), extra_forwards=0, minibatches=16)
 # NeMo-RL v0.6 performance summary, DeepSeek-V3: GRPO 32 x 16, max sequence 1,536, average
-# sequence 697-710 tokens, engines of TP 32, training PP 16 x EP 16; its one-step recipe
-# (grpo-deepseek-v3-64n8g-async-1off.yaml): 32 generation nodes and 32 training nodes,
-# max_trajectory_age_steps 1, in_flight_weight_updates true. Assumed: 150-token prompts
-# (OpenMathInstruct-2 problems in a chat template), responses lognormal with sigma 0.8 and mean
-# 600 before the 1,386-token cap (547 after it: 697 in all), a reference and an old-logprob
-# forward
-NEMO = Workload(32, 16, 150, Lengths(600, 1386, 0.8), extra_forwards=2)
+# sequence 697-710 tokens, engines of TP 32, training PP 16 x EP 16; its recipes
+# (grpo-deepseek-v3-32n8g.yaml and the 64n8g ones over it): sequence packing into micro-batches
+# of train_mb_tokens = 1,536 x train_micro_batch_size 1 tokens, and NeMo-RL's default refit
+# (IPC colocated, from Megatron-Bridge's export: every rank gathers every tensor whole, sync
+# method "gathered"); the one-step recipe (grpo-deepseek-v3-64n8g-async-1off.yaml): 32
+# generation nodes and 32 training nodes, max_trajectory_age_steps 1,
+# in_flight_weight_updates true, the refit broadcast from training rank 0 (NCCL, non-colocated
+# default). Assumed: 150-token prompts (OpenMathInstruct-2 problems in a chat template),
+# responses lognormal with sigma 0.8 and mean 600 before the 1,386-token cap (547 after it:
+# 697 in all), a reference and an old-logprob forward. Not modelled: the recipes' MTP
+# speculative decoding (one draft token), which would shorten generation
+NEMO = Workload(32, 16, 150, Lengths(600, 1386, 0.8), extra_forwards=2, pack_tokens=1536)
 
 
 def _areal(eta: int, published: float) -> Row:
@@ -81,7 +86,8 @@ def _verl_async(half: int, published: float) -> Row:
 
 def _nemo(gpus: int, published: float, mode: Literal["sync", "one_step"]) -> Row:
     if mode == "sync":
-        setup = Setup(gpu("h100"), gpus, gpus, colocated=True, engine_tp=32, train_pp=16)
+        setup = Setup(gpu("h100"), gpus, gpus, colocated=True, engine_tp=32, train_pp=16,
+                      sync_method="gathered")  # fmt: skip
         name = f"NeMo-RL DeepSeek-V3 colocated, {gpus} H100"
     else:  # the engines on half the GPUs; in-flight weight updates: eta 1, partial rollouts
         half = gpus // 2

@@ -559,6 +559,17 @@ def check(shape: ModelShape, work: Workload, setup: Setup) -> None:
         raise UserError(
             f"--engine-tp {setup.engine_tp} does not divide --rollout-gpus {setup.rollout_gpus}"
         )
+    if setup.sync_method == "colocated" and not setup.colocated:
+        raise UserError(
+            "--sync-method colocated copies each GPU's shard in place: it needs the engines on "
+            "the trainer's GPUs (omit --rollout-gpus), or use broadcast, resharded or gathered"
+        )
+    if work.pack_tokens and work.pack_tokens < work.prompt_tokens + work.lengths.max:
+        raise UserError(
+            f"--pack-tokens {work.pack_tokens} is less than one prompt + longest response "
+            f"({work.prompt_tokens + work.lengths.max:,} tokens): a micro-batch holds whole "
+            "sequences"
+        )
     if setup.colocated and (setup.mode != "sync" or setup.rollout_gpus != setup.train_gpus):
         raise UserError(
             "a colocated setup takes turns on the same GPUs: use --mode sync, or give the "
