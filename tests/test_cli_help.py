@@ -118,7 +118,25 @@ def test_a_word_that_is_no_override_after_an_option_is_still_refused(argv, capsy
     with pytest.raises(SystemExit) as stopped:
         _parse(argv)
     assert stopped.value.code == 2
-    assert "unrecognized arguments: " in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: " in err
+    assert f"(treadle {argv[0]} --help lists the options)" in err  # the command's own help
+
+
+def test_a_ctrl_c_while_torch_imports_is_one_line_exit_130(tmp_path):
+    # a `torch` that stops importing as a Ctrl-C would: no traceback, nothing written
+    (tmp_path / "torch.py").write_text("raise KeyboardInterrupt\n")
+    root = Path(__file__).resolve().parents[1]
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{tmp_path}{os.pathsep}{root}",
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
+    done = subprocess.run([sys.executable, "-m", "treadle.cli", "eval", str(tmp_path / "m")],
+                          env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 130
+    assert done.stderr == "treadle: interrupted while starting; nothing was written\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["torch.py"]
 
 
 def test_every_commands_help_formats():

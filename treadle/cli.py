@@ -55,6 +55,7 @@ def _parser() -> argparse.ArgumentParser:
         "treadle config: every config key with its type, default and meaning.",
     )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser.commands = sub.choices  # each command's parser, to name its --help in an error
     train = sub.add_parser("train", **_about("train"))
     train.add_argument("recipe", nargs="?", help="YAML recipe (omit with --resume)")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-5")
@@ -244,7 +245,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args, extra = parser.parse_known_args(argv)
     overrides = [a for a in extra if "=" in a and not a.startswith("-")]
     if len(overrides) < len(extra) or (overrides and not hasattr(args, "overrides")):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        command = parser.commands.get(args.command, parser)  # its --help lists its options
+        command.error(f"unrecognized arguments: {' '.join(extra)}")
     if overrides:
         args.overrides = [*args.overrides, *overrides]
     return args
@@ -263,17 +265,21 @@ def main(argv: list[str] | None = None) -> int:
         return _config(args.section)
     if args.command in ("plan", "simulate"):  # pure arithmetic: no torch either
         return _scale(args)
-    import torch
-    import transformers
+    try:  # torch and transformers take seconds to import: a Ctrl-C then has done nothing yet
+        import torch
+        import transformers
 
+        from treadle.core.errors import UserError
+        from treadle.jobs.stopping import Stopped, stop_on_signal
+    except KeyboardInterrupt:
+        print("treadle: interrupted while starting; nothing was written", file=sys.stderr)
+        return 130
     # Our own progress bars report the run; transformers' per-save/load bars only add noise.
     transformers.utils.logging.disable_progress_bar()
     if not torch.cuda.is_available():
         # accelerate imports DeepSpeed, where it is installed, whenever transformers saves a
         # model; left to detect its accelerator it prints a warning on the console
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from treadle.core.errors import UserError
-    from treadle.jobs.stopping import Stopped, stop_on_signal
 
     threading.excepthook = _quiet_disk_full(threading.excepthook)
     try:
