@@ -1,12 +1,14 @@
 """The simulator's engine batch: a decode segment's bookkeeping by counters and a heap (SCALE.md,
-"Speed"), preemption when the KV cache is full, and the figures a run reports where no batch
-completed."""
+"Speed"), preemption when the KV cache is full, speculative decoding, and the figures a run
+reports where no batch completed."""
 
 import json
 
+import pytest
+
 from treadle.cli import main
 from treadle.scale import simulate as simulate_module
-from treadle.scale.costs import kv_capacity
+from treadle.scale.costs import decode_rate, kv_capacity, weight_read_s
 from treadle.scale.hardware import gpu
 from treadle.scale.shapes import NAMED
 from treadle.scale.simulate import (
@@ -83,9 +85,9 @@ def test_a_full_kv_cache_preempts_the_last_admitted_and_recomputes_it(monkeypatc
     segments = []
     real = simulate_module.segment_s
 
-    def record(costs, weights, b, context, n, floor=0.0):
+    def record(costs, weights, b, context, n, floor=0.0, growth=None):
         segments.append((b, context, n))
-        return real(costs, weights, b, context, n, floor)
+        return real(costs, weights, b, context, n, floor, growth)
 
     monkeypatch.setattr(simulate_module, "segment_s", record)
     work = Workload(1, 4, 10, Lengths(20, 20, measured=((20, 20, 20, 20),)))
@@ -104,9 +106,9 @@ def test_long_responses_never_hold_more_kv_cache_than_the_engine_has(monkeypatch
     peak = []
     real = simulate_module.segment_s
 
-    def record(costs, weights, b, context, n, floor=0.0):
+    def record(costs, weights, b, context, n, floor=0.0, growth=None):
         peak.append(context + b * n)
-        return real(costs, weights, b, context, n, floor)
+        return real(costs, weights, b, context, n, floor, growth)
 
     monkeypatch.setattr(simulate_module, "segment_s", record)
     work = Workload(64, 16, 512, Lengths(16384 / 3, 16384))
@@ -119,3 +121,39 @@ def test_long_responses_never_hold_more_kv_cache_than_the_engine_has(monkeypatch
             "--max-response", "16384", "--mean-response", "8000", "--steps", "2"]  # fmt: skip
     assert main(argv) == 0
     assert "requests preempted (KV cache full)" in capsys.readouterr().out  # 318 here
+
+
+def test_tokens_a_speculative_step_adds():
+    # (1 - a^(k + 1)) / (1 - a): k = 1, a = 0.85: 1 + 0.85 = 1.85; k = 3, a = 0.8:
+    # 1 + 0.8 + 0.64 + 0.512 = 2.952; every draft accepted: k + 1; no draft: 1
+    h100 = gpu("h100")
+    assert Setup(h100, 1, 1, spec_tokens=1, spec_accept=0.85).tokens_per_step == pytest.approx(1.85)
+    assert Setup(h100, 1, 1, spec_tokens=3, spec_accept=0.8).tokens_per_step == pytest.approx(2.952)
+    assert Setup(h100, 1, 1, spec_tokens=2, spec_accept=1.0).tokens_per_step == 3.0
+    assert Setup(h100, 1, 1).tokens_per_step == 1.0
+
+
+def test_a_speculative_engine_takes_fewer_steps_each_verifying_more_tokens(monkeypatch):
+    # one 100-token response after a 10-token prompt, 1 draft token accepted 85% of the time:
+    # ceil(100 / 1.85) = 55 steps, the context growing 1.85 tokens a step; each step reads the
+    # weights for 2 tokens and costs 1 + 1/24 of itself for the one-layer draft (Qwen2.5-0.5B:
+    # 24 layers). segment_s stubbed at 1 s: the decode bar is the prefill + 25/24 s
+    calls = []
+
+    def record(costs, weights, b, context, n, floor=0.0, growth=None):
+        calls.append((b, context, n, growth, weights))
+        return 1.0
+
+    monkeypatch.setattr(simulate_module, "segment_s", record)
+    shape, h100 = NAMED["qwen2.5-0.5b"], gpu("h100")
+    work = Workload(1, 1, 10, Lengths(100, 100, measured=((100,),)))
+    setup = Setup(h100, 1, 1, colocated=True, spec_tokens=1, spec_accept=0.85)
+    sim = _Simulation(shape, work, setup, 2, 0)
+    sim.run()
+    assert calls[0] == (1, 10.0, 55, pytest.approx(1.85), weight_read_s(shape, h100, 1, 2))
+    lane, start, end, kind = sim.timeline[0]
+    assert (lane, kind) == ("engine 0", "decode")
+    assert end - start == pytest.approx(10 * sim.prefill_per_token + 25 / 24)
+    # verifying 2 tokens a request doubles the FLOPs term of a step
+    plain, spec = decode_rate(shape, h100, 1), decode_rate(shape, h100, 1, spec_tokens=1)
+    assert spec[0] == pytest.approx(2 * plain[0]) and spec[1:] == plain[1:]

@@ -178,6 +178,16 @@ def test_lengths_from_a_damaged_buffer_file_is_one_line_exit_2(tmp_path, capsys)
             "it needs the engines on the trainer's GPUs (omit --rollout-gpus)",
         ),
         (["simulate", "qwen2.5-0.5b", "--sync-method", "nccl"], "invalid choice: 'nccl'"),
+        (["simulate", "qwen2.5-0.5b", "--spec-tokens", "1"], "--spec-tokens 1 needs --spec-acc"),
+        (["simulate", "qwen2.5-0.5b", "--spec-accept", "0.8"], "add --spec-tokens K"),
+        (
+            ["simulate", "qwen2.5-0.5b", "--spec-tokens", "2", "--spec-accept", "1.2"],
+            "--spec-accept 1.2 in 0..1",
+        ),
+        (
+            ["simulate", "qwen2.5-0.5b", "--spec-tokens", "17", "--spec-accept", "0.5"],
+            "--spec-tokens 17 must be in 0..16",
+        ),
         (["plan", "qwen2.5-0.5b", "--sp", "4"], "sequence parallel 4 does not divide the 14"),
         (["plan", "qwen2.5-0.5b", "--sp", "4"], "use --sp 1 or 2 or 7 or 14"),
         (["plan", "qwen2.5-0.5b", "--sp", "0"], "--sp 0: must be 1..1,024"),

@@ -126,6 +126,12 @@ def _simulate_arguments(parser: argparse.ArgumentParser) -> None:
                         "trainer GPU sends its shard), gathered (every GPU receives the whole "
                         "model, as NeMo-RL's Megatron refit) (colocated if the engines share "
                         "the GPUs, else broadcast)")  # fmt: skip
+    parser.add_argument("--spec-tokens", type=int, default=0,
+                        help="speculative decoding: draft tokens a decode step proposes, with a "
+                        "draft of about one layer (MTP, EAGLE) (0: none)")  # fmt: skip
+    parser.add_argument("--spec-accept", type=float, default=0.0,
+                        help="chance each draft token is accepted (DeepSeek-V3 reports 0.85-0.9 "
+                        "for its MTP token)")  # fmt: skip
     parser.add_argument("--plot", help="write the timeline (engines and trainer) to this PNG")
 
 
@@ -197,6 +203,11 @@ def _check(args: argparse.Namespace) -> None:
             "--lengths-from takes the lengths from the run: drop --max-response and --mean-response"
         )
     if args.command == "simulate":
+        if args.spec_tokens > 0 and args.spec_accept == 0:
+            raise UserError(
+                f"--spec-tokens {args.spec_tokens} needs --spec-accept A, the chance each draft "
+                "token is accepted (DeepSeek-V3 reports 0.85-0.9 for its MTP token)"
+            )
         if args.staleness is not None and args.mode != "async":
             raise UserError(f"--staleness applies to --mode async, not {args.mode}")
         if args.rollout_gpus is not None and not 1 <= args.rollout_gpus < args.gpus:
@@ -291,7 +302,8 @@ def run(args: argparse.Namespace, console) -> int:
                   train_sp=args.train_sp,
                   mode=args.mode, staleness=staleness, partial=args.partial,
                   updates_per_sync=args.updates_per_sync, drop_stale=args.drop_stale,
-                  sync_method=args.sync_method)  # fmt: skip
+                  sync_method=args.sync_method, spec_tokens=args.spec_tokens,
+                  spec_accept=args.spec_accept)  # fmt: skip
     check(shape, work, setup)  # the setup's own errors (an engine's KV cache) first
     check_fits(Question(shape, g, args.gpus, work), setup)
     with console.status("simulating") as status:

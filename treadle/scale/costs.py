@@ -126,22 +126,37 @@ class Setup:
     :mod:`treadle.rollout.scheduler`). Without it the bound holds at admission only (AReaL's
     rule, Sec. 5.1): a slow group overtaken by later ones may then train ``ceil(eta) + 1``
     versions old."""
+    spec_tokens: int = 0
+    """Draft tokens a decode step proposes per request (speculative decoding with a draft of
+    about one layer: DeepSeek-V3's MTP module, an EAGLE head); 0: none."""
+    spec_accept: float = 0.0
+    """Chance that each draft token is accepted, independently of the others."""
 
     @property
     def eta(self) -> float:
         """The staleness bound the mode implies."""
         return {"sync": 0, "one_step": 1}.get(self.mode, self.staleness)
 
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens a decode step adds to a request on average: ``(1 - a^(k + 1)) / (1 - a)``
+        for ``k`` draft tokens each accepted with chance ``a`` (Leviathan et al. 2023,
+        arXiv 2211.17192, Eq. 1); 1 without speculative decoding."""
+        k, a = self.spec_tokens, self.spec_accept
+        return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
 
-def decode_rate(shape: ModelShape, gpu: Gpu, tp: int) -> tuple[float, float, float, float]:
-    """A decode step's cost terms for one engine of ``tp`` GPUs: (seconds per token of batch
-    from FLOPs and the per-token overhead, seconds per context token from FLOPs, seconds per
-    context token from KV bytes, fixed seconds from the layer latency). Weight bytes are
-    :func:`weight_read_s`; the step floor is ``efficiency.step_floor_s``."""
+
+def decode_rate(shape: ModelShape, gpu: Gpu, tp: int,
+                spec_tokens: int = 0) -> tuple[float, float, float, float]:  # fmt: skip
+    """A decode step's cost terms for one engine of ``tp`` GPUs: (seconds per request of
+    batch from FLOPs and the per-token overhead, seconds per context token from FLOPs, seconds
+    per context token from KV bytes, fixed seconds from the layer latency). A step with
+    ``spec_tokens`` draft tokens verifies ``1 + spec_tokens`` tokens a request. Weight bytes
+    are :func:`weight_read_s`; the step floor is ``efficiency.step_floor_s``."""
     e = gpu.efficiency
     flops = tp * gpu.bf16_tflops * 1e12 * e.decode_mfu
     bandwidth = tp * gpu.hbm_tbps * 1e12 * e.decode_bandwidth
-    per_token = 2.0 * shape.active_params() / flops + e.token_overhead_s
+    per_token = (1 + spec_tokens) * (2.0 * shape.active_params() / flops + e.token_overhead_s)
     per_context_flops = shape.attention_flops_per_token(1.0) / flops
     per_context_bytes = kv_bytes_per_token(shape, 1) / bandwidth
     return per_token, per_context_flops, per_context_bytes, shape.layers * e.layer_latency_s
@@ -157,15 +172,16 @@ def weight_read_s(shape: ModelShape, gpu: Gpu, tp: int, batch: int) -> float:
 
 
 def segment_s(costs: tuple[float, float, float, float], weights_s: float, b: int, c0: float,
-              n: int, floor_s: float = 0.0) -> float:  # fmt: skip
+              n: int, floor_s: float = 0.0, growth: float | None = None) -> float:  # fmt: skip
     """Seconds for ``n`` decode steps of a batch of ``b`` whose total context starts at ``c0``
-    tokens and grows by ``b`` per step: the sum of max(compute, memory, floor) + latency,
-    compute and memory linear in the context, summed in closed form between the steps where
-    the dominant term changes."""
+    tokens and grows by ``growth`` (default ``b``) per step: the sum of max(compute, memory,
+    floor) + latency, compute and memory linear in the context, summed in closed form between
+    the steps where the dominant term changes."""
     per_token, ctx_flops, ctx_bytes, latency = costs
-    # each term as a + k * j over steps j = 0..n-1 (the context is c0 + b * j)
-    lines = [(per_token * b + ctx_flops * c0, ctx_flops * b),  # compute
-             (weights_s + ctx_bytes * c0, ctx_bytes * b),  # memory
+    g = b if growth is None else growth
+    # each term as a + k * j over steps j = 0..n-1 (the context is c0 + g * j)
+    lines = [(per_token * b + ctx_flops * c0, ctx_flops * g),  # compute
+             (weights_s + ctx_bytes * c0, ctx_bytes * g),  # memory
              (floor_s, 0.0)]  # fmt: skip
     cuts = {0, n}
     for i, (a1, k1) in enumerate(lines):

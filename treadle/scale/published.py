@@ -59,8 +59,9 @@ VERL_ASYNC = Workload(512, 16, 200, Lengths(1500, 28672, 1.0), extra_forwards=0,
 # in_flight_weight_updates true, the refit broadcast from training rank 0 (NCCL, non-colocated
 # default). Assumed: 150-token prompts (OpenMathInstruct-2 problems in a chat template),
 # responses lognormal with sigma 0.8 and mean 600 before the 1,386-token cap (547 after it:
-# 697 in all), a reference and an old-logprob forward. Not modelled: the recipes' MTP
-# speculative decoding (one draft token), which would shorten generation
+# 697 in all), a reference and an old-logprob forward, and the recipes' MTP speculative
+# decoding (one draft token) accepted 85% of the time (the DeepSeek-V3 report, arXiv
+# 2412.19437, Sec. 5.4.3: 85-90% for the second token; RL samples at temperature 1)
 NEMO = Workload(32, 16, 150, Lengths(600, 1386, 0.8), extra_forwards=2, pack_tokens=1536)
 
 
@@ -85,14 +86,15 @@ def _verl_async(half: int, published: float) -> Row:
 
 
 def _nemo(gpus: int, published: float, mode: Literal["sync", "one_step"]) -> Row:
+    mtp = {"spec_tokens": 1, "spec_accept": 0.85}
     if mode == "sync":
         setup = Setup(gpu("h100"), gpus, gpus, colocated=True, engine_tp=32, train_pp=16,
-                      sync_method="gathered")  # fmt: skip
+                      sync_method="gathered", **mtp)  # fmt: skip
         name = f"NeMo-RL DeepSeek-V3 colocated, {gpus} H100"
     else:  # the engines on half the GPUs; in-flight weight updates: eta 1, partial rollouts
         half = gpus // 2
         setup = Setup(gpu("h100"), half, half, engine_tp=32, train_pp=16, mode="async",
-                      staleness=1, partial=True)  # fmt: skip
+                      staleness=1, partial=True, **mtp)  # fmt: skip
         name = f"NeMo-RL DeepSeek-V3 one-step off-policy {half}:{half}, in-flight updates"
     return Row(name, published, "s", "deepseek-v3", NEMO, setup)
 

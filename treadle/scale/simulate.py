@@ -109,13 +109,18 @@ class _Request:
     group: _Group
     length: int
     version: int = 0
+    steps: int = 0
+    """Decode steps it takes: ``length``, or fewer with speculative decoding (0: ``length``)."""
     start: int = 0
-    """Running: its engine's decode steps when it would have started from no token (its
-    tokens are ``engine.steps - start``)."""
+    """Running: its engine's decode steps when it would have started from no step (its steps
+    done are ``engine.steps - start``)."""
     done: int = 0
-    """Tokens generated when it was last preempted."""
+    """Decode steps done when it was last preempted."""
     admitted: int = 0
     """Times it has been admitted: the key of its live entry in its engine's heap."""
+
+    def __post_init__(self) -> None:
+        self.steps = self.steps or self.length
 
     @property
     def batch(self) -> int:
@@ -127,11 +132,13 @@ class _Request:
 class _Engine:
     """One engine's continuous batch, kept so that a decode segment costs O(log n) per request
     that starts or ends in it, not O(n) per segment: ``steps`` counts the engine's decode
-    steps, a request's tokens are ``steps - start``, and a heap of its requests' last steps
-    gives the next to end. Requests preempted for KV cache wait in ``preempted``, the last
-    preempted first back, as vLLM's scheduler prepends each to its waiting queue."""
+    steps, a request's are ``steps - start`` (``tokens_per_step`` tokens each), and a heap of
+    its requests' last steps gives the next to end. Requests preempted for KV cache wait in
+    ``preempted``, the last preempted first back, as vLLM's scheduler prepends each to its
+    waiting queue."""
 
     index: int
+    tokens_per_step: float = 1.0
     checked: int = 0
     """The simulation's ``unwanted`` count when this engine last dropped unwanted requests."""
     clock: float = 0.0
@@ -149,9 +156,10 @@ class _Engine:
     """Requests preempted here, the next to come back first: they keep their tokens, not their
     KV cache."""
 
-    def context(self, prompt_tokens: int) -> int:
+    def context(self, prompt_tokens: int) -> float:
         """Tokens in the running requests (prompts and generated tokens)."""
-        return len(self.running) * (prompt_tokens + self.steps) - self.started
+        steps = len(self.running) * self.steps - self.started
+        return len(self.running) * prompt_tokens + self.tokens_per_step * steps
 
     def left(self) -> int:
         """Decode steps until the first running request ends."""
@@ -163,7 +171,7 @@ class _Engine:
         r.start = self.steps - r.done
         r.admitted += 1
         self.running[r.sample] = r
-        heapq.heappush(self.ends, (r.start + r.length, r.sample, r.admitted, r))
+        heapq.heappush(self.ends, (r.start + r.steps, r.sample, r.admitted, r))
         self.started += r.start
 
     def preempt(self) -> _Request:
@@ -193,7 +201,7 @@ class _Engine:
         before = len(self.running) + len(self.preempted)
         self.running = {k: r for k, r in self.running.items() if keep(r)}
         self.preempted = deque(r for r in self.preempted if keep(r))
-        self.ends = [(r.start + r.length, k, r.admitted, r) for k, r in self.running.items()]
+        self.ends = [(r.start + r.steps, k, r.admitted, r) for k, r in self.running.items()]
         heapq.heapify(self.ends)
         self.started = sum(r.start for r in self.running.values())
         return before - len(self.running) - len(self.preempted)
@@ -213,7 +221,9 @@ class _Simulation:
     def __init__(self, shape: ModelShape, work: Workload, setup: Setup, steps: int, seed: int):
         self.shape, self.work, self.setup, self.steps = shape, work, setup, steps
         g = setup.gpu
-        self.costs = decode_rate(shape, g, setup.engine_tp)
+        self.costs = decode_rate(shape, g, setup.engine_tp, setup.spec_tokens)
+        self.tokens_per_step = setup.tokens_per_step
+        self.draft = 1.0 + setup.spec_tokens / shape.layers  # k draft passes of about a layer
         self.capacity = kv_capacity(shape, setup)
         self.prefill_per_token = (
             2.0
@@ -229,7 +239,9 @@ class _Simulation:
         self.queue: deque[_Request] = deque()  # not yet admitted, next first
         self.batches_drawn = 0
         self.draw(steps + math.ceil(setup.eta) + 2)
-        self.engines = [_Engine(i) for i in range(setup.rollout_gpus // setup.engine_tp)]
+        self.engines = [
+            _Engine(i, self.tokens_per_step) for i in range(setup.rollout_gpus // setup.engine_tp)
+        ]
         self.events: list[tuple[float, int, str, object]] = []
         self.order = 0
         self.finished: dict[int, int] = {}  # batch -> groups finished
@@ -258,7 +270,7 @@ class _Simulation:
         """Queue the requests of ``batches`` more RL steps: each step's prompts, over-sampled,
         times their samples, numbered in admission order (more are drawn where groups dropped
         as stale leave the queue short)."""
-        n = self.work.samples_per_prompt
+        n, tau = self.work.samples_per_prompt, self.setup.tokens_per_step
         groups = math.ceil(self.work.prompts * (1 + self.setup.oversample))
         self.per_batch = groups * n
         for j in range(self.batches_drawn, self.batches_drawn + batches):
@@ -266,8 +278,10 @@ class _Simulation:
             first = j * self.per_batch
             for k in range(groups):
                 group = _Group(j, n)
-                group.members = [_Request(first + k * n + i, group, lengths[k * n + i])
-                                 for i in range(n)]  # fmt: skip
+                group.members = [
+                    _Request(first + k * n + i, group, length, steps=math.ceil(length / tau))
+                    for i, length in enumerate(lengths[k * n : (k + 1) * n])
+                ]
                 self.queue.extend(group.members)
         self.batches_drawn += batches
 
@@ -311,12 +325,16 @@ class _Simulation:
             engine.idle, engine.clock = True, time
             return
         engine.idle = False
-        room = int((self.capacity - context) // b)  # steps until the KV cache is full: >= 1
+        growth = self.tokens_per_step * b  # KV cache tokens a step adds
+        room = int((self.capacity - context) // growth)  # steps until the cache is full: >= 1
         n = min(SEGMENT_STEPS, engine.left(), room)
-        if b not in self.weights_s:
-            self.weights_s[b] = weight_read_s(self.shape, self.setup.gpu, self.setup.engine_tp, b)
-        end = time + segment_s(self.costs, self.weights_s[b], b, context, n,
-                               self.setup.gpu.efficiency.step_floor_s)  # fmt: skip
+        if b not in self.weights_s:  # a step reads the experts of its verified tokens too
+            tokens = b * (1 + self.setup.spec_tokens)
+            self.weights_s[b] = weight_read_s(self.shape, self.setup.gpu, self.setup.engine_tp,
+                                              tokens)  # fmt: skip
+        decode = segment_s(self.costs, self.weights_s[b], b, context, n,
+                           self.setup.gpu.efficiency.step_floor_s, growth)  # fmt: skip
+        end = time + decode * self.draft
         self.bar(f"engine {engine.index}", time, end, "decode")
         for r in engine.advance(n):
             self.running -= 1
@@ -351,13 +369,14 @@ class _Simulation:
         self.preemptions += n
         return n
 
-    def fits(self, engine: _Engine, tokens: int) -> float:
+    def fits(self, engine: _Engine, tokens: float) -> float:
         """KV cache tokens left after ``tokens`` more and one decode step of the running
         requests and of a request holding them (negative where they do not fit)."""
         context = engine.context(self.work.prompt_tokens)
-        return self.capacity - context - tokens - len(engine.running) - (tokens > 0)
+        step = self.tokens_per_step * (len(engine.running) + (tokens > 0))
+        return self.capacity - context - tokens - step
 
-    def admit(self, time: float, engine: _Engine, preempted: int) -> tuple[float, int]:
+    def admit(self, time: float, engine: _Engine, preempted: int) -> tuple[float, float]:
         """Start requests while the KV cache holds them and one more decode step: the engine's
         preempted requests first (their prompts and tokens recomputed), then queued ones while
         the staleness bound and the batch limit allow, as vLLM's scheduler admits its waiting
@@ -373,13 +392,13 @@ class _Simulation:
         self.bar(f"engine {engine.index}", time, end, "decode")
         return end, engine.context(self.work.prompt_tokens)
 
-    def readmit(self, engine: _Engine) -> int:
+    def readmit(self, engine: _Engine) -> float:
         """Restart preempted requests, the last preempted first, while they fit; returns the
         tokens to recompute."""
-        tokens = 0
+        tokens = 0.0
         while engine.preempted and len(engine.running) < self.setup.gpu.efficiency.max_batch:
             r = engine.preempted[0]
-            need = self.work.prompt_tokens + r.done
+            need = self.work.prompt_tokens + self.tokens_per_step * r.done
             if engine.running and self.fits(engine, need) < 0:
                 break
             engine.add(engine.preempted.popleft())
@@ -526,6 +545,8 @@ class _Simulation:
 
 
 MAX_STALENESS = 64
+MAX_SPEC_TOKENS = 16
+"""Most draft tokens a decode step proposes (speculative decoding)."""
 MAX_UPDATES_PER_SYNC = 256
 """Most updates a weight sync :func:`simulate` takes (verl's trigger_parameter_sync_step is 4 in
 its recipes): each update is at least one optimizer step and an event of its own."""
@@ -558,6 +579,15 @@ def check(shape: ModelShape, work: Workload, setup: Setup) -> None:
     if setup.rollout_gpus % setup.engine_tp:
         raise UserError(
             f"--engine-tp {setup.engine_tp} does not divide --rollout-gpus {setup.rollout_gpus}"
+        )
+    if not 0 <= setup.spec_tokens <= MAX_SPEC_TOKENS or not 0 <= setup.spec_accept <= 1:
+        raise UserError(
+            f"--spec-tokens {setup.spec_tokens} must be in 0..{MAX_SPEC_TOKENS} and --spec-accept "
+            f"{setup.spec_accept:g} in 0..1"
+        )
+    if setup.spec_accept and not setup.spec_tokens:
+        raise UserError(
+            "--spec-accept is the chance a draft token is accepted: add --spec-tokens K"
         )
     if setup.sync_method == "colocated" and not setup.colocated:
         raise UserError(
