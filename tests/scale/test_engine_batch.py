@@ -157,3 +157,14 @@ def test_a_speculative_engine_takes_fewer_steps_each_verifying_more_tokens(monke
     # verifying 2 tokens a request doubles the FLOPs term of a step
     plain, spec = decode_rate(shape, h100, 1), decode_rate(shape, h100, 1, spec_tokens=1)
     assert spec[0] == pytest.approx(2 * plain[0]) and spec[1:] == plain[1:]
+
+
+def test_each_gpu_reads_its_share_of_the_kv_cache_and_all_of_mlas_latent():
+    # a decode step reads every context token's KV cache once; on H100 at 0.65 of 3.35 TB/s
+    # (2.1775e12 B/s a GPU). DeepSeek-V3's MLA latent, (512 + 64) x 61 layers = 35,136 bf16
+    # values = 70,272 bytes a token, is held whole by each of TP 32's GPUs: 70,272 / 2.1775e12
+    # = 3.2272e-8 s a token. Qwen2.5-7B's 4 KV heads x 128 x 2 x 28 layers = 28,672 values =
+    # 57,344 bytes split over TP 4: 14,336 / 2.1775e12 = 6.5837e-9 s
+    h100 = gpu("h100")
+    assert decode_rate(NAMED["deepseek-v3"], h100, 32)[2] == pytest.approx(3.2272e-8, rel=1e-4)
+    assert decode_rate(NAMED["qwen2.5-7b"], h100, 4)[2] == pytest.approx(6.5837e-9, rel=1e-4)

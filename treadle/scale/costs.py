@@ -158,7 +158,8 @@ def decode_rate(shape: ModelShape, gpu: Gpu, tp: int,
     bandwidth = tp * gpu.hbm_tbps * 1e12 * e.decode_bandwidth
     per_token = (1 + spec_tokens) * (2.0 * shape.active_params() / flops + e.token_overhead_s)
     per_context_flops = shape.attention_flops_per_token(1.0) / flops
-    per_context_bytes = kv_bytes_per_token(shape, 1) / bandwidth
+    # each GPU reads its own share of the KV cache: all of MLA's latent, which TP does not split
+    per_context_bytes = kv_bytes_per_token(shape, tp) / (bandwidth / tp)
     return per_token, per_context_flops, per_context_bytes, shape.layers * e.layer_latency_s
 
 
