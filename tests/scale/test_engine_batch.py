@@ -8,27 +8,19 @@ import pytest
 
 from treadle.cli import main
 from treadle.scale import simulate as simulate_module
+from treadle.scale.batching import EngineBatch, Group, Request
 from treadle.scale.costs import decode_rate, kv_capacity, weight_read_s
 from treadle.scale.hardware import gpu
 from treadle.scale.shapes import NAMED
-from treadle.scale.simulate import (
-    Lengths,
-    Setup,
-    Workload,
-    _Engine,
-    _Group,
-    _Request,
-    _Simulation,
-    simulate,
-)
+from treadle.scale.simulate import Lengths, Setup, Workload, _Simulation, simulate
 
 
 def _request(sample, length):
-    return _Request(sample, _Group(0, 1), length)
+    return Request(sample, Group(0, 1), length)
 
 
 def test_the_engine_counts_each_requests_tokens_and_the_next_to_end():
-    engine = _Engine(0)
+    engine = EngineBatch(0)
     engine.add(_request(0, 10))
     engine.add(_request(1, 3))
     # two prompts of 100 tokens, nothing generated: 2 x 100 = 200; the 3-token one ends first
@@ -47,7 +39,7 @@ def test_the_engine_counts_each_requests_tokens_and_the_next_to_end():
 
 
 def test_requests_ending_on_the_same_step_come_back_in_sample_order():
-    engine = _Engine(0)
+    engine = EngineBatch(0)
     for sample, length in ((5, 4), (2, 4), (9, 1), (7, 4)):
         engine.add(_request(sample, length))
     assert [r.sample for r in engine.advance(1)] == [9]

@@ -8,7 +8,8 @@ import pytest
 from treadle.cli import main
 from treadle.scale.hardware import gpu
 from treadle.scale.shapes import NAMED
-from treadle.scale.simulate import Lengths, Setup, Workload, _Simulation, simulate, steady_state
+from treadle.scale.simulate import Lengths, Setup, Workload, _Simulation, simulate
+from treadle.scale.steady import steady_state
 
 
 def _ends(intervals):

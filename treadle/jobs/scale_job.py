@@ -10,6 +10,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from treadle.core.errors import UserError
+from treadle.scale.checks import check
 from treadle.scale.costs import SYNC_METHODS
 from treadle.scale.hardware import GIB, GPUS, gpu
 from treadle.scale.memory import Breakdown
@@ -30,7 +31,6 @@ from treadle.scale.simulate import (
     Result,
     Setup,
     Workload,
-    check,
     simulate,
 )
 

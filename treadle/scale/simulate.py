@@ -17,14 +17,13 @@ than the bound (treadle's rule), where AReaL's bounds admission only.
 from __future__ import annotations
 
 import heapq
-import itertools
 import math
 import random
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from treadle.core.errors import UserError
+from treadle.scale.batching import EngineBatch, Group, Request
+from treadle.scale.checks import check
 from treadle.scale.costs import (
     Lengths,
     Mode,
@@ -39,8 +38,9 @@ from treadle.scale.costs import (
     weight_read_s,
 )
 from treadle.scale.shapes import ModelShape
+from treadle.scale.steady import steady_state
 
-__all__ = ["Lengths", "Mode", "Result", "Setup", "SyncMethod", "Workload", "check", "simulate"]
+__all__ = ["Lengths", "Mode", "Result", "Setup", "SyncMethod", "Workload", "simulate"]
 
 SEGMENT_STEPS = 64
 """Decode steps an engine runs before it looks again at the trainer's version: new weights
@@ -89,132 +89,6 @@ class Result:
     """(lane, start s, end s, kind) bars: kind is decode, train, sync or idle."""
 
 
-@dataclass(eq=False)
-class _Group:
-    """One prompt's samples: admitted, scored, trained and dropped together, as GRPO's
-    advantages need the whole group (treadle's, verl's and AReaL's unit of a batch)."""
-
-    batch: int
-    left: int
-    """Samples not yet scored."""
-    version: int | None = None
-    """The oldest policy version among its tokens: the engine's at its first admission."""
-    dropped: bool = False
-    members: list[_Request] = field(default_factory=list)
-
-
-@dataclass(eq=False)
-class _Request:
-    sample: int
-    group: _Group
-    length: int
-    version: int = 0
-    steps: int = 0
-    """Decode steps it takes: ``length``, or fewer with speculative decoding (0: ``length``)."""
-    start: int = 0
-    """Running: its engine's decode steps when it would have started from no step (its steps
-    done are ``engine.steps - start``)."""
-    done: int = 0
-    """Decode steps done when it was last preempted."""
-    admitted: int = 0
-    """Times it has been admitted: the key of its live entry in its engine's heap."""
-
-    def __post_init__(self) -> None:
-        self.steps = self.steps or self.length
-
-    @property
-    def batch(self) -> int:
-        """The RL step this request was drawn for."""
-        return self.group.batch
-
-
-@dataclass
-class _Engine:
-    """One engine's continuous batch, kept so that a decode segment costs O(log n) per request
-    that starts or ends in it, not O(n) per segment: ``steps`` counts the engine's decode
-    steps, a request's are ``steps - start`` (``tokens_per_step`` tokens each), and a heap of
-    its requests' last steps gives the next to end. Requests preempted for KV cache wait in
-    ``preempted``, the last preempted first back, as vLLM's scheduler prepends each to its
-    waiting queue."""
-
-    index: int
-    tokens_per_step: float = 1.0
-    checked: int = 0
-    """The simulation's ``unwanted`` count when this engine last dropped unwanted requests."""
-    clock: float = 0.0
-    version: int = 0
-    idle: bool = True
-    steps: int = 0
-    running: dict[int, _Request] = field(default_factory=dict)
-    """Running requests by sample number, in admission order."""
-    ends: list[tuple[int, int, int, _Request]] = field(default_factory=list)
-    """Heap of (the decode step it ends at, sample, admission, request) over ``running``;
-    entries of requests preempted since are skipped as they surface."""
-    started: int = 0
-    """Sum of the running requests' ``start``."""
-    preempted: deque[_Request] = field(default_factory=deque)
-    """Requests preempted here, the next to come back first: they keep their tokens, not their
-    KV cache."""
-
-    def context(self, prompt_tokens: int) -> float:
-        """Tokens in the running requests (prompts and generated tokens)."""
-        steps = len(self.running) * self.steps - self.started
-        return len(self.running) * prompt_tokens + self.tokens_per_step * steps
-
-    def left(self) -> int:
-        """Decode steps until the first running request ends."""
-        self._skip_stale()
-        return self.ends[0][0] - self.steps
-
-    def add(self, r: _Request) -> None:
-        """Start a request here, or restart a preempted one with the tokens it had."""
-        r.start = self.steps - r.done
-        r.admitted += 1
-        self.running[r.sample] = r
-        heapq.heappush(self.ends, (r.start + r.steps, r.sample, r.admitted, r))
-        self.started += r.start
-
-    def preempt(self) -> _Request:
-        """Preempt the request admitted last (vLLM's FCFS policy): it keeps its tokens and
-        loses its KV cache, to be recomputed when it is admitted again."""
-        _, r = self.running.popitem()
-        r.done = self.steps - r.start
-        self.started -= r.start
-        self.preempted.appendleft(r)
-        return r
-
-    def advance(self, n: int) -> list[_Request]:
-        """Run ``n`` decode steps; returns the requests that ended, by sample number."""
-        self.steps += n
-        ended = []
-        while self.ends and self.ends[0][0] <= self.steps:
-            _, sample, admitted, r = heapq.heappop(self.ends)
-            if self.running.get(sample) is r and r.admitted == admitted:
-                del self.running[sample]
-                self.started -= r.start
-                ended.append(r)
-        return ended
-
-    def keep(self, keep: Callable[[_Request], bool]) -> int:
-        """Stop the running and preempted requests ``keep`` refuses; returns how many
-        stopped."""
-        before = len(self.running) + len(self.preempted)
-        self.running = {k: r for k, r in self.running.items() if keep(r)}
-        self.preempted = deque(r for r in self.preempted if keep(r))
-        self.ends = [(r.start + r.steps, k, r.admitted, r) for k, r in self.running.items()]
-        heapq.heapify(self.ends)
-        self.started = sum(r.start for r in self.running.values())
-        return before - len(self.running) - len(self.preempted)
-
-    def _skip_stale(self) -> None:
-        """Drop the heap's top entries left by preempted requests."""
-        while self.ends:
-            _, sample, admitted, r = self.ends[0]
-            if self.running.get(sample) is r and r.admitted == admitted:
-                return
-            heapq.heappop(self.ends)
-
-
 class _Simulation:
     """The event loop of :func:`simulate`; events are (time, order, kind, payload)."""
 
@@ -236,18 +110,19 @@ class _Simulation:
             work, minibatches=max(1, work.minibatches // setup.updates_per_sync)
         )
         self.rng = random.Random(seed)
-        self.queue: deque[_Request] = deque()  # not yet admitted, next first
+        self.queue: deque[Request] = deque()  # not yet admitted, next first
         self.batches_drawn = 0
         self.draw(steps + math.ceil(setup.eta) + 2)
         self.engines = [
-            _Engine(i, self.tokens_per_step) for i in range(setup.rollout_gpus // setup.engine_tp)
+            EngineBatch(i, self.tokens_per_step)
+            for i in range(setup.rollout_gpus // setup.engine_tp)
         ]
         self.events: list[tuple[float, int, str, object]] = []
         self.order = 0
         self.finished: dict[int, int] = {}  # batch -> groups finished
         self.full: set[int] = set()  # batches with all their groups: the rest are dropped
-        self.ready: list[_Group] = []  # scored, waiting for the trainer
-        self.open: set[_Group] = set()  # admitted, not yet scored, not dropped
+        self.ready: list[Group] = []  # scored, waiting for the trainer
+        self.open: set[Group] = set()  # admitted, not yet scored, not dropped
         self.dropped = 0  # samples dropped as stale (drop_stale)
         self.preemptions = 0  # requests preempted for KV cache
         self.unwanted = 0  # batches filled and drops: when running requests may be unwanted
@@ -277,9 +152,9 @@ class _Simulation:
             lengths = self.work.lengths.draw(self.rng, groups, n)
             first = j * self.per_batch
             for k in range(groups):
-                group = _Group(j, n)
+                group = Group(j, n)
                 group.members = [
-                    _Request(first + k * n + i, group, length, steps=math.ceil(length / tau))
+                    Request(first + k * n + i, group, length, steps=math.ceil(length / tau))
                     for i, length in enumerate(lengths[k * n : (k + 1) * n])
                 ]
                 self.queue.extend(group.members)
@@ -310,7 +185,7 @@ class _Simulation:
         elif end > start:
             self.timeline.append((lane, start, end, kind))
 
-    def on_wake(self, time: float, engine: _Engine) -> None:
+    def on_wake(self, time: float, engine: EngineBatch) -> None:
         """An engine looks at its requests: updates its weights, admits, decodes a segment."""
         if time < self.blocked_until:
             self.push(self.blocked_until, "wake", engine)
@@ -342,7 +217,7 @@ class _Simulation:
         engine.clock = end
         self.push(end, "wake", engine)
 
-    def take_weights(self, time: float, engine: _Engine) -> float:
+    def take_weights(self, time: float, engine: EngineBatch) -> float:
         """The engine loads the trainer's newest weights when it may: at once with partial
         rollouts (recomputing the running requests' KV cache), else once it has drained."""
         busy = engine.running or engine.preempted
@@ -358,7 +233,7 @@ class _Simulation:
             self.end_sync(max(end, self.trained_at + self.sync))
         return end
 
-    def make_room(self, engine: _Engine) -> int:
+    def make_room(self, engine: EngineBatch) -> int:
         """Preempt the requests admitted last until the next decode step's tokens fit the KV
         cache (vLLM's recompute preemption; one request always fits, :func:`check`); returns
         how many."""
@@ -369,14 +244,14 @@ class _Simulation:
         self.preemptions += n
         return n
 
-    def fits(self, engine: _Engine, tokens: float) -> float:
+    def fits(self, engine: EngineBatch, tokens: float) -> float:
         """KV cache tokens left after ``tokens`` more and one decode step of the running
         requests and of a request holding them (negative where they do not fit)."""
         context = engine.context(self.work.prompt_tokens)
         step = self.tokens_per_step * (len(engine.running) + (tokens > 0))
         return self.capacity - context - tokens - step
 
-    def admit(self, time: float, engine: _Engine, preempted: int) -> tuple[float, float]:
+    def admit(self, time: float, engine: EngineBatch, preempted: int) -> tuple[float, float]:
         """Start requests while the KV cache holds them and one more decode step: the engine's
         preempted requests first (their prompts and tokens recomputed), then queued ones while
         the staleness bound and the batch limit allow, as vLLM's scheduler admits its waiting
@@ -392,7 +267,7 @@ class _Simulation:
         self.bar(f"engine {engine.index}", time, end, "decode")
         return end, engine.context(self.work.prompt_tokens)
 
-    def readmit(self, engine: _Engine) -> float:
+    def readmit(self, engine: EngineBatch) -> float:
         """Restart preempted requests, the last preempted first, while they fit; returns the
         tokens to recompute."""
         tokens = 0.0
@@ -405,7 +280,7 @@ class _Simulation:
             tokens += need
         return tokens
 
-    def admit_queued(self, time: float, engine: _Engine) -> int:
+    def admit_queued(self, time: float, engine: EngineBatch) -> int:
         """Start queued requests (unless the engine drains before an update); returns their
         prompt tokens."""
         if engine.running and not self.setup.partial and engine.version < self.version:
@@ -434,7 +309,7 @@ class _Simulation:
             self.first_admit.setdefault(head.batch, time)
         return prompts
 
-    def share(self, engine: _Engine) -> int:
+    def share(self, engine: EngineBatch) -> int:
         """Requests an engine may run: an equal share of those running and those the staleness
         bound admits now, as a least-loaded router spreads them (vLLM's data-parallel load
         balancing, verl's and AReaL's request routers); one engine takes them all."""
@@ -444,18 +319,18 @@ class _Simulation:
         waiting = min(len(self.queue), max(0, gate - self.queue[0].sample))
         return max(1, math.ceil((waiting + self.running) / len(self.engines)))
 
-    def gate(self, engine: _Engine) -> float:
+    def gate(self, engine: EngineBatch) -> float:
         """The staleness bound at admission: an engine at version v may start requests of
         samples numbered below ``(v + 1 + eta) x per_batch``, plus those dropped as stale (a
         dropped group frees its place, as in treadle's scheduler)."""
         return (engine.version + 1 + self.setup.eta) * self.per_batch + self.dropped
 
-    def wanted(self, r: _Request) -> bool:
+    def wanted(self, r: Request) -> bool:
         """Whether a request still counts: not of a full batch (an over-sampled straggler) nor
         of a group dropped as stale."""
         return r.batch not in self.full and not r.group.dropped
 
-    def on_scored(self, time: float, r: _Request) -> None:
+    def on_scored(self, time: float, r: Request) -> None:
         """A sample is scored; its group, once all its samples are, joins the trainer's queue,
         and its batch may be full now."""
         group = r.group
@@ -473,7 +348,7 @@ class _Simulation:
             self.generate.append(time - self.first_admit[r.batch])
         self.try_train(time)
 
-    def drop(self, groups: list[_Group]) -> None:
+    def drop(self, groups: list[Group]) -> None:
         """Drop groups as stale: their running requests stop at the engines' next look."""
         self.unwanted += 1
         for group in groups:
@@ -542,187 +417,6 @@ class _Simulation:
         """The sync is over: the trainer may take the next batch."""
         self.trainer_free = True
         self.try_train(time)
-
-
-MAX_STALENESS = 64
-MAX_SPEC_TOKENS = 16
-"""Most draft tokens a decode step proposes (speculative decoding)."""
-MAX_UPDATES_PER_SYNC = 256
-"""Most updates a weight sync :func:`simulate` takes (verl's trigger_parameter_sync_step is 4 in
-its recipes): each update is at least one optimizer step and an event of its own."""
-MAX_BATCH = 65536
-"""Largest eta and samples per step :func:`simulate` takes: its queue holds ``eta + steps``
-batches of requests, so time and memory grow with both."""
-
-
-def check(shape: ModelShape, work: Workload, setup: Setup) -> None:
-    """Raises UserError, naming the option to change, for a setup that cannot run."""
-    if work.prompts < 1 or work.samples_per_prompt < 1 or work.batch > MAX_BATCH:
-        raise UserError(
-            f"--prompts {work.prompts} x --samples {work.samples_per_prompt}: both must be at "
-            f"least 1 and their product at most {MAX_BATCH:,}"
-        )
-    if work.prompt_tokens < 1 or work.lengths.max < 1:
-        raise UserError("--prompt-tokens and --max-response must be at least 1 token")
-    if not (0 < work.lengths.mean <= work.lengths.max):
-        raise UserError(
-            f"--mean-response {work.lengths.mean:g} must be above 0 and at most --max-response "
-            f"{work.lengths.max}"
-        )
-    if setup.engine_tp < 1:
-        raise UserError(f"--engine-tp {setup.engine_tp} must be at least 1")
-    if setup.rollout_gpus < 1 or setup.train_gpus < 1:
-        raise UserError(
-            f"{setup.rollout_gpus} engine GPUs and {setup.train_gpus} training GPUs: both must be "
-            "at least 1 (disaggregated: --rollout-gpus below --gpus)"
-        )
-    if setup.rollout_gpus % setup.engine_tp:
-        raise UserError(
-            f"--engine-tp {setup.engine_tp} does not divide --rollout-gpus {setup.rollout_gpus}"
-        )
-    if not 0 <= setup.spec_tokens <= MAX_SPEC_TOKENS or not 0 <= setup.spec_accept <= 1:
-        raise UserError(
-            f"--spec-tokens {setup.spec_tokens} must be in 0..{MAX_SPEC_TOKENS} and --spec-accept "
-            f"{setup.spec_accept:g} in 0..1"
-        )
-    if setup.spec_accept and not setup.spec_tokens:
-        raise UserError(
-            "--spec-accept is the chance a draft token is accepted: add --spec-tokens K"
-        )
-    if setup.sync_method == "colocated" and not setup.colocated:
-        raise UserError(
-            "--sync-method colocated copies each GPU's shard in place: it needs the engines on "
-            "the trainer's GPUs (omit --rollout-gpus), or use broadcast, resharded or gathered"
-        )
-    if work.pack_tokens and work.pack_tokens < work.prompt_tokens + work.lengths.max:
-        raise UserError(
-            f"--pack-tokens {work.pack_tokens} is less than one prompt + longest response "
-            f"({work.prompt_tokens + work.lengths.max:,} tokens): a micro-batch holds whole "
-            "sequences"
-        )
-    if setup.colocated and (setup.mode != "sync" or setup.rollout_gpus != setup.train_gpus):
-        raise UserError(
-            "a colocated setup takes turns on the same GPUs: use --mode sync, or give the "
-            "engines GPUs of their own with --rollout-gpus N for one_step or async"
-        )
-    if shape.heads % setup.engine_tp:
-        raise UserError(f"--engine-tp {setup.engine_tp} does not divide {shape.heads} heads")
-    if not (0 <= setup.staleness <= MAX_STALENESS):  # also refuses NaN
-        raise UserError(f"--staleness {setup.staleness:g} must be in 0..{MAX_STALENESS}")
-    _check_training(shape, work, setup)
-    if setup.partial and setup.mode != "async":
-        raise UserError("--partial applies to --mode async (one_step and sync drain instead)")
-    if setup.mode == "async" and setup.staleness <= 0 and setup.partial:
-        raise UserError("--partial needs --staleness above 0 (eta = 0 is synchronous)")
-    capacity = kv_capacity(shape, setup)
-    longest = work.prompt_tokens + work.lengths.max
-    if capacity < longest:
-        weights = 2.0 * shape.params() / setup.engine_tp / 2**30
-        wider = 2 * setup.engine_tp
-        more = (
-            f"use --engine-tp {wider} or a GPU with more memory"
-            if setup.rollout_gpus % wider == 0 and shape.heads % wider == 0
-            else "use more engine GPUs (--rollout-gpus, --gpus) or a GPU with more memory"
-        )
-        raise UserError(
-            f"one engine's KV cache holds {max(0, int(capacity)):,} tokens after "
-            f"{weights:.1f} GiB of weights per GPU, fewer than one prompt + longest response "
-            f"({longest:,}): {more}"
-        )
-
-
-def _check_training(shape: ModelShape, work: Workload, setup: Setup) -> None:
-    """The trainer's part of :func:`check`: its layout and streamed updates."""
-    tp, pp, sp = setup.train_tp, setup.train_pp, setup.train_sp
-    if min(tp, pp, sp) < 1 or setup.train_gpus % (tp * pp * sp):
-        raise UserError(
-            f"--train-tp {tp} x --train-pp {pp} x --train-sp {sp} must be at least 1 each and "
-            f"divide the {setup.train_gpus} training GPUs"
-        )
-    if shape.heads % (tp * sp):
-        fits = [s for s in range(1, shape.heads // tp + 1) if shape.heads % (tp * s) == 0]
-        hint = (
-            f"; with --train-tp {tp}: --train-sp {' or '.join(map(str, fits[-4:]))}" if fits else ""
-        )
-        raise UserError(
-            f"--train-tp {tp} x --train-sp {sp} must divide {shape.name}'s {shape.heads} "
-            f"attention heads (each GPU attends over whole heads){hint}"
-        )
-    if setup.train_pp > shape.layers:
-        raise UserError(f"--train-pp {setup.train_pp}: more stages than {shape.layers} layers")
-    k = setup.updates_per_sync
-    if not (1 <= k <= MAX_UPDATES_PER_SYNC) or work.prompts % k:
-        raise UserError(
-            f"--updates-per-sync {k} must be in 1..{MAX_UPDATES_PER_SYNC} and divide --prompts "
-            f"{work.prompts}"
-        )
-    if work.minibatches > 1 and work.minibatches % k:
-        raise UserError(
-            f"{work.minibatches} optimizer steps a step (Workload.minibatches) do not split "
-            f"evenly over {k} updates a sync: use a multiple of {k}"
-        )
-    if setup.colocated and setup.updates_per_sync > 1:
-        raise UserError(
-            "--updates-per-sync streams a step's groups to a trainer of its own: give the "
-            "engines GPUs of their own with --rollout-gpus N"
-        )
-
-
-def steady_state(ends: list[float], truncate: bool = True) -> tuple[int, float, float]:
-    """The warm-up to drop from a run's step intervals (``ends``' differences, step 2 on) by
-    MSER on batch means (White 1997, "An effective truncation heuristic for bias reduction in
-    simulation output", Simulation 69(6); with batch means, the rule Hoad, Robinson and Davies
-    2010 recommend): the intervals, the oldest one left out where their count is odd, are
-    averaged in consecutive pairs y_1..y_m, and the d in [0, m / 2] minimising
-    sum_{j > d} (y_j - mean)^2 / (m - d)^2, the squared standard error of the mean of the rest,
-    is dropped (``truncate=False``: d = 0). Returns (intervals dropped, the mean of the rest in
-    seconds, its relative error): the largest of its standard error and the gaps between the
-    first and last halves of the rest, beyond their noise (:func:`_drift`), in the pairs'
-    means and in their swings |long - short|
-    (a swing still dying out keeps each pair's mean above the steady state, 23.7 against 23.3
-    s, while the pairs agree among themselves: a 0.4% standard error where the mean was 2%
-    off); ``inf`` with fewer than two pairs left.
-
-    Pairs, because a pipelined run alternates: the trainer trains one batch while the engines
-    generate the next, and an asynchronous run's steps swing long and short (a 1,024-GPU,
-    eta = 1 run: 206, 96, 182, 121, ... settling at 144 s; a 32-GPU one keeps swinging 37, 51,
-    37, 51 s); a pair averages the swing, and a mean over the first few steps alone is off by
-    10-15%.
-    """
-    x = [b - a for a, b in itertools.pairwise(ends)]
-    if len(x) < 2:
-        return 0, x[0] if x else 0.0, math.inf
-    odd = len(x) % 2
-    y = [(x[i] + x[i + 1]) / 2 for i in range(odd, len(x) - 1, 2)]
-    best = None
-    for d in range(len(y) // 2 + 1 if truncate else 1):
-        rest = y[d:]
-        mean = sum(rest) / len(rest)
-        mser = sum((v - mean) ** 2 for v in rest) / len(rest) ** 2
-        if best is None or mser < best[0] - 1e-12 * mean**2:
-            best = (mser, d, mean)
-    mser, d, mean = best
-    rest = y[d:]
-    if len(rest) < 2 or mean <= 0:  # one pair: its error is unknown
-        return odd + 2 * d, mean, math.inf if mean > 0 else 0.0
-    half = len(rest) // 2
-    first = odd + 2 * d  # the pairs' swings |long - short|, in the same order
-    swing = [abs(x[i] - x[i + 1]) for i in range(first, len(x) - 1, 2)]
-    drift = max(_drift(v[:half], v[len(v) - half :]) for v in (rest, swing)) / mean
-    return first, mean, max(math.sqrt(mser) / mean, drift)
-
-
-def _drift(early: list[float], late: list[float]) -> float:
-    """How far the means of ``early`` and ``late`` differ beyond twice the standard error of
-    their difference (0 where noise explains it)."""
-    n = len(early)
-
-    def var(v: list[float]) -> float:
-        m = sum(v) / n
-        return sum((a - m) ** 2 for a in v) / max(1, n - 1)
-
-    gap = abs(sum(late) - sum(early)) / n
-    return max(0.0, gap - 2 * math.sqrt((var(early) + var(late)) / n))
 
 
 def simulate(

@@ -1,0 +1,142 @@
+"""The settings :func:`treadle.scale.simulate.simulate` refuses, each with the option to change
+(:class:`~treadle.core.errors.UserError`), and the simulator's size limits."""
+
+from __future__ import annotations
+
+from treadle.core.errors import UserError
+from treadle.scale.costs import Setup, Workload, kv_capacity
+from treadle.scale.shapes import ModelShape
+
+MAX_STALENESS = 64
+"""Largest eta :func:`check` takes: the simulation's queue holds ``eta + steps`` batches of
+requests, so its time and memory grow with it."""
+MAX_SPEC_TOKENS = 16
+"""Most draft tokens a decode step proposes (speculative decoding)."""
+MAX_UPDATES_PER_SYNC = 256
+"""Most updates a weight sync :func:`check` takes (verl's trigger_parameter_sync_step is 4 in
+its recipes): each update is at least one optimizer step and an event of its own."""
+MAX_BATCH = 65536
+"""Most samples per step :func:`check` takes, for the same reason as :data:`MAX_STALENESS`."""
+
+
+def check(shape: ModelShape, work: Workload, setup: Setup) -> None:
+    """Raises UserError, naming the option to change, for a setup that cannot run."""
+    if work.prompts < 1 or work.samples_per_prompt < 1 or work.batch > MAX_BATCH:
+        raise UserError(
+            f"--prompts {work.prompts} x --samples {work.samples_per_prompt}: both must be at "
+            f"least 1 and their product at most {MAX_BATCH:,}"
+        )
+    if work.prompt_tokens < 1 or work.lengths.max < 1:
+        raise UserError("--prompt-tokens and --max-response must be at least 1 token")
+    if not (0 < work.lengths.mean <= work.lengths.max):
+        raise UserError(
+            f"--mean-response {work.lengths.mean:g} must be above 0 and at most --max-response "
+            f"{work.lengths.max}"
+        )
+    if setup.engine_tp < 1:
+        raise UserError(f"--engine-tp {setup.engine_tp} must be at least 1")
+    if setup.rollout_gpus < 1 or setup.train_gpus < 1:
+        raise UserError(
+            f"{setup.rollout_gpus} engine GPUs and {setup.train_gpus} training GPUs: both must be "
+            "at least 1 (disaggregated: --rollout-gpus below --gpus)"
+        )
+    if setup.rollout_gpus % setup.engine_tp:
+        raise UserError(
+            f"--engine-tp {setup.engine_tp} does not divide --rollout-gpus {setup.rollout_gpus}"
+        )
+    _check_methods(work, setup)
+    if setup.colocated and (setup.mode != "sync" or setup.rollout_gpus != setup.train_gpus):
+        raise UserError(
+            "a colocated setup takes turns on the same GPUs: use --mode sync, or give the "
+            "engines GPUs of their own with --rollout-gpus N for one_step or async"
+        )
+    if shape.heads % setup.engine_tp:
+        raise UserError(f"--engine-tp {setup.engine_tp} does not divide {shape.heads} heads")
+    if not (0 <= setup.staleness <= MAX_STALENESS):  # also refuses NaN
+        raise UserError(f"--staleness {setup.staleness:g} must be in 0..{MAX_STALENESS}")
+    _check_training(shape, work, setup)
+    if setup.partial and setup.mode != "async":
+        raise UserError("--partial applies to --mode async (one_step and sync drain instead)")
+    if setup.mode == "async" and setup.staleness <= 0 and setup.partial:
+        raise UserError("--partial needs --staleness above 0 (eta = 0 is synchronous)")
+    _check_kv_cache(shape, work, setup)
+
+
+def _check_training(shape: ModelShape, work: Workload, setup: Setup) -> None:
+    """The trainer's part of :func:`check`: its layout and streamed updates."""
+    tp, pp, sp = setup.train_tp, setup.train_pp, setup.train_sp
+    if min(tp, pp, sp) < 1 or setup.train_gpus % (tp * pp * sp):
+        raise UserError(
+            f"--train-tp {tp} x --train-pp {pp} x --train-sp {sp} must be at least 1 each and "
+            f"divide the {setup.train_gpus} training GPUs"
+        )
+    if shape.heads % (tp * sp):
+        fits = [s for s in range(1, shape.heads // tp + 1) if shape.heads % (tp * s) == 0]
+        hint = (
+            f"; with --train-tp {tp}: --train-sp {' or '.join(map(str, fits[-4:]))}" if fits else ""
+        )
+        raise UserError(
+            f"--train-tp {tp} x --train-sp {sp} must divide {shape.name}'s {shape.heads} "
+            f"attention heads (each GPU attends over whole heads){hint}"
+        )
+    if setup.train_pp > shape.layers:
+        raise UserError(f"--train-pp {setup.train_pp}: more stages than {shape.layers} layers")
+    k = setup.updates_per_sync
+    if not (1 <= k <= MAX_UPDATES_PER_SYNC) or work.prompts % k:
+        raise UserError(
+            f"--updates-per-sync {k} must be in 1..{MAX_UPDATES_PER_SYNC} and divide --prompts "
+            f"{work.prompts}"
+        )
+    if work.minibatches > 1 and work.minibatches % k:
+        raise UserError(
+            f"{work.minibatches} optimizer steps a step (Workload.minibatches) do not split "
+            f"evenly over {k} updates a sync: use a multiple of {k}"
+        )
+    if setup.colocated and setup.updates_per_sync > 1:
+        raise UserError(
+            "--updates-per-sync streams a step's groups to a trainer of its own: give the "
+            "engines GPUs of their own with --rollout-gpus N"
+        )
+
+
+def _check_methods(work: Workload, setup: Setup) -> None:
+    """The decoding, weight-sync and packing options' part of :func:`check`."""
+    if not 0 <= setup.spec_tokens <= MAX_SPEC_TOKENS or not 0 <= setup.spec_accept <= 1:
+        raise UserError(
+            f"--spec-tokens {setup.spec_tokens} must be in 0..{MAX_SPEC_TOKENS} and --spec-accept "
+            f"{setup.spec_accept:g} in 0..1"
+        )
+    if setup.spec_accept and not setup.spec_tokens:
+        raise UserError(
+            "--spec-accept is the chance a draft token is accepted: add --spec-tokens K"
+        )
+    if setup.sync_method == "colocated" and not setup.colocated:
+        raise UserError(
+            "--sync-method colocated copies each GPU's shard in place: it needs the engines on "
+            "the trainer's GPUs (omit --rollout-gpus), or use broadcast, resharded or gathered"
+        )
+    if work.pack_tokens and work.pack_tokens < work.prompt_tokens + work.lengths.max:
+        raise UserError(
+            f"--pack-tokens {work.pack_tokens} is less than one prompt + longest response "
+            f"({work.prompt_tokens + work.lengths.max:,} tokens): a micro-batch holds whole "
+            "sequences"
+        )
+
+
+def _check_kv_cache(shape: ModelShape, work: Workload, setup: Setup) -> None:
+    """One engine's KV cache must hold one prompt and the longest response."""
+    capacity = kv_capacity(shape, setup)
+    longest = work.prompt_tokens + work.lengths.max
+    if capacity < longest:
+        weights = 2.0 * shape.params() / setup.engine_tp / 2**30
+        wider = 2 * setup.engine_tp
+        more = (
+            f"use --engine-tp {wider} or a GPU with more memory"
+            if setup.rollout_gpus % wider == 0 and shape.heads % wider == 0
+            else "use more engine GPUs (--rollout-gpus, --gpus) or a GPU with more memory"
+        )
+        raise UserError(
+            f"one engine's KV cache holds {max(0, int(capacity)):,} tokens after "
+            f"{weights:.1f} GiB of weights per GPU, fewer than one prompt + longest response "
+            f"({longest:,}): {more}"
+        )
