@@ -172,12 +172,30 @@ def test_lengths_from_a_damaged_buffer_file_is_one_line_exit_2(tmp_path, capsys)
         (["simulate", "qwen2.5-0.5b", "--train-sp", "1.5"], "invalid int value: '1.5'"),
         # a micro-batch of packed sequences holds one whole: 512 + 4,096 tokens by default
         (["simulate", "qwen2.5-0.5b", "--pack-tokens", "4000"], "less than one prompt + longest"),
-        (["simulate", "qwen2.5-0.5b", "--pack-tokens", "-1"], "(4,608 tokens): a micro-batch"),
+        (["simulate", "qwen2.5-0.5b", "--pack-tokens", "-1"], "--pack-tokens -1: must be 0..16,7"),
+        # 2,000,000 packed tokens hold the activations of ceil(2e6 / 16,896) = 119 sequences
+        (
+            [
+                "simulate",
+                "qwen2.5-7b",
+                "--max-response",
+                "16384",
+                "--train-sp",
+                "2",
+                "--pack-tokens",
+                "2000000",
+            ],
+            "tokens per sequence, packed 2,000,000 tokens a micro-batch needs",
+        ),
         (
             ["simulate", "qwen2.5-0.5b", "--rollout-gpus", "4", "--sync-method", "colocated"],
-            "it needs the engines on the trainer's GPUs (omit --rollout-gpus)",
+            "updates engines on the trainer's own GPUs: omit --rollout-gpus",
         ),
         (["simulate", "qwen2.5-0.5b", "--sync-method", "nccl"], "invalid choice: 'nccl'"),
+        (
+            ["simulate", "qwen2.5-0.5b", "--rollout-gpus", "4", "--sync-method", "gathered"],
+            "--sync-method gathered updates engines on the trainer's own GPUs",
+        ),
         (["simulate", "qwen2.5-0.5b", "--spec-tokens", "1"], "--spec-tokens 1 needs --spec-acc"),
         (["simulate", "qwen2.5-0.5b", "--spec-accept", "0.8"], "add --spec-tokens K"),
         (

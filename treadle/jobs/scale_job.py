@@ -47,6 +47,10 @@ SHORT = {
 TERMS = tuple(SHORT)
 
 
+MAX_PACK_TOKENS = 2**24
+"""Largest ``--pack-tokens``: a micro-batch of 16.8M tokens."""
+
+
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     """The options of ``command`` (plan or simulate)."""
     parser.add_argument("model", help="a named shape (llama3.1-8b, ...) or a model folder")
@@ -193,6 +197,8 @@ def _check(args: argparse.Namespace) -> None:
             bounds += [("--tp", args.tp, 1, 1024)]
         if args.sp is not None:
             bounds += [("--sp", args.sp, 1, 1024)]
+    else:
+        bounds += [("--pack-tokens", args.pack_tokens, 0, MAX_PACK_TOKENS)]
     for name, value, low, high in bounds:
         if not low <= value <= high:
             raise UserError(f"{name} {value}: must be {low}..{high:,}")
@@ -305,7 +311,10 @@ def run(args: argparse.Namespace, console) -> int:
                   sync_method=args.sync_method, spec_tokens=args.spec_tokens,
                   spec_accept=args.spec_accept)  # fmt: skip
     check(shape, work, setup)  # the setup's own errors (an engine's KV cache) first
-    check_fits(Question(shape, g, args.gpus, work), setup)
+    # a packed micro-batch holds the activations of pack_tokens tokens: as many longest sequences
+    seq = work.prompt_tokens + work.lengths.max
+    micro = max(1, math.ceil(work.pack_tokens / seq))
+    check_fits(Question(shape, g, args.gpus, work, micro_batch=micro), setup)
     with console.status("simulating") as status:
         r = simulate(shape, work, setup, steps=args.steps, progress=_progress(status))
     if args.plot:
@@ -441,7 +450,7 @@ def _print_result(console, r: Result) -> None:
         ("steps simulated", f"{r.steps}, the first {r.warmup_steps} as warm-up"),
         ("step time's error", _error_text(r.step_error)),
         ("samples dropped stale", f"{r.dropped_stale:,}"),
-        ("requests preempted (KV cache full)", f"{r.preemptions:,}"),
+        ("preemptions (KV cache full)", f"{r.preemptions:,}"),
     ]
     for name, value in rows:
         table.add_row(name, value)

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from treadle.core.errors import UserError
-from treadle.scale.costs import Setup, Workload, kv_capacity
+from treadle.scale.costs import SYNC_METHODS, Setup, Workload, kv_capacity
 from treadle.scale.shapes import ModelShape
 
 MAX_STALENESS = 64
@@ -110,10 +110,16 @@ def _check_methods(work: Workload, setup: Setup) -> None:
         raise UserError(
             "--spec-accept is the chance a draft token is accepted: add --spec-tokens K"
         )
-    if setup.sync_method == "colocated" and not setup.colocated:
+    if setup.sync_method not in (None, *SYNC_METHODS):
+        raise UserError(f"--sync-method {setup.sync_method}: one of {', '.join(SYNC_METHODS)}")
+    if setup.sync_method in ("colocated", "gathered") and not setup.colocated:
         raise UserError(
-            "--sync-method colocated copies each GPU's shard in place: it needs the engines on "
-            "the trainer's GPUs (omit --rollout-gpus), or use broadcast, resharded or gathered"
+            f"--sync-method {setup.sync_method} updates engines on the trainer's own GPUs: omit "
+            "--rollout-gpus, or use broadcast or resharded for engines on GPUs of their own"
+        )
+    if work.pack_tokens < 0:
+        raise UserError(
+            f"--pack-tokens {work.pack_tokens} must be at least 0 (0: one sequence a micro-batch)"
         )
     if work.pack_tokens and work.pack_tokens < work.prompt_tokens + work.lengths.max:
         raise UserError(

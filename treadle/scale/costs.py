@@ -217,7 +217,8 @@ def train_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, lengths: lis
 
     The bubble: each of the ``gpus / (tp x pp x sp)`` data-parallel ranks pushes its share of
     an optimizer step's samples through the stages one sample a micro-batch, or packed into
-    micro-batches of ``work.pack_tokens`` tokens (m of them), and the 1F1B schedule takes
+    micro-batches of ``work.pack_tokens`` tokens (m of them, whole: the busiest rank's), and
+    the 1F1B schedule takes
     (m + pp - 1) / m of the time without stages (Narayanan et al. 2021, arXiv 2104.04473,
     Sec. 2.2: bubble fraction (pp - 1) / m)."""
     e = gpu.efficiency
@@ -226,7 +227,10 @@ def train_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, lengths: lis
     mfu = e.train_mfu * tokens_per_gpu / (tokens_per_gpu + e.train_half_tokens)
     flops = train_flops(shape, work, lengths)
     ranks = work.minibatches * max(1, gpus // (tp * pp * sp))
-    micro = max(1.0, (tokens / work.pack_tokens if work.pack_tokens else len(lengths)) / ranks)
+    # the rank with the most micro-batches sets the pace: whole micro-batches (bins of packed
+    # sequences, or samples)
+    micro = max(1, math.ceil((tokens / work.pack_tokens if work.pack_tokens else len(lengths))
+                             / ranks))  # fmt: skip
     bubble = (micro + pp - 1) / micro
     compute = flops / (gpus * gpu.bf16_tflops * 1e12 * mfu) * bubble
     return compute + ulysses_s(shape, gpu, gpus, work, tokens, tp, sp) + e.train_overhead_s
@@ -265,11 +269,11 @@ def sync_s(shape: ModelShape, setup: Setup) -> float:
     if method == "colocated":
         per_gpu = weights / setup.engine_tp
         return e.sync_overhead_s + per_gpu / (e.pcie_gbps * 1e9) + per_gpu / (g.hbm_tbps * 1e12)
+    # the GPUs the weights cross: a colocated setup's are the trainer's own
+    spanned = setup.train_gpus + (0 if setup.colocated else setup.rollout_gpus)
+    link = (g.network_gbps if spanned > g.per_node else g.nvlink_gbps) * 1e9 * e.interconnect
     if method == "gathered":
-        link = g.network_gbps if setup.train_gpus > g.per_node else g.nvlink_gbps
-        return e.sync_overhead_s + weights / (link * 1e9 * e.interconnect)
-    link = (g.network_gbps if setup.train_gpus + setup.rollout_gpus > g.per_node else
-            g.nvlink_gbps) * 1e9 * e.interconnect  # fmt: skip
+        return e.sync_overhead_s + weights / link
     senders = 1 if method == "broadcast" else min(setup.train_gpus, setup.rollout_gpus)
     return e.sync_overhead_s + weights / (senders * link)
 

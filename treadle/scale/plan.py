@@ -241,6 +241,8 @@ def check_fits(q: Question, setup: Setup) -> Placement:
         return p
     memory = q.gpu.memory_bytes
     where = f"{q.shape.name} with {', '.join(q.roles)} at {q.seq:,} tokens per sequence"
+    if q.work.pack_tokens:  # simulate's packed micro-batches: q.micro_batch sequences' worth
+        where += f", packed {q.work.pack_tokens:,} tokens a micro-batch"
     if p.train_peak > memory:
         need, have = _two_sizes(p.train_peak, memory)
         free = replace(q, tp=None, pp=None, sp=None)

@@ -70,7 +70,8 @@ class Result:
     dropped_stale: int
     """Samples dropped older than the bound (``Setup.drop_stale``), over the whole run."""
     preemptions: int
-    """Requests preempted for KV cache (vLLM's recompute preemption), over the whole run."""
+    """Preemptions for KV cache (vLLM's recompute preemption) over the whole run: a request
+    preempted twice counts twice."""
     generate_s: float
     """Mean time from a batch's first admission to its last sample's completion (the first
     batch left out where others completed); NaN where no batch completed, as at a large eta
@@ -124,7 +125,7 @@ class _Simulation:
         self.ready: list[Group] = []  # scored, waiting for the trainer
         self.open: set[Group] = set()  # admitted, not yet scored, not dropped
         self.dropped = 0  # samples dropped as stale (drop_stale)
-        self.preemptions = 0  # requests preempted for KV cache
+        self.preemptions = 0  # preemptions for KV cache (vLLM's recompute)
         self.unwanted = 0  # batches filled and drops: when running requests may be unwanted
         self.running = 0  # requests running on all engines
         self.version = 0  # weight syncs: the policy versions the engines see
@@ -201,7 +202,9 @@ class _Simulation:
             return
         engine.idle = False
         growth = self.tokens_per_step * b  # KV cache tokens a step adds
-        room = int((self.capacity - context) // growth)  # steps until the cache is full: >= 1
+        # steps until the cache is full: at least 1 once make_room has run (a request alone
+        # always runs on: check() sees that the cache holds one prompt and longest response)
+        room = max(1, int((self.capacity - context) // growth))
         n = min(SEGMENT_STEPS, engine.left(), room)
         if b not in self.weights_s:  # a step reads the experts of its verified tokens too
             tokens = b * (1 + self.setup.spec_tokens)
