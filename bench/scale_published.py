@@ -5,14 +5,24 @@ setting as SCALE.md states it), the figure the paper or README publishes, the si
 prediction and the error.
 
     .venv/bin/python bench/scale_published.py
+    .venv/bin/python bench/scale_published.py --commands   # each row as a treadle command
 """
 
 from __future__ import annotations
 
+import shlex
+import sys
+
+from treadle.jobs.scale_job import simulate_argv
 from treadle.scale.published import ROWS
 
 
 def main() -> None:
+    if "--commands" in sys.argv[1:]:  # each row as a `treadle simulate` command line
+        for row in ROWS:
+            argv = simulate_argv(row.shape, row.work, row.setup)
+            print(f"# {row.setting}\n.venv/bin/treadle simulate {shlex.join(argv)}")
+        return
     print("| setting | published | predicted | error |\n|---|---|---|---|")
     for row in ROWS:
         predicted = row.predict()

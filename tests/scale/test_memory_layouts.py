@@ -1,16 +1,20 @@
 """The memory model's layouts: an engine's KV cache over tensor-parallel GPUs, experts under
-ZeRO, tied embeddings, and refusals whose suggested layout runs when passed back."""
+ZeRO, tied embeddings, refusals whose suggested layout runs when passed back, and a colocated
+trainer's states offloaded to host memory."""
 
 import re
+from dataclasses import replace
 
 import pytest
 
 from treadle.cli import main
-from treadle.scale.costs import kv_capacity
+from treadle.core.errors import UserError
+from treadle.scale.costs import kv_capacity, offload_s
 from treadle.scale.hardware import GIB, gpu
 from treadle.scale.memory import Layout, trainer
+from treadle.scale.plan import Question, check_fits
 from treadle.scale.shapes import NAMED
-from treadle.scale.simulate import Setup
+from treadle.scale.simulate import Lengths, Setup, Workload, simulate
 
 
 def test_an_engine_over_two_gpus_holds_each_token_once():
@@ -54,3 +58,30 @@ def test_a_refusals_suggested_layout_runs_when_passed_back(argv, capsys):
     assert suggested, line
     options = suggested.group(1).split()
     assert main([*argv, *options, "--steps", "2", "--json"]) == 0, capsys.readouterr().err
+
+
+def test_offloading_moves_the_trainers_states_to_host_and_back_each_step():
+    # Qwen2.5-7B (7,615,616,512 parameters) on 4 colocated H100s, FSDP over 4: the policy's
+    # fp32 shards, gradients and Adam moments, 4 + 4 + 8 bytes, and the reference's bf16
+    # shards, 2 bytes: 18 x 7,615,616,512 / 4 = 34.27 GB a GPU, out and back over 25 GB/s
+    # PCIe: 2 x 34.27 / 25 = 2.742 s a step
+    shape, h100 = NAMED["qwen2.5-7b"], gpu("h100")
+    setup = Setup(h100, 4, 4, colocated=True, offload=True)
+    assert offload_s(shape, setup) == pytest.approx(2 * 18 * 7_615_616_512 / 4 / 25e9)
+    assert offload_s(shape, replace(setup, offload=False)) == 0.0
+    # every update carries it, and nothing else changes
+    work = Workload(16, 4, 256, Lengths(500, 1024))
+    on = simulate(shape, work, setup, steps=3)
+    off = simulate(shape, work, replace(setup, offload=False), steps=3)
+    assert on.train_s - off.train_s == pytest.approx(offload_s(shape, setup))
+
+
+def test_an_offloaded_trainer_leaves_the_colocated_engine_the_gpus():
+    # vLLM's share at 0.3 of 79.6 GiB is 23.9 GiB; beside the trainer's 31.9 GiB of states
+    # (test_calibration) no sequence fits, with the states offloaded the engine's does
+    h100, work = gpu("h100", kv_memory_fraction=0.3), Workload(64, 8, 512, Lengths(1000, 4096))
+    setup = Setup(h100, 4, 4, colocated=True)
+    q = Question(NAMED["qwen2.5-7b"], h100, 4, work)
+    with pytest.raises(UserError, match="--offload the trainer's states"):
+        check_fits(q, setup)
+    assert check_fits(replace(q, offload=True), replace(setup, offload=True)).fits

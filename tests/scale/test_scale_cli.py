@@ -12,6 +12,7 @@ from treadle.cli import main
 from treadle.scale.hardware import gpu
 from treadle.scale.plan import Question, plan
 from treadle.scale.plots import memory_bars
+from treadle.scale.published import ROWS
 from treadle.scale.shapes import NAMED
 from treadle.scale.simulate import Lengths, Setup, Workload, simulate
 
@@ -197,6 +198,12 @@ def test_lengths_from_a_damaged_buffer_file_is_one_line_exit_2(tmp_path, capsys)
             "--sync-method gathered updates engines on the trainer's own GPUs",
         ),
         (["simulate", "qwen2.5-0.5b", "--spec-tokens", "1"], "--spec-tokens 1 needs --spec-acc"),
+        (["simulate", "qwen2.5-0.5b", "--rollout-gpus", "4", "--offload"], "--offload moves a co"),
+        (["simulate", "qwen2.5-0.5b", "--extra-forwards", "9"], "--extra-forwards 9: must be 0..8"),
+        (["plan", "qwen2.5-0.5b", "--minibatches", "0"], "--minibatches 0: must be 1..4,096"),
+        (["simulate", "qwen2.5-0.5b", "--length-sigma", "nan"], "--length-sigma nan: must be 0"),
+        (["simulate", "qwen2.5-0.5b", "--oversample", "-0.5"], "--oversample -0.5: must be 0..4"),
+        (["simulate", "qwen2.5-0.5b", "--reward-seconds", "1e9"], "--reward-seconds 1000000000.0"),
         (["simulate", "qwen2.5-0.5b", "--spec-accept", "0.8"], "add --spec-tokens K"),
         (
             ["simulate", "qwen2.5-0.5b", "--spec-tokens", "2", "--spec-accept", "1.2"],
@@ -320,3 +327,15 @@ def test_disaggregated_steps_without_partial_end_with_their_sync():
     setup = Setup(gpu("h100"), 6, 2, mode="one_step")
     r = simulate(NAMED["qwen2.5-7b"], Workload(32, 8, 512, Lengths(20, 64)), setup, steps=2)
     assert r.step_s > 0 and 0 < r.trainer_busy <= 1 and 0 < r.engine_busy <= 1
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[row.setting for row in ROWS])
+def test_every_published_row_runs_from_the_command_line(row):
+    # `treadle simulate` with simulate_argv's arguments builds the row's own workload and setup
+    from treadle.cli import _parse
+    from treadle.jobs.scale_job import _check, _setup, _workload, simulate_argv
+
+    args = _parse(["simulate", *simulate_argv(row.shape, row.work, row.setup)])
+    _check(args)
+    assert _workload(args) == row.work
+    assert _setup(args, gpu(args.gpu)) == row.setup

@@ -12,7 +12,7 @@ from pathlib import Path
 from treadle.core.errors import UserError
 from treadle.scale.checks import check
 from treadle.scale.costs import SYNC_METHODS
-from treadle.scale.hardware import GIB, GPUS, gpu
+from treadle.scale.hardware import GIB, GPUS, Gpu, gpu
 from treadle.scale.memory import Breakdown
 from treadle.scale.plan import (
     MAX_GPUS,
@@ -61,6 +61,20 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--prompt-tokens", type=int, help="tokens (default 512, or the run's)")
     parser.add_argument("--max-response", type=int, help="tokens (default 4096)")
     parser.add_argument("--mean-response", type=float, help="tokens (default max / 3)")
+    parser.add_argument("--length-sigma", type=float,
+                        help="spread (sigma) of the lognormal response lengths (0.8)")  # fmt: skip
+    parser.add_argument("--extra-forwards", type=int, default=1,
+                        help="forward passes besides the update's: 1 for the old policy's "
+                        "logprobs, +1 for a reference, +1 for a critic (1)")  # fmt: skip
+    parser.add_argument("--minibatches", type=int, default=1,
+                        help="optimizer steps an RL step (verl's batch / ppo_mini_batch_size) "
+                        "(1)")  # fmt: skip
+    parser.add_argument("--reward-seconds", type=float, default=0.0,
+                        help="seconds to score one sample, beside the engines (0)")  # fmt: skip
+    parser.add_argument("--offload", action="store_true",
+                        help="colocated: the trainer's states go to host memory while the "
+                        "engines generate, and back over PCIe for the update (verl's "
+                        "param/optimizer offload, NeMo-RL's colocated default)")  # fmt: skip
     parser.add_argument(
         "--lengths-from",
         type=Path,
@@ -120,6 +134,9 @@ def _simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train-sp", type=int, default=1,
                         help="trainer's Ulysses sequence parallel: splits each sequence's "
                         "activations, adds all-to-alls (1)")  # fmt: skip
+    parser.add_argument("--oversample", type=float, default=0.0,
+                        help="extra prompts a step, as a fraction (0.25: 25%% more); a step "
+                        "trains the first --prompts groups to complete (0)")  # fmt: skip
     parser.add_argument("--pack-tokens", type=int, default=0,
                         help="pack sequences into micro-batches of this many tokens (NeMo-RL's "
                         "train_mb_tokens): fewer micro-batches, a larger pipeline bubble "
@@ -188,7 +205,11 @@ def run_lengths(run_dir: Path) -> tuple[list[tuple[int, ...]], list[int]]:
 
 def _check(args: argparse.Namespace) -> None:
     """Raises UserError for options out of range, naming the option and its range."""
-    bounds = [("--gpus", args.gpus, 1, MAX_GPUS)]
+    bounds = [("--gpus", args.gpus, 1, MAX_GPUS), ("--extra-forwards", args.extra_forwards, 0, 8),
+              ("--minibatches", args.minibatches, 1, 4096),
+              ("--reward-seconds", args.reward_seconds, 0, 3600)]  # fmt: skip
+    if args.length_sigma is not None:
+        bounds += [("--length-sigma", args.length_sigma, 0, 3)]
     if args.steps is not None:
         bounds += [("--steps", args.steps, 2, MAX_STEPS)]
     if args.command == "plan":
@@ -198,15 +219,19 @@ def _check(args: argparse.Namespace) -> None:
         if args.sp is not None:
             bounds += [("--sp", args.sp, 1, 1024)]
     else:
-        bounds += [("--pack-tokens", args.pack_tokens, 0, MAX_PACK_TOKENS)]
+        bounds += [("--pack-tokens", args.pack_tokens, 0, MAX_PACK_TOKENS),
+                   ("--oversample", args.oversample, 0, 4)]  # fmt: skip
     for name, value, low, high in bounds:
         if not low <= value <= high:
             raise UserError(f"{name} {value}: must be {low}..{high:,}")
     if args.lengths_from is not None and (
-        args.max_response is not None or args.mean_response is not None
+        args.max_response is not None
+        or args.mean_response is not None
+        or args.length_sigma is not None
     ):
         raise UserError(
-            "--lengths-from takes the lengths from the run: drop --max-response and --mean-response"
+            "--lengths-from takes the lengths from the run: drop --max-response, --mean-response "
+            "and --length-sigma"
         )
     if args.command == "simulate":
         if args.spec_tokens > 0 and args.spec_accept == 0:
@@ -253,9 +278,11 @@ def _workload(args: argparse.Namespace) -> Workload:
     else:
         longest = 4096 if args.max_response is None else args.max_response
         mean = longest / 3 if args.mean_response is None else args.mean_response
-        lengths = Lengths(mean, longest)
+        sigma = 0.8 if args.length_sigma is None else args.length_sigma
+        lengths = Lengths(mean, longest, sigma)
     pack = getattr(args, "pack_tokens", 0)  # simulate's: plan's memory takes --micro-batch
-    return Workload(args.prompts, args.samples, prompt, lengths, pack_tokens=pack)
+    return Workload(args.prompts, args.samples, prompt, lengths, args.reward_seconds,
+                    args.extra_forwards, args.minibatches, pack_tokens=pack)  # fmt: skip
 
 
 def _save(draw, path: Path, console) -> None:
@@ -287,7 +314,7 @@ def run(args: argparse.Namespace, console) -> int:
     shape, g, work = resolve(args.model), gpu(args.gpu.lower()), _workload(args)
     if args.command == "plan":
         q = Question(shape, g, args.gpus, work, args.micro_batch, _roles(args.roles),
-                     args.recompute, tp=args.tp, sp=args.sp)  # fmt: skip
+                     args.recompute, tp=args.tp, sp=args.sp, offload=args.offload)  # fmt: skip
         with console.status("simulating the placements that fit") as status:
             placements = plan(q, steps=args.steps, progress=_progress(status))
         if args.plot:
@@ -300,21 +327,13 @@ def run(args: argparse.Namespace, console) -> int:
         else:
             _print_plan(out, placements, g.memory_gib)
         return 0
-    rollout = args.rollout_gpus or args.gpus
-    colocated = args.rollout_gpus is None
-    staleness = 1.0 if args.staleness is None else args.staleness
-    setup = Setup(g, rollout, args.gpus - rollout if not colocated else args.gpus, colocated,
-                  engine_tp=args.engine_tp, train_tp=args.train_tp, train_pp=args.train_pp,
-                  train_sp=args.train_sp,
-                  mode=args.mode, staleness=staleness, partial=args.partial,
-                  updates_per_sync=args.updates_per_sync, drop_stale=args.drop_stale,
-                  sync_method=args.sync_method, spec_tokens=args.spec_tokens,
-                  spec_accept=args.spec_accept)  # fmt: skip
+    setup = _setup(args, g)
     check(shape, work, setup)  # the setup's own errors (an engine's KV cache) first
     # a packed micro-batch holds the activations of pack_tokens tokens: as many longest sequences
     seq = work.prompt_tokens + work.lengths.max
     micro = max(1, math.ceil(work.pack_tokens / seq))
-    check_fits(Question(shape, g, args.gpus, work, micro_batch=micro), setup)
+    check_fits(Question(shape, g, args.gpus, work, micro_batch=micro, offload=setup.offload),
+               setup)  # fmt: skip
     with console.status("simulating") as status:
         r = simulate(shape, work, setup, steps=args.steps, progress=_progress(status))
     if args.plot:
@@ -327,6 +346,57 @@ def run(args: argparse.Namespace, console) -> int:
     else:
         _print_result(out, r)
     return 0
+
+
+def _setup(args: argparse.Namespace, g: Gpu) -> Setup:
+    """``treadle simulate``'s placement and mode: colocated on ``--gpus``, or the engines on
+    ``--rollout-gpus`` and the trainer on the rest."""
+    rollout = args.rollout_gpus or args.gpus
+    colocated = args.rollout_gpus is None
+    staleness = (1.0 if args.mode == "async" else 0.0) if args.staleness is None else args.staleness
+    return Setup(g, rollout, args.gpus - rollout if not colocated else args.gpus, colocated,
+                 engine_tp=args.engine_tp, train_tp=args.train_tp, train_pp=args.train_pp,
+                 train_sp=args.train_sp, mode=args.mode, staleness=staleness,
+                 partial=args.partial, oversample=args.oversample,
+                 sync_method=args.sync_method, updates_per_sync=args.updates_per_sync,
+                 drop_stale=args.drop_stale, offload=args.offload,
+                 spec_tokens=args.spec_tokens, spec_accept=args.spec_accept)  # fmt: skip
+
+
+def simulate_argv(shape: str, work: Workload, setup: Setup) -> list[str]:
+    """The ``treadle simulate`` arguments that give ``setup`` and ``work`` (lognormal lengths,
+    the GPU type's own efficiencies), to the steady state: SCALE.md's rows on the command
+    line."""
+    w, s = work, setup
+    argv = [shape, "--gpu", s.gpu.name, "--prompts", str(w.prompts), "--samples",
+            str(w.samples_per_prompt), "--prompt-tokens", str(w.prompt_tokens),
+            "--max-response", str(w.lengths.max), "--mean-response", f"{w.lengths.mean:g}",
+            "--length-sigma", f"{w.lengths.sigma:g}"]  # fmt: skip
+    if s.colocated:
+        argv += ["--gpus", str(s.train_gpus)]
+    else:
+        argv += [
+            "--gpus",
+            str(s.rollout_gpus + s.train_gpus),
+            "--rollout-gpus",
+            str(s.rollout_gpus),
+        ]
+    options = {"--extra-forwards": w.extra_forwards, "--minibatches": w.minibatches,
+               "--reward-seconds": w.reward_s, "--pack-tokens": w.pack_tokens,
+               "--engine-tp": s.engine_tp, "--train-tp": s.train_tp, "--train-pp": s.train_pp,
+               "--train-sp": s.train_sp, "--oversample": s.oversample,
+               "--updates-per-sync": s.updates_per_sync, "--spec-tokens": s.spec_tokens,
+               "--spec-accept": s.spec_accept}  # fmt: skip
+    defaults = {"--extra-forwards": 1, "--minibatches": 1, "--engine-tp": 1, "--train-tp": 1,
+                "--train-pp": 1, "--train-sp": 1, "--updates-per-sync": 1}  # fmt: skip
+    argv += [a for k, v in options.items() if v != defaults.get(k, 0) for a in (k, f"{v:g}")]
+    if s.mode != "sync":
+        argv += ["--mode", s.mode]
+    if s.mode == "async":
+        argv += ["--staleness", f"{s.staleness:g}"]
+    flags = {"--partial": s.partial, "--drop-stale": s.drop_stale, "--offload": s.offload}
+    argv += [k for k, on in flags.items() if on]
+    return argv + (["--sync-method", s.sync_method] if s.sync_method else [])
 
 
 def _progress(status):

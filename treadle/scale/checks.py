@@ -117,6 +117,11 @@ def _check_methods(work: Workload, setup: Setup) -> None:
             f"--sync-method {setup.sync_method} updates engines on the trainer's own GPUs: omit "
             "--rollout-gpus, or use broadcast or resharded for engines on GPUs of their own"
         )
+    if setup.offload and not setup.colocated:
+        raise UserError(
+            "--offload moves a colocated trainer's states out of the engines' way: omit "
+            "--rollout-gpus (engines on GPUs of their own need no room from the trainer)"
+        )
     if work.pack_tokens < 0:
         raise UserError(
             f"--pack-tokens {work.pack_tokens} must be at least 0 (0: one sequence a micro-batch)"

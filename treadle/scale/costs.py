@@ -126,6 +126,11 @@ class Setup:
     :mod:`treadle.rollout.scheduler`). Without it the bound holds at admission only (AReaL's
     rule, Sec. 5.1): a slow group overtaken by later ones may then train ``ceil(eta) + 1``
     versions old."""
+    offload: bool = False
+    """Colocated: the trainer's resident states go to host memory while the engines generate
+    and come back for the update (verl's param_offload and optimizer_offload, NeMo-RL's
+    colocated default), so the engine has the GPUs to itself and each step moves the states
+    both ways over PCIe (:func:`offload_s`)."""
     spec_tokens: int = 0
     """Draft tokens a decode step proposes per request (speculative decoding with a draft of
     about one layer: DeepSeek-V3's MTP module, an EAGLE head); 0: none."""
@@ -276,6 +281,27 @@ def sync_s(shape: ModelShape, setup: Setup) -> float:
         return e.sync_overhead_s + weights / link
     senders = 1 if method == "broadcast" else min(setup.train_gpus, setup.rollout_gpus)
     return e.sync_overhead_s + weights / (senders * link)
+
+
+def trainer_layout(shape: ModelShape, setup: Setup) -> memory.Layout:
+    """The trainer's layout in ``setup``: tp x pp x sp model- and sequence-parallel, FSDP
+    (ZeRO-3) over the data-parallel rest, a MoE model's experts sharded over those ranks."""
+    tp, pp, sp = setup.train_tp, setup.train_pp, setup.train_sp
+    dp = max(1, setup.train_gpus // (tp * pp * sp))
+    return memory.Layout(dp=dp, tp=tp, pp=pp, sp=sp, ep=dp if shape.experts else 1)
+
+
+def offload_s(shape: ModelShape, setup: Setup) -> float:
+    """Seconds a step spends moving a colocated trainer's resident states to host memory and
+    back (``setup.offload``; 0 without): the policy's parameter shards, gradients and
+    optimizer states and the reference's bf16 shards, per GPU, twice over PCIe."""
+    if not setup.offload:
+        return 0.0
+    layout = trainer_layout(shape, setup)
+    params, grads, optimizer, gathered = memory.model_states(shape, layout, trainable=True)
+    reference, _, _, ref_gathered = memory.model_states(shape, layout, trainable=False)
+    states = params - gathered + grads + optimizer + reference - ref_gathered
+    return 2 * states / (setup.gpu.efficiency.pcie_gbps * 1e9)
 
 
 def kv_capacity(shape: ModelShape, setup: Setup) -> float:

@@ -3,7 +3,8 @@ and their simulated step time.
 
 A *colocated* placement runs the engine and the trainer on the same GPUs in turns (verl's
 hybrid engine): during rollout the trainer's parameters, gradients and optimizer states stay
-resident beside the engine's weights and KV cache, and during the update the engine sleeps
+resident beside the engine's weights and KV cache (or, offloaded, wait in host memory: verl's
+param and optimizer offload, NeMo-RL's colocated mode), and during the update the engine sleeps
 (its KV cache freed, its weights offloaded, vLLM's sleep mode). A *disaggregated* placement
 gives the engines their own GPUs (AReaL, verl's fully-async recipe).
 """
@@ -51,6 +52,9 @@ class Question:
     sp: int | None = None
     """Training Ulysses sequence-parallel degree; None: the smallest that fits."""
     zero: int = 3
+    offload: bool = False
+    """Colocated: the trainer's resident states go to host memory while the engine generates
+    (``Setup.offload``), so the engine has the GPUs to itself."""
 
     @property
     def seq(self) -> int:
@@ -115,8 +119,9 @@ def measure(q: Question, p: Placement) -> Placement:
     update = update_phase(p.memory).total
     memory = q.gpu.memory_bytes
     fraction = q.gpu.efficiency.kv_memory_fraction
+    beside = states if p.kind == "colocated" and not q.offload else 0.0  # beside the engine
     if "engine" in q.roles:
-        budget = memory * fraction - (states if p.kind == "colocated" else 0.0)
+        budget = memory * fraction - beside
         eng = engine(q.shape, q.gpu, p.engine_tp, budget=budget)
         p.memory.append(eng)
         kv_needed = seq * kv_bytes_per_token(q.shape, p.engine_tp)
@@ -126,7 +131,7 @@ def measure(q: Question, p: Placement) -> Placement:
     else:
         engine_min, engine_fits = 0.0, True
     if p.kind == "colocated":
-        p.train_peak = max(update, states + engine_min)
+        p.train_peak = max(update, beside + engine_min)
         p.engine_peak = p.train_peak
     else:
         p.train_peak = update
@@ -216,6 +221,7 @@ def plan(q: Question, steps: int | None = 3, progress=None) -> list[Placement]:
             train_sp=p.layout.sp,
             mode="sync" if p.kind == "colocated" else "async",
             staleness=0 if p.kind == "colocated" else 1, partial=p.kind != "colocated",
+            offload=q.offload and p.kind == "colocated",
         )  # fmt: skip
         if "engine" in q.roles:
             show = None if progress is None else partial(progress, label=p.label.split(" |")[0])
@@ -265,7 +271,8 @@ def check_fits(q: Question, setup: Setup) -> Placement:
         f"{where}: beside the trainer's {states / GIB:.1f} GiB of parameters, gradients and "
         f"optimizer states per GPU, an engine of --engine-tp {setup.engine_tp} on "
         f"{q.gpu.name} has no room for one sequence's KV cache; use a larger --engine-tp or "
-        "--train-tp, or give the engines GPUs of their own (--rollout-gpus N)"
+        "--train-tp, --offload the trainer's states, or give the engines GPUs of their own "
+        "(--rollout-gpus N)"
     )
 
 

@@ -54,7 +54,9 @@ VERL_ASYNC = Workload(512, 16, 200, Lengths(1500, 28672, 1.0), extra_forwards=0,
 # (grpo-deepseek-v3-32n8g.yaml and the 64n8g ones over it): sequence packing into micro-batches
 # of train_mb_tokens = 1,536 x train_micro_batch_size 1 tokens, and NeMo-RL's default refit
 # (IPC colocated, from Megatron-Bridge's export: every rank gathers every tensor whole, sync
-# method "gathered"); the one-step recipe (grpo-deepseek-v3-64n8g-async-1off.yaml): 32
+# method "gathered"), the trainer's states offloaded to host memory while the colocated engines
+# generate (NeMo-RL's colocated mode: offload_before_refit / offload_after_refit); the one-step
+# recipe (grpo-deepseek-v3-64n8g-async-1off.yaml): 32
 # generation nodes and 32 training nodes, max_trajectory_age_steps 1,
 # in_flight_weight_updates true, the refit broadcast from training rank 0 (NCCL, non-colocated
 # default). Assumed: 150-token prompts (OpenMathInstruct-2 problems in a chat template),
@@ -89,7 +91,7 @@ def _nemo(gpus: int, published: float, mode: Literal["sync", "one_step"]) -> Row
     mtp = {"spec_tokens": 1, "spec_accept": 0.85}
     if mode == "sync":
         setup = Setup(gpu("h100"), gpus, gpus, colocated=True, engine_tp=32, train_pp=16,
-                      sync_method="gathered", **mtp)  # fmt: skip
+                      sync_method="gathered", offload=True, **mtp)  # fmt: skip
         name = f"NeMo-RL DeepSeek-V3 colocated, {gpus} H100"
     else:  # the engines on half the GPUs; in-flight weight updates: eta 1, partial rollouts
         half = gpus // 2

@@ -32,6 +32,7 @@ from treadle.scale.costs import (
     Workload,
     decode_rate,
     kv_capacity,
+    offload_s,
     segment_s,
     sync_s,
     train_s,
@@ -106,6 +107,7 @@ class _Simulation:
             / (setup.engine_tp * g.bf16_tflops * 1e12 * g.efficiency.prefill_mfu)
         )
         self.sync = sync_s(shape, setup)
+        self.offload = offload_s(shape, setup)  # colocated: the states out to host and back
         self.per_update = work.prompts // setup.updates_per_sync  # groups an update trains
         self.update_work = replace(
             work, minibatches=max(1, work.minibatches // setup.updates_per_sync)
@@ -377,8 +379,9 @@ class _Simulation:
         self.trained_tokens.append(sum(self.work.prompt_tokens + r.length for r in batch))
         lengths = [r.length for r in batch]
         setup = self.setup
-        duration = train_s(self.shape, setup.gpu, setup.train_gpus, self.update_work, lengths,
-                           setup.train_tp, setup.train_pp, setup.train_sp)  # fmt: skip
+        duration = self.offload + train_s(self.shape, setup.gpu, setup.train_gpus,
+                                          self.update_work, lengths, setup.train_tp,
+                                          setup.train_pp, setup.train_sp)  # fmt: skip
         self.trainer_free = False
         self.train_times.append(duration)
         end = time + duration
