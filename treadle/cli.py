@@ -259,7 +259,11 @@ def main(argv: list[str] | None = None) -> int:
     SIGTERM and 130 on SIGINT (Ctrl-C): a run stops after its step, checkpointed. ``argv``
     defaults to ``sys.argv[1:]``.
     """
-    args = _parse(argv)
+    try:
+        args = _parse(argv)
+    except KeyboardInterrupt:  # the parser imports the commands' modules
+        print("treadle: interrupted while starting; nothing was written", file=sys.stderr)
+        return 130
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "config":  # pure data: answered without importing torch
         return _config(args.section)

@@ -11,6 +11,7 @@ from treadle.scale import simulate as simulate_module
 from treadle.scale.batching import EngineBatch, Group, Request
 from treadle.scale.costs import decode_rate, kv_capacity, weight_read_s
 from treadle.scale.hardware import gpu
+from treadle.scale.memory import kv_bytes_per_token
 from treadle.scale.shapes import NAMED
 from treadle.scale.simulate import Lengths, Setup, Workload, _Simulation, simulate
 
@@ -128,8 +129,9 @@ def test_tokens_a_speculative_step_adds():
 def test_a_speculative_engine_takes_fewer_steps_each_verifying_more_tokens(monkeypatch):
     # one 100-token response after a 10-token prompt, 1 draft token accepted 85% of the time:
     # ceil(100 / 1.85) = 55 steps, the context growing 1.85 tokens a step; each step reads the
-    # weights for 2 tokens and costs 1 + 1/24 of itself for the one-layer draft (Qwen2.5-0.5B:
-    # 24 layers). segment_s stubbed at 1 s: the decode bar is the prefill + 25/24 s
+    # weights for 2 tokens and its draft, one layer and the output head, costs of Qwen2.5-0.5B's
+    # 494,032,768 active parameters (494,032,768 - 136,134,656) / 24 + 136,134,656 =
+    # 151,047,077: 0.30574 of a step. segment_s stubbed at 1 s: the bar is the prefill + 1.30574
     calls = []
 
     def record(costs, weights, b, context, n, floor=0.0, growth=None):
@@ -145,10 +147,11 @@ def test_a_speculative_engine_takes_fewer_steps_each_verifying_more_tokens(monke
     assert calls[0] == (1, 10.0, 55, pytest.approx(1.85), weight_read_s(shape, h100, 1, 2))
     lane, start, end, kind = sim.timeline[0]
     assert (lane, kind) == ("engine 0", "decode")
-    assert end - start == pytest.approx(10 * sim.prefill_per_token + 25 / 24)
-    # verifying 2 tokens a request doubles the FLOPs term of a step
+    assert end - start == pytest.approx(10 * sim.prefill_per_token + 1.30574, abs=1e-5)
+    # verifying 2 tokens a request doubles a step's FLOPs, the attention's over the context too;
+    # the KV cache is read once
     plain, spec = decode_rate(shape, h100, 1), decode_rate(shape, h100, 1, spec_tokens=1)
-    assert spec[0] == pytest.approx(2 * plain[0]) and spec[1:] == plain[1:]
+    assert spec[:2] == pytest.approx((2 * plain[0], 2 * plain[1])) and spec[2:] == plain[2:]
 
 
 def test_each_gpu_reads_its_share_of_the_kv_cache_and_all_of_mlas_latent():
@@ -160,3 +163,7 @@ def test_each_gpu_reads_its_share_of_the_kv_cache_and_all_of_mlas_latent():
     h100 = gpu("h100")
     assert decode_rate(NAMED["deepseek-v3"], h100, 32)[2] == pytest.approx(3.2272e-8, rel=1e-4)
     assert decode_rate(NAMED["qwen2.5-7b"], h100, 4)[2] == pytest.approx(6.5837e-9, rel=1e-4)
+    # at TP 8 each GPU still holds one whole KV head of the 4 (vLLM replicates them): 14,336
+    # bytes a token, read in the same time, and the engine's cache holds no more tokens a GPU
+    assert kv_bytes_per_token(NAMED["qwen2.5-7b"], 8) == 14_336
+    assert decode_rate(NAMED["qwen2.5-7b"], h100, 8)[2] == pytest.approx(6.5837e-9, rel=1e-4)

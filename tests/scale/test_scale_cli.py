@@ -199,6 +199,9 @@ def test_lengths_from_a_damaged_buffer_file_is_one_line_exit_2(tmp_path, capsys)
         ),
         (["simulate", "qwen2.5-0.5b", "--spec-tokens", "1"], "--spec-tokens 1 needs --spec-acc"),
         (["simulate", "qwen2.5-0.5b", "--rollout-gpus", "4", "--offload"], "--offload moves a co"),
+        # vLLM splits Qwen2.5-7B's 4 KV heads over 2 or 4 GPUs, or copies them whole onto 8
+        (["simulate", "qwen2.5-7b", "--gpus", "6", "--engine-tp", "7"], "does not divide --rol"),
+        (["simulate", "qwen2.5-7b", "--gpus", "7", "--engine-tp", "7"], "4 KV heads or be a mul"),
         (["simulate", "qwen2.5-0.5b", "--extra-forwards", "9"], "--extra-forwards 9: must be 0..8"),
         (["plan", "qwen2.5-0.5b", "--minibatches", "0"], "--minibatches 0: must be 1..4,096"),
         (["simulate", "qwen2.5-0.5b", "--length-sigma", "nan"], "--length-sigma nan: must be 0"),
@@ -207,7 +210,7 @@ def test_lengths_from_a_damaged_buffer_file_is_one_line_exit_2(tmp_path, capsys)
         (["simulate", "qwen2.5-0.5b", "--spec-accept", "0.8"], "add --spec-tokens K"),
         (
             ["simulate", "qwen2.5-0.5b", "--spec-tokens", "2", "--spec-accept", "1.2"],
-            "--spec-accept 1.2 in 0..1",
+            "--spec-accept 1.2 must be in 0..1",
         ),
         (
             ["simulate", "qwen2.5-0.5b", "--spec-tokens", "17", "--spec-accept", "0.5"],

@@ -10,7 +10,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from treadle.core.errors import UserError
-from treadle.scale.checks import check
+from treadle.scale.checks import MAX_SPEC_TOKENS, check
 from treadle.scale.costs import SYNC_METHODS
 from treadle.scale.hardware import GIB, GPUS, Gpu, gpu
 from treadle.scale.memory import Breakdown
@@ -234,7 +234,7 @@ def _check(args: argparse.Namespace) -> None:
             "and --length-sigma"
         )
     if args.command == "simulate":
-        if args.spec_tokens > 0 and args.spec_accept == 0:
+        if 0 < args.spec_tokens <= MAX_SPEC_TOKENS and args.spec_accept == 0:
             raise UserError(
                 f"--spec-tokens {args.spec_tokens} needs --spec-accept A, the chance each draft "
                 "token is accepted (DeepSeek-V3 reports 0.85-0.9 for its MTP token)"
@@ -329,9 +329,12 @@ def run(args: argparse.Namespace, console) -> int:
         return 0
     setup = _setup(args, g)
     check(shape, work, setup)  # the setup's own errors (an engine's KV cache) first
-    # a packed micro-batch holds the activations of pack_tokens tokens: as many longest sequences
+    # a packed micro-batch holds the activations of its tokens, at most a data-parallel rank's
+    # share of an optimizer step (in longest sequences' worth: fractional)
     seq = work.prompt_tokens + work.lengths.max
-    micro = max(1, math.ceil(work.pack_tokens / seq))
+    ranks = setup.train_gpus // (setup.train_tp * setup.train_pp * setup.train_sp)
+    share = work.batch * (work.prompt_tokens + work.lengths.mean) / (work.minibatches * ranks)
+    micro = max(1.0, min(work.pack_tokens, share) / seq)
     check_fits(Question(shape, g, args.gpus, work, micro_batch=micro, offload=setup.offload),
                setup)  # fmt: skip
     with console.status("simulating") as status:

@@ -52,6 +52,12 @@ def check(shape: ModelShape, work: Workload, setup: Setup) -> None:
         )
     if shape.heads % setup.engine_tp:
         raise UserError(f"--engine-tp {setup.engine_tp} does not divide {shape.heads} heads")
+    kv, tp = shape.kv_heads, setup.engine_tp
+    if not shape.mla and (kv % tp if tp < kv else tp % kv):
+        raise UserError(
+            f"--engine-tp {tp} must divide {shape.name}'s {kv} KV heads or be a multiple of "
+            "them (vLLM splits the KV heads over the GPUs, or gives each GPU whole copies)"
+        )
     if not (0 <= setup.staleness <= MAX_STALENESS):  # also refuses NaN
         raise UserError(f"--staleness {setup.staleness:g} must be in 0..{MAX_STALENESS}")
     _check_training(shape, work, setup)
@@ -101,11 +107,10 @@ def _check_training(shape: ModelShape, work: Workload, setup: Setup) -> None:
 
 def _check_methods(work: Workload, setup: Setup) -> None:
     """The decoding, weight-sync and packing options' part of :func:`check`."""
-    if not 0 <= setup.spec_tokens <= MAX_SPEC_TOKENS or not 0 <= setup.spec_accept <= 1:
-        raise UserError(
-            f"--spec-tokens {setup.spec_tokens} must be in 0..{MAX_SPEC_TOKENS} and --spec-accept "
-            f"{setup.spec_accept:g} in 0..1"
-        )
+    if not 0 <= setup.spec_tokens <= MAX_SPEC_TOKENS:
+        raise UserError(f"--spec-tokens {setup.spec_tokens} must be in 0..{MAX_SPEC_TOKENS}")
+    if not 0 <= setup.spec_accept <= 1:  # also refuses NaN
+        raise UserError(f"--spec-accept {setup.spec_accept:g} must be in 0..1")
     if setup.spec_accept and not setup.spec_tokens:
         raise UserError(
             "--spec-accept is the chance a draft token is accepted: add --spec-tokens K"
@@ -138,7 +143,8 @@ def _check_kv_cache(shape: ModelShape, work: Workload, setup: Setup) -> None:
     """One engine's KV cache must hold one prompt and the longest response."""
     capacity = kv_capacity(shape, setup)
     longest = work.prompt_tokens + work.lengths.max
-    if capacity < longest:
+    verified = setup.spec_tokens + 1 if setup.spec_tokens else 0  # a step's tokens beyond it
+    if capacity < longest + verified:
         weights = 2.0 * shape.params() / setup.engine_tp / 2**30
         wider = 2 * setup.engine_tp
         more = (
@@ -149,5 +155,5 @@ def _check_kv_cache(shape: ModelShape, work: Workload, setup: Setup) -> None:
         raise UserError(
             f"one engine's KV cache holds {max(0, int(capacity)):,} tokens after "
             f"{weights:.1f} GiB of weights per GPU, fewer than one prompt + longest response "
-            f"({longest:,}): {more}"
+            f"({longest:,}{f' + {verified} verified' if verified else ''}): {more}"
         )

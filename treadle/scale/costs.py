@@ -156,16 +156,29 @@ def decode_rate(shape: ModelShape, gpu: Gpu, tp: int,
     """A decode step's cost terms for one engine of ``tp`` GPUs: (seconds per request of
     batch from FLOPs and the per-token overhead, seconds per context token from FLOPs, seconds
     per context token from KV bytes, fixed seconds from the layer latency). A step with
-    ``spec_tokens`` draft tokens verifies ``1 + spec_tokens`` tokens a request. Weight bytes
-    are :func:`weight_read_s`; the step floor is ``efficiency.step_floor_s``."""
+    ``spec_tokens`` draft tokens verifies ``1 + spec_tokens`` tokens a request, each attending
+    over the request's context. Weight bytes are :func:`weight_read_s`; the step floor is
+    ``efficiency.step_floor_s``."""
     e = gpu.efficiency
     flops = tp * gpu.bf16_tflops * 1e12 * e.decode_mfu
     bandwidth = tp * gpu.hbm_tbps * 1e12 * e.decode_bandwidth
     per_token = (1 + spec_tokens) * (2.0 * shape.active_params() / flops + e.token_overhead_s)
-    per_context_flops = shape.attention_flops_per_token(1.0) / flops
-    # each GPU reads its own share of the KV cache: all of MLA's latent, which TP does not split
-    per_context_bytes = kv_bytes_per_token(shape, tp) / (bandwidth / tp)
+    # each of a request's 1 + spec_tokens verified tokens attends over its context
+    per_context_flops = (1 + spec_tokens) * shape.attention_flops_per_token(1.0) / flops
+    # each GPU reads its own share of the KV cache: all of MLA's latent, which TP does not
+    # split, and at least one whole KV head
+    split = 1 if shape.mla else min(tp, shape.kv_heads)  # GPUs a token's KV is split over
+    per_context_bytes = kv_bytes_per_token(shape, 1) * (tp / split) / bandwidth
     return per_token, per_context_flops, per_context_bytes, shape.layers * e.layer_latency_s
+
+
+def draft_fraction(shape: ModelShape) -> float:
+    """What one draft token costs, as a fraction of a decode step of the model: a draft of one
+    layer and the output head (DeepSeek-V3's MTP module, an EAGLE head), by active parameters:
+    ((active - head) / layers + head) / active, head = vocab x hidden."""
+    head = shape.vocab * shape.hidden
+    active = shape.active_params()
+    return ((active - head) / shape.layers + head) / active
 
 
 def weight_read_s(shape: ModelShape, gpu: Gpu, tp: int, batch: int) -> float:

@@ -226,8 +226,10 @@ def engine(
 
 
 def kv_bytes_per_token(shape: ModelShape, tp: int = 1) -> float:
-    """KV cache bytes of one token on one of ``tp`` GPUs (bf16; MLA's latent is not split)."""
-    return 2.0 * shape.kv_elements_per_token() / (1 if shape.mla else tp)
+    """KV cache bytes of one token on one of ``tp`` GPUs (bf16): its share of the KV heads, at
+    least one whole head (vLLM replicates them where ``tp`` exceeds them); MLA's latent is not
+    split."""
+    return 2.0 * shape.kv_elements_per_token() / (1 if shape.mla else min(tp, shape.kv_heads))
 
 
 def update_phase(roles: list[Breakdown]) -> Breakdown:

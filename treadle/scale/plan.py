@@ -42,8 +42,9 @@ class Question:
     gpu: Gpu
     gpus: int
     work: Workload
-    micro_batch: int = 1
-    """Sequences per training pass per data-parallel rank."""
+    micro_batch: float = 1
+    """Sequences per training pass per data-parallel rank (``treadle simulate``'s packed
+    micro-batches: their tokens in longest sequences, fractional)."""
     roles: tuple[str, ...] = ("policy", "reference", "engine")
     recompute: Recompute = "selective"
     tp: int | None = None
@@ -262,6 +263,8 @@ def check_fits(q: Question, setup: Setup) -> Placement:
             if other is not None and other.fits
             else f"`treadle plan {q.shape.name} --gpus N` lists the placements that fit"
         )
+        if q.work.pack_tokens:
+            fix += ", or pack fewer tokens a micro-batch (--pack-tokens)"
         raise UserError(
             f"{where} needs {need} per training GPU in {layout_name(layout, dp=False)} over "
             f"{setup.train_gpus} x {q.gpu.name} ({have}): {fix}"

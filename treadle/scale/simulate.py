@@ -31,6 +31,7 @@ from treadle.scale.costs import (
     SyncMethod,
     Workload,
     decode_rate,
+    draft_fraction,
     kv_capacity,
     offload_s,
     segment_s,
@@ -45,7 +46,7 @@ __all__ = ["Lengths", "Mode", "Result", "Setup", "SyncMethod", "Workload", "simu
 
 SEGMENT_STEPS = 64
 """Decode steps an engine runs before it looks again at the trainer's version: new weights
-reach a partial rollout within this many tokens."""
+reach a partial rollout within this many steps (of ``Setup.tokens_per_step`` tokens each)."""
 AUTO_MIN_STEPS = 16
 """Steps a simulation to the steady state (``simulate(steps=None)``) runs at least."""
 AUTO_TOLERANCE = 0.01
@@ -99,7 +100,7 @@ class _Simulation:
         g = setup.gpu
         self.costs = decode_rate(shape, g, setup.engine_tp, setup.spec_tokens)
         self.tokens_per_step = setup.tokens_per_step
-        self.draft = 1.0 + setup.spec_tokens / shape.layers  # k draft passes of about a layer
+        self.draft = 1.0 + setup.spec_tokens * draft_fraction(shape)
         self.capacity = kv_capacity(shape, setup)
         self.prefill_per_token = (
             2.0
