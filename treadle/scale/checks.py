@@ -52,11 +52,11 @@ def check(shape: ModelShape, work: Workload, setup: Setup) -> None:
         )
     if shape.heads % setup.engine_tp:
         raise UserError(f"--engine-tp {setup.engine_tp} does not divide {shape.heads} heads")
-    kv, tp = shape.kv_heads, setup.engine_tp
-    if not shape.mla and (kv % tp if tp < kv else tp % kv):
+    if not engine_tp_splits_kv(shape, setup.engine_tp):
         raise UserError(
-            f"--engine-tp {tp} must divide {shape.name}'s {kv} KV heads or be a multiple of "
-            "them (vLLM splits the KV heads over the GPUs, or gives each GPU whole copies)"
+            f"--engine-tp {setup.engine_tp} must divide {shape.name}'s {shape.kv_heads} KV heads "
+            "or be a multiple of them (vLLM splits the KV heads over the GPUs, or gives each GPU "
+            "whole copies)"
         )
     if not (0 <= setup.staleness <= MAX_STALENESS):  # also refuses NaN
         raise UserError(f"--staleness {setup.staleness:g} must be in 0..{MAX_STALENESS}")
@@ -103,6 +103,13 @@ def _check_training(shape: ModelShape, work: Workload, setup: Setup) -> None:
             "--updates-per-sync streams a step's groups to a trainer of its own: give the "
             "engines GPUs of their own with --rollout-gpus N"
         )
+
+
+def engine_tp_splits_kv(shape: ModelShape, tp: int) -> bool:
+    """Whether vLLM can spread ``shape``'s KV heads over ``tp`` GPUs: ``tp`` divides them or is
+    a multiple of them (MLA's latent is not split)."""
+    kv = shape.kv_heads
+    return shape.mla or (kv % tp == 0 if tp < kv else tp % kv == 0)
 
 
 def _check_methods(work: Workload, setup: Setup) -> None:

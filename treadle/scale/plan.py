@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 
 from treadle.core.errors import UserError
+from treadle.scale.checks import engine_tp_splits_kv
 from treadle.scale.hardware import GIB, Gpu
 from treadle.scale.memory import (
     Breakdown,
@@ -177,7 +178,8 @@ def _smallest_fit(q: Question, kind: str, rollout: int, train: int,
     pps = [q.pp] if q.pp else [1, 2, 4, 8, 16]
     sps = [q.sp] if q.sp else [1, 2, 4, 8]
     engine_tps = [engine_tp] if engine_tp else [
-        t for t in (1, 2, 4, 8, 16, 32, 64) if q.shape.heads % t == 0 and t <= rollout
+        t for t in (1, 2, 4, 8, 16, 32, 64)
+        if q.shape.heads % t == 0 and t <= rollout and engine_tp_splits_kv(q.shape, t)
     ]  # fmt: skip
     tried = None
     for pp, tp, sp in itertools.product(pps, tps, sps):
