@@ -190,9 +190,10 @@ _ABOUT = {
     "simulate": (
         "simulate RL steps: step time, throughput, busy fractions, staleness",
         "Simulate RL steps event by event (engines decoding with a KV-limited batch, "
-        "training at the GPU's MFU, weight sync) in sync, one_step or async mode "
-        "(SCALE.md).\n\nReads MODEL's config.json (and --lengths-from RUN_DIR's buffer). "
-        "Writes nothing but --plot's PNG.",
+        "preempting where it fills, training at the GPU's MFU, weight sync) in sync, one_step "
+        "or async mode (SCALE.md). `bench/scale_published.py --commands` prints the commands "
+        "of SCALE.md's published rows.\n\nReads MODEL's config.json (and --lengths-from "
+        "RUN_DIR's buffer). Writes nothing but --plot's PNG.",
         "treadle simulate r1-distill-qwen-1.5b --gpu h800 --gpus 8 --rollout-gpus 6 "
         "--mode async --staleness 1 --partial --plot timeline.png\n"
         "  treadle simulate qwen2.5-0.5b --lengths-from runs/default --gpus 2",

@@ -148,8 +148,9 @@ def _simulate_arguments(parser: argparse.ArgumentParser) -> None:
                         "model, as NeMo-RL's Megatron refit) (colocated if the engines share "
                         "the GPUs, else broadcast)")  # fmt: skip
     parser.add_argument("--spec-tokens", type=int, default=0,
-                        help="speculative decoding: draft tokens a decode step proposes, with a "
-                        "draft of about one layer (MTP, EAGLE) (0: none)")  # fmt: skip
+                        help="speculative decoding: draft tokens a decode step proposes, "
+                        "with a draft of one layer and the output head (MTP, EAGLE) "
+                        "(0: none)")  # fmt: skip
     parser.add_argument("--spec-accept", type=float, default=0.0,
                         help="chance each draft token is accepted (DeepSeek-V3 reports 0.85-0.9 "
                         "for its MTP token)")  # fmt: skip
