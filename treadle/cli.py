@@ -271,21 +271,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("plan", "simulate"):  # pure arithmetic: no torch either
         return _scale(args)
     try:  # torch and transformers take seconds to import: a Ctrl-C then has done nothing yet
-        import torch
-        import transformers
-
+        _import_torch()
         from treadle.core.errors import UserError
         from treadle.jobs.stopping import Stopped, stop_on_signal
     except KeyboardInterrupt:
         print("treadle: interrupted while starting; nothing was written", file=sys.stderr)
         return 130
-    # Our own progress bars report the run; transformers' per-save/load bars only add noise.
-    transformers.utils.logging.disable_progress_bar()
-    if not torch.cuda.is_available():
-        # accelerate imports DeepSpeed, where it is installed, whenever transformers saves a
-        # model; left to detect its accelerator it prints a warning on the console
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
     threading.excepthook = _quiet_disk_full(threading.excepthook)
     try:
         with stop_on_signal():  # SIGTERM stops any command at once; train waits for its step
@@ -314,6 +305,19 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 130
+
+
+def _import_torch() -> None:
+    """Import torch and transformers, quietened: treadle's own bars report a run."""
+    import torch
+    import transformers
+
+    # Our own progress bars report the run; transformers' per-save/load bars only add noise.
+    transformers.utils.logging.disable_progress_bar()
+    if not torch.cuda.is_available():
+        # accelerate imports DeepSpeed, where it is installed, whenever transformers saves a
+        # model; left to detect its accelerator it prints a warning on the console
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def _recipe_and_overrides(args: argparse.Namespace) -> tuple[str | Path, list[str]]:
