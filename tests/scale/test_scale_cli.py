@@ -199,6 +199,31 @@ def test_lengths_from_a_damaged_buffer_file_is_one_line_exit_2(tmp_path, capsys)
         ),
         (["simulate", "qwen2.5-0.5b", "--spec-tokens", "1"], "--spec-tokens 1 needs --spec-acc"),
         (["simulate", "qwen2.5-0.5b", "--rollout-gpus", "4", "--offload"], "--offload moves a co"),
+        # DeepSeek-V3 on 256 H100s as NeMo-RL runs it: 47 GB of states a GPU beside the engine's
+        # 42 GB of weights leave no room; another layout fits, or these states offloaded to
+        # host memory while the engine generates
+        (
+            [
+                "simulate",
+                "deepseek-v3",
+                "--gpus",
+                "256",
+                "--engine-tp",
+                "32",
+                "--train-pp",
+                "16",
+                "--prompts",
+                "32",
+                "--samples",
+                "16",
+                "--prompt-tokens",
+                "150",
+                "--max-response",
+                "1386",
+            ],
+            "84.1 GiB per training GPU in tp1 pp16 over 256 x h100 (79.6 GiB): --engine-tp 64 "
+            "--train-tp 1 --train-pp 1 fits, or --offload",
+        ),
         # vLLM splits Qwen2.5-7B's 4 KV heads over 2 or 4 GPUs, or copies them whole onto 8
         (["simulate", "qwen2.5-7b", "--gpus", "6", "--engine-tp", "7"], "does not divide --rol"),
         (["simulate", "qwen2.5-7b", "--gpus", "7", "--engine-tp", "7"], "4 KV heads or be a mul"),

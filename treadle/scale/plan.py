@@ -265,7 +265,15 @@ def check_fits(q: Question, setup: Setup) -> Placement:
             if other is not None and other.fits
             else f"`treadle plan {q.shape.name} --gpus N` lists the placements that fit"
         )
-        if q.work.pack_tokens:
+        if kind == "colocated" and not q.offload:  # the states beside the engine may be why
+            off = _measured(replace(q, offload=True), kind, setup.rollout_gpus,
+                            setup.train_gpus, setup.train_tp, setup.train_pp, setup.engine_tp,
+                            setup.train_sp)  # fmt: skip
+            if off.fits:  # as given, the trainer's states in host memory while it generates
+                fix = (
+                    f"{fix}, or --offload" if other is not None and other.fits else "--offload fits"
+                )
+        if q.work.pack_tokens and "--offload" not in fix:
             fix += ", or pack fewer tokens a micro-batch (--pack-tokens)"
         raise UserError(
             f"{where} needs {need} per training GPU in {layout_name(layout, dp=False)} over "
