@@ -263,8 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = _parse(argv)
     except KeyboardInterrupt:  # the parser imports the commands' modules
-        print("treadle: interrupted while starting; nothing was written", file=sys.stderr)
-        return 130
+        return _interrupted_while_starting()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "config":  # pure data: answered without importing torch
         return _config(args.section)
@@ -275,8 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         from treadle.core.errors import UserError
         from treadle.jobs.stopping import Stopped, stop_on_signal
     except KeyboardInterrupt:
-        print("treadle: interrupted while starting; nothing was written", file=sys.stderr)
-        return 130
+        return _interrupted_while_starting()
     threading.excepthook = _quiet_disk_full(threading.excepthook)
     try:
         with stop_on_signal():  # SIGTERM stops any command at once; train waits for its step
@@ -305,6 +303,12 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 130
+
+
+def _interrupted_while_starting() -> int:
+    """Say that a Ctrl-C came before any work, and return its exit status (130)."""
+    print("treadle: interrupted while starting; nothing was written", file=sys.stderr)
+    return 130
 
 
 def _import_torch() -> None:

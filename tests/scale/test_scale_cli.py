@@ -199,9 +199,11 @@ def test_lengths_from_a_damaged_buffer_file_is_one_line_exit_2(tmp_path, capsys)
         ),
         (["simulate", "qwen2.5-0.5b", "--spec-tokens", "1"], "--spec-tokens 1 needs --spec-acc"),
         (["simulate", "qwen2.5-0.5b", "--rollout-gpus", "4", "--offload"], "--offload moves a co"),
-        # DeepSeek-V3 on 256 H100s as NeMo-RL runs it: 47 GB of states a GPU beside the engine's
-        # 42 GB of weights leave no room; another layout fits, or these states offloaded to
-        # host memory while the engine generates
+        # DeepSeek-V3 on 256 H100s as NeMo-RL runs it, in GiB a GPU: the policy's shards,
+        # gradients and Adam moments 39.06 (its experts 16-way expert parallel and not sharded
+        # further) + the reference's 4.88 beside the engine's 1.342 TB / 32 = 39.06 of weights,
+        # 1.0 of overhead and 0.10 of one sequence's KV cache = 84.10; another layout fits, or
+        # these states offloaded to host memory while the engine generates
         (
             [
                 "simulate",

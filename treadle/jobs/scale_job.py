@@ -13,7 +13,7 @@ from treadle.core.errors import UserError
 from treadle.scale.checks import MAX_SPEC_TOKENS, check
 from treadle.scale.costs import SYNC_METHODS
 from treadle.scale.hardware import GIB, GPUS, Gpu, gpu
-from treadle.scale.memory import Breakdown
+from treadle.scale.memory import Breakdown, trainer_layout
 from treadle.scale.plan import (
     MAX_GPUS,
     ROLES,
@@ -23,7 +23,7 @@ from treadle.scale.plan import (
     layout_name,
     plan,
 )
-from treadle.scale.shapes import resolve
+from treadle.scale.shapes import ModelShape, resolve
 from treadle.scale.simulate import (
     AUTO_TOLERANCE,
     MAX_STEPS,
@@ -330,12 +330,7 @@ def run(args: argparse.Namespace, console) -> int:
         return 0
     setup = _setup(args, g)
     check(shape, work, setup)  # the setup's own errors (an engine's KV cache) first
-    # a packed micro-batch holds the activations of its tokens, at most a data-parallel rank's
-    # share of an optimizer step (in longest sequences' worth: fractional)
-    seq = work.prompt_tokens + work.lengths.max
-    ranks = setup.train_gpus // (setup.train_tp * setup.train_pp * setup.train_sp)
-    share = work.batch * (work.prompt_tokens + work.lengths.mean) / (work.minibatches * ranks)
-    micro = max(1.0, min(work.pack_tokens, share) / seq)
+    micro = _micro_batch(shape, work, setup)
     check_fits(Question(shape, g, args.gpus, work, micro_batch=micro, offload=setup.offload),
                setup)  # fmt: skip
     with console.status("simulating") as status:
@@ -350,6 +345,15 @@ def run(args: argparse.Namespace, console) -> int:
     else:
         _print_result(out, r)
     return 0
+
+
+def _micro_batch(shape: ModelShape, work: Workload, setup: Setup) -> float:
+    """Longest sequences' worth of tokens in a training micro-batch (fractional): one, or a
+    packed micro-batch's tokens, at most a data-parallel rank's share of an optimizer step."""
+    ranks = trainer_layout(shape, setup.train_gpus, setup.train_tp, setup.train_pp,
+                           setup.train_sp).dp  # fmt: skip
+    share = work.batch * (work.prompt_tokens + work.lengths.mean) / (work.minibatches * ranks)
+    return max(1.0, min(work.pack_tokens, share) / (work.prompt_tokens + work.lengths.max))
 
 
 def _setup(args: argparse.Namespace, g: Gpu) -> Setup:
@@ -391,9 +395,10 @@ def simulate_argv(shape: str, work: Workload, setup: Setup) -> list[str]:
                "--train-sp": s.train_sp, "--oversample": s.oversample,
                "--updates-per-sync": s.updates_per_sync, "--spec-tokens": s.spec_tokens,
                "--spec-accept": s.spec_accept}  # fmt: skip
-    defaults = {"--extra-forwards": 1, "--minibatches": 1, "--engine-tp": 1, "--train-tp": 1,
-                "--train-pp": 1, "--train-sp": 1, "--updates-per-sync": 1}  # fmt: skip
-    argv += [a for k, v in options.items() if v != defaults.get(k, 0) for a in (k, f"{v:g}")]
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, "simulate")  # the options' defaults, left out
+    default = lambda option: parser.get_default(option[2:].replace("-", "_"))  # noqa: E731
+    argv += [a for k, v in options.items() if v != default(k) for a in (k, f"{v:g}")]
     if s.mode != "sync":
         argv += ["--mode", s.mode]
     if s.mode == "async":

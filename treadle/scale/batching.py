@@ -26,6 +26,8 @@ class Group:
 
 @dataclass(eq=False)
 class Request:
+    """One sample: its place in admission order, its group and its length in tokens."""
+
     sample: int
     group: Group
     length: int
@@ -109,9 +111,10 @@ class EngineBatch:
         self.steps += n
         ended = []
         while self.ends and self.ends[0][0] <= self.steps:
-            _, sample, admitted, r = heapq.heappop(self.ends)
-            if self.running.get(sample) is r and r.admitted == admitted:
-                del self.running[sample]
+            entry = heapq.heappop(self.ends)
+            if self._live(entry):
+                r = entry[3]
+                del self.running[r.sample]
                 self.started -= r.start
                 ended.append(r)
         return ended
@@ -129,8 +132,10 @@ class EngineBatch:
 
     def _skip_stale(self) -> None:
         """Drop the heap's top entries left by preempted requests."""
-        while self.ends:
-            _, sample, admitted, r = self.ends[0]
-            if self.running.get(sample) is r and r.admitted == admitted:
-                return
+        while self.ends and not self._live(self.ends[0]):
             heapq.heappop(self.ends)
+
+    def _live(self, entry: tuple[int, int, int, Request]) -> bool:
+        """Whether a heap entry is its request's current one (not left by a preemption)."""
+        _, sample, admitted, r = entry
+        return self.running.get(sample) is r and r.admitted == admitted

@@ -133,7 +133,7 @@ class Setup:
     both ways over PCIe (:func:`offload_s`)."""
     spec_tokens: int = 0
     """Draft tokens a decode step proposes per request (speculative decoding with a draft of
-    about one layer: DeepSeek-V3's MTP module, an EAGLE head); 0: none."""
+    one layer and the output head: DeepSeek-V3's MTP module, an EAGLE head); 0: none."""
     spec_accept: float = 0.0
     """Chance that each draft token is accepted, independently of the others."""
 
@@ -236,9 +236,8 @@ def train_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, lengths: lis
     The bubble: each of the ``gpus / (tp x pp x sp)`` data-parallel ranks pushes its share of
     an optimizer step's samples through the stages one sample a micro-batch, or packed into
     micro-batches of ``work.pack_tokens`` tokens (m of them, whole: the busiest rank's), and
-    the 1F1B schedule takes
-    (m + pp - 1) / m of the time without stages (Narayanan et al. 2021, arXiv 2104.04473,
-    Sec. 2.2: bubble fraction (pp - 1) / m)."""
+    the 1F1B schedule takes (m + pp - 1) / m of the time without stages (Narayanan et al.
+    2021, arXiv 2104.04473, Sec. 2.2: bubble fraction (pp - 1) / m)."""
     e = gpu.efficiency
     tokens = sum(lengths) + len(lengths) * work.prompt_tokens  # every sample's prompt too
     tokens_per_gpu = tokens / (gpus * work.minibatches)
@@ -296,21 +295,14 @@ def sync_s(shape: ModelShape, setup: Setup) -> float:
     return e.sync_overhead_s + weights / (senders * link)
 
 
-def trainer_layout(shape: ModelShape, setup: Setup) -> memory.Layout:
-    """The trainer's layout in ``setup``: tp x pp x sp model- and sequence-parallel, FSDP
-    (ZeRO-3) over the data-parallel rest, a MoE model's experts sharded over those ranks."""
-    tp, pp, sp = setup.train_tp, setup.train_pp, setup.train_sp
-    dp = max(1, setup.train_gpus // (tp * pp * sp))
-    return memory.Layout(dp=dp, tp=tp, pp=pp, sp=sp, ep=dp if shape.experts else 1)
-
-
 def offload_s(shape: ModelShape, setup: Setup) -> float:
     """Seconds a step spends moving a colocated trainer's resident states to host memory and
     back (``setup.offload``; 0 without): the policy's parameter shards, gradients and
     optimizer states and the reference's bf16 shards, per GPU, twice over PCIe."""
     if not setup.offload:
         return 0.0
-    layout = trainer_layout(shape, setup)
+    layout = memory.trainer_layout(shape, setup.train_gpus, setup.train_tp, setup.train_pp,
+                                   setup.train_sp)  # fmt: skip
     params, grads, optimizer, gathered = memory.model_states(shape, layout, trainable=True)
     reference, _, _, ref_gathered = memory.model_states(shape, layout, trainable=False)
     states = params - gathered + grads + optimizer + reference - ref_gathered

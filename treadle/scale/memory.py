@@ -88,6 +88,15 @@ class Breakdown:
         return {n: getattr(self, n) for n in (*names, "overhead")}
 
 
+def trainer_layout(shape: ModelShape, gpus: int, tp: int = 1, pp: int = 1, sp: int = 1,
+                   zero: int = 3) -> Layout:  # fmt: skip
+    """A trainer's layout over ``gpus``: tp x pp x sp model- and sequence-parallel, ZeRO
+    ``zero`` (FSDP at 3) over the data-parallel rest, a MoE model's experts sharded over those
+    ranks."""
+    dp = max(1, gpus // (tp * pp * sp))
+    return Layout(dp=dp, tp=tp, pp=pp, sp=sp, ep=dp if shape.experts else 1, zero=zero)
+
+
 def check_layout(shape: ModelShape, layout: Layout) -> None:
     """Raises UserError for a layout the model cannot take, naming the ones it can."""
     if layout.tp < 1 or shape.heads % layout.tp:

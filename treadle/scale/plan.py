@@ -26,6 +26,7 @@ from treadle.scale.memory import (
     engine,
     kv_bytes_per_token,
     trainer,
+    trainer_layout,
     update_phase,
 )
 from treadle.scale.shapes import ModelShape
@@ -162,8 +163,7 @@ def _measured(q: Question, kind: str, rollout: int, train: int, tp: int, pp: int
               engine_tp: int, sp: int = 1) -> Placement:  # fmt: skip
     """:func:`measure` of one placement: the trainer in tp x pp x sp over ``train`` GPUs, data
     parallel (ZeRO ``q.zero``, experts sharded over the data-parallel ranks) over the rest."""
-    dp = train // (tp * pp * sp)
-    layout = Layout(dp=dp, tp=tp, pp=pp, sp=sp, ep=dp if q.shape.experts else 1, zero=q.zero)
+    layout = trainer_layout(q.shape, train, tp, pp, sp, q.zero)
     mode = "sync" if kind == "colocated" else "async"
     return measure(q, Placement(kind, rollout, train, layout, engine_tp, mode))
 
@@ -265,15 +265,13 @@ def check_fits(q: Question, setup: Setup) -> Placement:
             if other is not None and other.fits
             else f"`treadle plan {q.shape.name} --gpus N` lists the placements that fit"
         )
-        if kind == "colocated" and not q.offload:  # the states beside the engine may be why
-            off = _measured(replace(q, offload=True), kind, setup.rollout_gpus,
-                            setup.train_gpus, setup.train_tp, setup.train_pp, setup.engine_tp,
-                            setup.train_sp)  # fmt: skip
-            if off.fits:  # as given, the trainer's states in host memory while it generates
-                fix = (
-                    f"{fix}, or --offload" if other is not None and other.fits else "--offload fits"
-                )
-        if q.work.pack_tokens and "--offload" not in fix:
+        # as given, with the trainer's states in host memory while the engine generates
+        offload = kind == "colocated" and not q.offload and _measured(
+            replace(q, offload=True), kind, setup.rollout_gpus, setup.train_gpus,
+            setup.train_tp, setup.train_pp, setup.engine_tp, setup.train_sp).fits  # fmt: skip
+        if offload:
+            fix = f"{fix}, or --offload" if other is not None and other.fits else "--offload fits"
+        elif q.work.pack_tokens:
             fix += ", or pack fewer tokens a micro-batch (--pack-tokens)"
         raise UserError(
             f"{where} needs {need} per training GPU in {layout_name(layout, dp=False)} over "

@@ -52,17 +52,16 @@ VERL_ASYNC = Workload(512, 16, 200, Lengths(1500, 28672, 1.0), extra_forwards=0,
 # NeMo-RL v0.6 performance summary, DeepSeek-V3: GRPO 32 x 16, max sequence 1,536, average
 # sequence 697-710 tokens, engines of TP 32, training PP 16 x EP 16; its recipes
 # (grpo-deepseek-v3-32n8g.yaml and the 64n8g ones over it): sequence packing into micro-batches
-# of train_mb_tokens = 1,536 x train_micro_batch_size 1 tokens, and NeMo-RL's default refit
-# (IPC colocated, from Megatron-Bridge's export: every rank gathers every tensor whole, sync
-# method "gathered"), the trainer's states offloaded to host memory while the colocated engines
-# generate (NeMo-RL's colocated mode: offload_before_refit / offload_after_refit); the one-step
-# recipe (grpo-deepseek-v3-64n8g-async-1off.yaml): 32
-# generation nodes and 32 training nodes, max_trajectory_age_steps 1,
-# in_flight_weight_updates true, the refit broadcast from training rank 0 (NCCL, non-colocated
-# default). Assumed: 150-token prompts (OpenMathInstruct-2 problems in a chat template),
-# responses lognormal with sigma 0.8 and mean 600 before the 1,386-token cap (547 after it:
-# 697 in all), a reference and an old-logprob forward, and the recipes' MTP speculative
-# decoding (one draft token) accepted 85% of the time (the DeepSeek-V3 report, arXiv
+# of train_mb_tokens = 1,536 x train_micro_batch_size 1 tokens, and NeMo-RL's default refit (IPC
+# colocated, from Megatron-Bridge's export: every rank gathers every tensor whole, sync method
+# "gathered"), the trainer's states offloaded to host memory while the colocated engines generate
+# (NeMo-RL's colocated mode: offload_before_refit / offload_after_refit); the one-step recipe
+# (grpo-deepseek-v3-64n8g-async-1off.yaml): 32 generation nodes and 32 training nodes,
+# max_trajectory_age_steps 1, in_flight_weight_updates true, the refit broadcast from training
+# rank 0 (NCCL, non-colocated default). Assumed: 150-token prompts (OpenMathInstruct-2 problems
+# in a chat template), responses lognormal with sigma 0.8 and mean 600 before the 1,386-token cap
+# (547 after it: 697 in all), a reference and an old-logprob forward, and the recipes' MTP
+# speculative decoding (one draft token) accepted 85% of the time (the DeepSeek-V3 report, arXiv
 # 2412.19437, Sec. 5.4.3: 85-90% for the second token; RL samples at temperature 1)
 NEMO = Workload(32, 16, 150, Lengths(600, 1386, 0.8), extra_forwards=2, pack_tokens=1536)
 

@@ -130,7 +130,7 @@ class _Simulation:
         self.dropped = 0  # samples dropped as stale (drop_stale)
         self.preemptions = 0  # preemptions for KV cache (vLLM's recompute)
         self.unwanted = 0  # batches filled and drops: when running requests may be unwanted
-        self.running = 0  # requests running on all engines
+        self.running = 0  # requests in flight on all engines: running or preempted
         self.version = 0  # weight syncs: the policy versions the engines see
         self.trainer_free = True
         self.barrier = False  # the trainer's sync waits for every engine to take the version
@@ -149,7 +149,7 @@ class _Simulation:
         """Queue the requests of ``batches`` more RL steps: each step's prompts, over-sampled,
         times their samples, numbered in admission order (more are drawn where groups dropped
         as stale leave the queue short)."""
-        n, tau = self.work.samples_per_prompt, self.setup.tokens_per_step
+        n, tau = self.work.samples_per_prompt, self.tokens_per_step
         groups = math.ceil(self.work.prompts * (1 + self.setup.oversample))
         self.per_batch = groups * n
         for j in range(self.batches_drawn, self.batches_drawn + batches):
