@@ -9,7 +9,7 @@ import pytest
 from treadle.cli import main
 from treadle.scale import simulate as simulate_module
 from treadle.scale.batching import EngineBatch, Group, Request
-from treadle.scale.costs import decode_rate, kv_capacity, weight_read_s
+from treadle.scale.costs import decode_rate, kv_capacity, tp_allreduce, weight_read_s
 from treadle.scale.hardware import gpu
 from treadle.scale.memory import kv_bytes_per_token
 from treadle.scale.shapes import NAMED
@@ -167,3 +167,38 @@ def test_each_gpu_reads_its_share_of_the_kv_cache_and_all_of_mlas_latent():
     # bytes a token, read in the same time, and the engine's cache holds no more tokens a GPU
     assert kv_bytes_per_token(NAMED["qwen2.5-7b"], 8) == 14_336
     assert decode_rate(NAMED["qwen2.5-7b"], h100, 8)[2] == pytest.approx(6.5837e-9, rel=1e-4)
+
+
+def test_tensor_parallel_all_reduces_cost_their_bytes_and_the_network_hops():
+    # two all-reduces a layer of each token's bf16 hidden state, 2 (tp - 1) / tp of the bytes
+    # through each GPU at 0.7 of the ring rate. Qwen2.5-7B at TP 4, one node (NVLink 450 GB/s):
+    # 56 x 2 x 3/4 x 7,168 bytes / 315e9 = 1.9115e-6 s a token, no network hop.
+    # DeepSeek-V3 at TP 32, 4 nodes: rings cross on all 8 NICs, min(450, 8 x 50) = 400 GB/s:
+    # 122 x 2 x 31/32 x 14,336 / 280e9 = 1.2102e-5 s a token, and 2 log2(4) = 4 hops of 5 us
+    # on each of the 122: 2.44 ms a step
+    h100 = gpu("h100")
+    assert tp_allreduce(NAMED["qwen2.5-7b"], h100, 1) == (0.0, 0.0)
+    fixed, per_token = tp_allreduce(NAMED["qwen2.5-7b"], h100, 4)
+    assert fixed == 0.0 and per_token == pytest.approx(1.9115e-6, rel=1e-4)
+    fixed, per_token = tp_allreduce(NAMED["deepseek-v3"], h100, 32)
+    assert fixed == pytest.approx(2.44e-3) and per_token == pytest.approx(1.2102e-5, rel=1e-4)
+
+
+def test_an_engine_over_two_nodes_adds_its_all_reduces_to_every_step(monkeypatch):
+    # Llama 3.1 8B on an engine of TP 16 (2 nodes): 64 all-reduces a step, each 2 log2(2) = 2
+    # hops of 5 us (0.64 ms a step) and 2 x 15/16 x 8,192 bytes a token at 280 GB/s (3.5109e-6 s
+    # a token of the 64). One request of 100 tokens after a 10-token prompt, in segments of
+    # 64 and 36 steps (SEGMENT_STEPS), segment_s stubbed at 1 s each: the bar is the prefill
+    # + 2 + 100 x (0.64e-3 + 3.5109e-6) = + 2.064351 s; the prefill pays the per-token part too
+    steps = []
+    monkeypatch.setattr(simulate_module, "segment_s", lambda *a: steps.append(a[4]) or 1.0)
+    shape, h100 = NAMED["llama3.1-8b"], gpu("h100")
+    work = Workload(1, 1, 10, Lengths(100, 100, measured=((100,),)))
+    sim = _Simulation(shape, work, Setup(h100, 16, 16, colocated=True, engine_tp=16), 2, 0)
+    flops = 2 * shape.active_params() / (16 * 989e12 * 0.5)
+    assert sim.prefill_per_token == pytest.approx(flops + 3.5109e-6, rel=1e-4)
+    sim.run()
+    lane, start, end, kind = sim.timeline[0]
+    assert (lane, kind) == ("engine 0", "decode")
+    assert steps[:2] == [64, 36]
+    assert end - start == pytest.approx(10 * sim.prefill_per_token + 2.064351, abs=1e-6)

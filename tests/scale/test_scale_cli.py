@@ -198,6 +198,8 @@ def test_lengths_from_a_damaged_buffer_file_is_one_line_exit_2(tmp_path, capsys)
             "--sync-method gathered updates engines on the trainer's own GPUs",
         ),
         (["simulate", "qwen2.5-0.5b", "--spec-tokens", "1"], "--spec-tokens 1 needs --spec-acc"),
+        (["simulate", "qwen2.5-0.5b", "--sync-seconds", "0"], "--sync-seconds 0: a measured"),
+        (["simulate", "qwen2.5-0.5b", "--sync-seconds", "nan"], "--sync-seconds nan: a measured"),
         (["simulate", "qwen2.5-0.5b", "--rollout-gpus", "4", "--offload"], "--offload moves a co"),
         # DeepSeek-V3 on 256 H100s as NeMo-RL runs it, in GiB a GPU: the policy's shards,
         # gradients and Adam moments 39.06 (its experts 16-way expert parallel and not sharded

@@ -147,6 +147,9 @@ def _simulate_arguments(parser: argparse.ArgumentParser) -> None:
                         "trainer GPU sends its shard), gathered (every GPU receives the whole "
                         "model, as NeMo-RL's Megatron refit) (colocated if the engines share "
                         "the GPUs, else broadcast)")  # fmt: skip
+    parser.add_argument("--sync-seconds", type=float,
+                        help="a weight update's seconds as measured on your framework, in place "
+                        "of the model of its bytes (default: the model's)")  # fmt: skip
     parser.add_argument("--spec-tokens", type=int, default=0,
                         help="speculative decoding: draft tokens a decode step proposes, "
                         "with a draft of one layer and the output head (MTP, EAGLE) "
@@ -368,7 +371,8 @@ def _setup(args: argparse.Namespace, g: Gpu) -> Setup:
                  partial=args.partial, oversample=args.oversample,
                  sync_method=args.sync_method, updates_per_sync=args.updates_per_sync,
                  drop_stale=args.drop_stale, offload=args.offload,
-                 spec_tokens=args.spec_tokens, spec_accept=args.spec_accept)  # fmt: skip
+                 spec_tokens=args.spec_tokens, spec_accept=args.spec_accept,
+                 sync_seconds=args.sync_seconds)  # fmt: skip
 
 
 def simulate_argv(shape: str, work: Workload, setup: Setup) -> list[str]:
@@ -405,6 +409,8 @@ def simulate_argv(shape: str, work: Workload, setup: Setup) -> list[str]:
         argv += ["--staleness", f"{s.staleness:g}"]
     flags = {"--partial": s.partial, "--drop-stale": s.drop_stale, "--offload": s.offload}
     argv += [k for k, on in flags.items() if on]
+    if s.sync_seconds is not None:
+        argv += ["--sync-seconds", f"{s.sync_seconds:g}"]
     return argv + (["--sync-method", s.sync_method] if s.sync_method else [])
 
 

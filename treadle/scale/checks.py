@@ -122,6 +122,11 @@ def _check_methods(work: Workload, setup: Setup) -> None:
         raise UserError(
             "--spec-accept is the chance a draft token is accepted: add --spec-tokens K"
         )
+    if setup.sync_seconds is not None and not 0 < setup.sync_seconds <= 3600:  # and NaN
+        raise UserError(
+            f"--sync-seconds {setup.sync_seconds:g}: a measured weight update, in 0..3,600 s "
+            "(above 0)"
+        )
     if setup.sync_method not in (None, *SYNC_METHODS):
         raise UserError(f"--sync-method {setup.sync_method}: one of {', '.join(SYNC_METHODS)}")
     if setup.sync_method in ("colocated", "gathered") and not setup.colocated:

@@ -4,7 +4,8 @@ The inputs of :mod:`treadle.scale.simulate`: a :class:`Workload` (prompts, sampl
 lengths) on a :class:`Setup` (GPUs, placement, mode), and the closed-form costs the event loop
 adds up: a decode step is ``max(FLOPs / (peak x mfu), bytes / (HBM x efficiency), floor) +
 layers x layer latency`` (weights plus the batch's KV cache read once per step: the roofline of
-Williams et al. 2009 applied to decoding, as in Pope et al. 2022, arXiv 2211.05102, Sec. 3);
+Williams et al. 2009 applied to decoding, as in Pope et al. 2022, arXiv 2211.05102, Sec. 3),
+plus the engine's tensor-parallel all-reduces (:func:`tp_allreduce`);
 training costs its FLOPs (6N per token for forward and backward plus 2N per extra forward,
 Kaplan et al. 2020, arXiv 2001.08361, Eq. 2.1, and the causal attention term) at the GPU type's
 MFU; a weight sync costs a fixed pause plus bytes over the method's bandwidth.
@@ -131,6 +132,10 @@ class Setup:
     and come back for the update (verl's param_offload and optimizer_offload, NeMo-RL's
     colocated default), so the engine has the GPUs to itself and each step moves the states
     both ways over PCIe (:func:`offload_s`)."""
+    sync_seconds: float | None = None
+    """Seconds of one weight update as measured on the framework, in place of
+    :func:`sync_s`'s model of its bytes (a refit's own software costs: NeMo-RL measured 47.2 s
+    for DeepSeek-V3, where its bytes take 3.3 s at full bandwidth); None: the model's."""
     spec_tokens: int = 0
     """Draft tokens a decode step proposes per request (speculative decoding with a draft of
     one layer and the output head: DeepSeek-V3's MTP module, an EAGLE head); 0: none."""
@@ -170,6 +175,35 @@ def decode_rate(shape: ModelShape, gpu: Gpu, tp: int,
     split = 1 if shape.mla else min(tp, shape.kv_heads)  # GPUs a token's KV is split over
     per_context_bytes = kv_bytes_per_token(shape, 1) * (tp / split) / bandwidth
     return per_token, per_context_flops, per_context_bytes, shape.layers * e.layer_latency_s
+
+
+def ring_gbps(gpu: Gpu, gpus: int) -> float:
+    """GB/s a ring collective (broadcast, all-gather, all-reduce) moves through each of ``gpus``
+    GPUs at full efficiency: NVLink within a node; spanning nodes, NCCL runs a ring channel
+    over each of a node's NICs, so the rings cross between nodes on all of them at once:
+    min(NVLink, GPUs a node x network per GPU), 400 GB/s on H100 nodes (NVIDIA's own speed of
+    light for NeMo-RL's DeepSeek-V3 refit, 3.3 s for 1.34 TB, is this rate)."""
+    if gpus <= gpu.per_node:
+        return gpu.nvlink_gbps
+    return min(gpu.nvlink_gbps, gpu.per_node * gpu.network_gbps)
+
+
+def tp_allreduce(shape: ModelShape, gpu: Gpu, tp: int) -> tuple[float, float]:
+    """A forward pass's tensor-parallel all-reduces on an engine of ``tp`` GPUs: (fixed
+    seconds, seconds per token). Two a layer, of each token's hidden state in bf16 (after
+    attention and after the MLP or MoE: Shoeybi et al. 2019, arXiv 1909.08053, Sec. 3); a ring
+    all-reduce sends and receives 2 (tp - 1) / tp of the bytes (Patarasuk and Yuan 2009) at
+    :func:`ring_gbps`, not overlapped with the kernels. An engine spanning ``n`` nodes adds
+    2 log2(n) network hops to each (NCCL's tree), ``network_hop_s`` each; the latency within
+    a node is ``layer_latency_s``'s. (0, 0) for tp 1."""
+    if tp == 1:
+        return 0.0, 0.0
+    e = gpu.efficiency
+    calls = 2 * shape.layers
+    rate = ring_gbps(gpu, tp) * 1e9 * e.interconnect
+    per_token = calls * 2.0 * (tp - 1) / tp * 2.0 * shape.hidden / rate
+    nodes = math.ceil(tp / gpu.per_node)
+    return calls * 2 * math.log2(nodes) * e.network_hop_s, per_token
 
 
 def draft_fraction(shape: ModelShape) -> float:
@@ -273,13 +307,16 @@ def ulysses_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, tokens: fl
 def sync_s(shape: ModelShape, setup: Setup) -> float:
     """Seconds of one weight update of the engines, bf16 weights: a fixed pause, plus
     ``colocated``: each GPU's shard copied in place and the engine's weights woken from host
-    memory (PCIe); ``broadcast``: the whole model over one GPU's network link (a pipelined
-    broadcast reaches every engine at that rate); ``resharded``: each trainer GPU sends its
-    shard over its own link; ``gathered``: every tensor is gathered whole on every trainer GPU
-    before its engine takes its shard, so each GPU receives the whole model over its link
-    (the network where the trainer spans nodes): NeMo-RL's colocated refit from Megatron, whose
-    Megatron-Bridge export broadcasts each layer over the pipeline stages and all-gathers its
-    tensor- and expert-parallel pieces on every rank."""
+    memory (PCIe); ``broadcast``: the whole model from one trainer GPU to every engine GPU by
+    a pipelined ring broadcast (:func:`ring_gbps` over the GPUs it spans); ``resharded``: each
+    trainer GPU sends its shard over its own link; ``gathered``: every tensor is gathered whole
+    on every trainer GPU before its engine takes its shard, so each GPU receives the whole
+    model by rings: NeMo-RL's colocated refit from Megatron, whose Megatron-Bridge export
+    broadcasts each layer over the pipeline stages and all-gathers its tensor- and
+    expert-parallel pieces on every rank. ``setup.sync_seconds``, where given, replaces all
+    of it (a refit measured on the framework)."""
+    if setup.sync_seconds is not None:
+        return setup.sync_seconds
     g, e = setup.gpu, setup.gpu.efficiency
     weights = 2.0 * shape.params()
     method = setup.sync_method or ("colocated" if setup.colocated else "broadcast")
@@ -288,10 +325,10 @@ def sync_s(shape: ModelShape, setup: Setup) -> float:
         return e.sync_overhead_s + per_gpu / (e.pcie_gbps * 1e9) + per_gpu / (g.hbm_tbps * 1e12)
     # the GPUs the weights cross: a colocated setup's are the trainer's own
     spanned = setup.train_gpus + (0 if setup.colocated else setup.rollout_gpus)
+    if method in ("gathered", "broadcast"):  # every GPU receives the whole model by rings
+        return e.sync_overhead_s + weights / (ring_gbps(g, spanned) * 1e9 * e.interconnect)
     link = (g.network_gbps if spanned > g.per_node else g.nvlink_gbps) * 1e9 * e.interconnect
-    if method == "gathered":
-        return e.sync_overhead_s + weights / link
-    senders = 1 if method == "broadcast" else min(setup.train_gpus, setup.rollout_gpus)
+    senders = min(setup.train_gpus, setup.rollout_gpus)
     return e.sync_overhead_s + weights / (senders * link)
 
 

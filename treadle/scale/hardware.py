@@ -52,6 +52,10 @@ class Efficiency:
     """Fixed cost of one weight update of the engines: pause, flush the KV cache, resume."""
     interconnect: float = 0.7
     """Fraction of link bandwidth a collective reaches."""
+    network_hop_s: float = 5e-6
+    """Latency a collective adds per network hop between nodes (NCCL's tuning model,
+    ``src/graph/tuning.cc``: tree algorithm, LL protocol, network hardware); the hops within a
+    node are in ``layer_latency_s``."""
     pcie_gbps: float = 25.0
     """Host <-> GPU copies, GB/s (offloading in a colocated placement)."""
 

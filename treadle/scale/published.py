@@ -64,6 +64,12 @@ VERL_ASYNC = Workload(512, 16, 200, Lengths(1500, 28672, 1.0), extra_forwards=0,
 # speculative decoding (one draft token) accepted 85% of the time (the DeepSeek-V3 report, arXiv
 # 2412.19437, Sec. 5.4.3: 85-90% for the second token; RL samples at temperature 1)
 NEMO = Workload(32, 16, 150, Lengths(600, 1386, 0.8), extra_forwards=2, pack_tokens=1536)
+# NeMo-RL's colocated refit of DeepSeek-V3 as NeMo-RL measured it (blog, 2025-08-12, "Journey of
+# Optimizing Weight Transfer in Large MoE Models by 10x", Table 1, v0.3: 12.2 s gathering the
+# parameters, 33.5 s passing CUDA IPC handles, 1.5 s loading them into vLLM; TP 64 engines from
+# EP 64 x PP 8 training), where the bytes alone take 3.3 s at full bandwidth; assumed the same
+# in v0.6
+NEMO_REFIT_S = 47.2
 
 
 def _areal(eta: int, published: float) -> Row:
@@ -90,7 +96,8 @@ def _nemo(gpus: int, published: float, mode: Literal["sync", "one_step"]) -> Row
     mtp = {"spec_tokens": 1, "spec_accept": 0.85}
     if mode == "sync":
         setup = Setup(gpu("h100"), gpus, gpus, colocated=True, engine_tp=32, train_pp=16,
-                      sync_method="gathered", offload=True, **mtp)  # fmt: skip
+                      sync_method="gathered", sync_seconds=NEMO_REFIT_S, offload=True,
+                      **mtp)  # fmt: skip
         name = f"NeMo-RL DeepSeek-V3 colocated, {gpus} H100"
     else:  # the engines on half the GPUs; in-flight weight updates: eta 1, partial rollouts
         half = gpus // 2

@@ -36,6 +36,7 @@ from treadle.scale.costs import (
     offload_s,
     segment_s,
     sync_s,
+    tp_allreduce,
     train_s,
     weight_read_s,
 )
@@ -102,10 +103,10 @@ class _Simulation:
         self.tokens_per_step = setup.tokens_per_step
         self.draft = 1.0 + setup.spec_tokens * draft_fraction(shape)
         self.capacity = kv_capacity(shape, setup)
-        self.prefill_per_token = (
-            2.0
-            * shape.active_params()
-            / (setup.engine_tp * g.bf16_tflops * 1e12 * g.efficiency.prefill_mfu)
+        # a forward pass's all-reduces: fixed seconds, seconds a token (0, 0 at TP 1)
+        self.allreduce = tp_allreduce(shape, g, setup.engine_tp)
+        self.prefill_per_token = self.allreduce[1] + 2.0 * shape.active_params() / (
+            setup.engine_tp * g.bf16_tflops * 1e12 * g.efficiency.prefill_mfu
         )
         self.sync = sync_s(shape, setup)
         self.offload = offload_s(shape, setup)  # colocated: the states out to host and back
@@ -143,7 +144,9 @@ class _Simulation:
         self.staleness: list[int] = []
         self.trained_tokens: list[int] = []
         self.timeline: list[tuple[str, float, float, str]] = []
-        self.weights_s: dict[int, float] = {}  # batch -> seconds to read the weights it touches
+        # batch -> a step's seconds beside segment_s: reading the weights its tokens touch,
+        # and its tensor-parallel all-reduces
+        self.weights_s: dict[int, tuple[float, float]] = {}
 
     def draw(self, batches: int) -> None:
         """Queue the requests of ``batches`` more RL steps: each step's prompts, over-sampled,
@@ -211,10 +214,14 @@ class _Simulation:
         n = min(SEGMENT_STEPS, engine.left(), room)
         if b not in self.weights_s:  # a step reads the experts of its verified tokens too
             tokens = b * (1 + self.setup.spec_tokens)
-            self.weights_s[b] = weight_read_s(self.shape, self.setup.gpu, self.setup.engine_tp,
-                                              tokens)  # fmt: skip
-        decode = segment_s(self.costs, self.weights_s[b], b, context, n,
-                           self.setup.gpu.efficiency.step_floor_s, growth)  # fmt: skip
+            fixed, per_token = self.allreduce
+            self.weights_s[b] = (
+                weight_read_s(self.shape, self.setup.gpu, self.setup.engine_tp, tokens),
+                fixed + per_token * tokens,
+            )
+        weights, allreduce = self.weights_s[b]
+        floor = self.setup.gpu.efficiency.step_floor_s
+        decode = n * allreduce + segment_s(self.costs, weights, b, context, n, floor, growth)
         end = time + decode * self.draft
         self.bar(f"engine {engine.index}", time, end, "decode")
         for r in engine.advance(n):
