@@ -20,7 +20,7 @@ from treadle.scale.published import ROWS
 def main() -> None:
     if "--commands" in sys.argv[1:]:  # each row as a `treadle simulate` command line
         for row in ROWS:
-            argv = simulate_argv(row.shape, row.work, row.setup)
+            argv = simulate_argv(row.shape, row.work, row.setup, row.roles)
             print(f"# {row.setting}\n.venv/bin/treadle simulate {shlex.join(argv)}")
         return
     print("| setting | published | predicted | error |\n|---|---|---|---|")

@@ -315,3 +315,21 @@ def test_a_full_disk_in_a_background_writer_prints_no_traceback():
     other = threading.ExceptHookArgs((ValueError, ValueError("bug"), None, None))
     hook(other)
     assert seen == [other]  # everything else keeps its traceback
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["config"], ["plan", "qwen2.5-0.5b", "--gpus", "2", "--steps", "2"], ["simulate", "--help"]],
+)
+def test_a_reader_that_goes_away_ends_the_command_quietly(command):
+    # `treadle config | head -1`: the reader closed before treadle writes, so every write of
+    # stdout fails (EPIPE); the command exits 0 with nothing on stderr, not a traceback or
+    # rich's exit status 1. The pipe's read end is closed before the process starts: no race
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run([sys.executable, "-m", "treadle.cli", *command], stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=300)  # fmt: skip
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (0, "")

@@ -35,6 +35,7 @@ import logging
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 
 class _Parser(argparse.ArgumentParser):
@@ -257,9 +258,31 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``treadle`` command; returns the process exit status.
 
     0 on success, 2 on a :class:`~treadle.core.errors.UserError` (printed to stderr), 143 on
-    SIGTERM and 130 on SIGINT (Ctrl-C): a run stops after its step, checkpointed. ``argv``
-    defaults to ``sys.argv[1:]``.
+    SIGTERM and 130 on SIGINT (Ctrl-C): a run stops after its step, checkpointed; 0, quietly,
+    when the reader of stdout goes away (``treadle config | head``). ``argv`` defaults to
+    ``sys.argv[1:]``.
     """
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 0
+
+
+def _stdout(**options: Any) -> Any:
+    """A rich console on stdout that raises BrokenPipeError when the reader goes away, for
+    :func:`main` to end quietly (rich's own default exits with status 1)."""
+    from rich.console import Console
+
+    class Stdout(Console):
+        def on_broken_pipe(self) -> None:
+            raise BrokenPipeError
+
+    return Stdout(**options)
+
+
+def _main(argv: list[str] | None) -> int:
+    """:func:`main`'s work: parse, then run the command."""
     try:
         args = _parse(argv)
     except KeyboardInterrupt:  # the parser imports the commands' modules
@@ -355,10 +378,11 @@ def _run(args: argparse.Namespace) -> int:
 
     from treadle.config import load_config
 
-    console = Console()
     if args.command == "inspect":
+        console = _stdout()
         # Piped to a file or a pager, rich would wrap the table at 80 columns.
-        return _inspect(args, console if console.is_terminal else Console(width=160))
+        return _inspect(args, console if console.is_terminal else _stdout(width=160))
+    console = Console()
     if args.command == "eval":
         return _eval(args, console)
     cfg = load_config(*_recipe_and_overrides(args))
@@ -475,30 +499,25 @@ def _inspect(args: argparse.Namespace, console) -> int:
 
 
 def _scale(args: argparse.Namespace) -> int:
-    """``treadle plan`` / ``treadle simulate``; 2 with one line on bad input, 130 on Ctrl-C,
-    0 quietly when the reader of stdout goes away (``| head``)."""
+    """``treadle plan`` / ``treadle simulate``; 2 with one line on bad input, 130 on Ctrl-C."""
     from rich.console import Console
 
     from treadle.core.errors import UserError
     from treadle.jobs.scale_job import run
 
     try:
-        return run(args, Console(stderr=True))
+        return run(args, Console(stderr=True), _stdout())
     except UserError as e:
         print(f"treadle: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("treadle: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
-        return 0
 
 
 def _config(name: str | None) -> int:
     """``treadle config [NAME]``: the keys as a table on a terminal, one aligned line per key
     when piped (for grep), a single key with its whole description; 2 on an unknown name."""
-    from rich.console import Console
     from rich.table import Table
     from rich.text import Text
 
@@ -510,7 +529,7 @@ def _config(name: str | None) -> int:
     except UserError as e:
         print(f"treadle: error: {e}", file=sys.stderr)
         return 2
-    console = Console()
+    console = _stdout()
     if len(rows) == 1 and name is not None:
         (r,) = rows
         console.print(f"{r.key}  ({r.type}, default {r.default})", markup=False, highlight=False)

@@ -202,3 +202,28 @@ def test_an_engine_over_two_nodes_adds_its_all_reduces_to_every_step(monkeypatch
     assert (lane, kind) == ("engine 0", "decode")
     assert steps[:2] == [64, 36]
     assert end - start == pytest.approx(10 * sim.prefill_per_token + 2.064351, abs=1e-6)
+
+
+def test_a_speculative_step_holds_a_slot_for_every_token_it_verifies(monkeypatch):
+    # two 10-token prompts, 20-token responses, 1 draft token accepted 85% of the time, a KV
+    # cache of 23.8 tokens. The first request starts; the second would leave 23.8 - 10 - 10 =
+    # 3.8 tokens for the next step, which adds 1.85 a request on average (3.7: it would fit)
+    # but verifies 2, whose slots vLLM reserves (4: it does not), so it waits. The first runs
+    # while its step still has 2 free slots: 23.8 - 10 - 2 = 11.8 tokens, 1 + 11.8 // 1.85 = 7
+    # steps (to 22.95); then its next step's slots do not fit, but a request alone always runs
+    # on (check() sees to it), one step at a time to its 11th, and the second never joins it
+    segments = []
+    real = simulate_module.segment_s
+
+    def record(costs, weights, b, context, n, floor=0.0, growth=None):
+        segments.append((b, context, n))
+        return real(costs, weights, b, context, n, floor, growth)
+
+    monkeypatch.setattr(simulate_module, "segment_s", record)
+    work = Workload(1, 2, 10, Lengths(20, 20, measured=((20, 20),)))
+    setup = Setup(gpu("h100"), 1, 1, colocated=True, spec_tokens=1, spec_accept=0.85)
+    sim = _Simulation(NAMED["qwen2.5-0.5b"], work, setup, 2, 0)
+    sim.capacity = 23.8
+    sim.run()
+    assert segments[0] == (1, 10.0, 7)
+    assert max(b for b, _, _ in segments) == 1

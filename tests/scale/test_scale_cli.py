@@ -199,6 +199,7 @@ def test_lengths_from_a_damaged_buffer_file_is_one_line_exit_2(tmp_path, capsys)
         ),
         (["simulate", "qwen2.5-0.5b", "--spec-tokens", "1"], "--spec-tokens 1 needs --spec-acc"),
         (["simulate", "qwen2.5-0.5b", "--sync-seconds", "0"], "--sync-seconds 0: a measured"),
+        (["simulate", "qwen2.5-0.5b", "--roles", "policy,reference"], "give both (e.g. policy,e"),
         (["simulate", "qwen2.5-0.5b", "--sync-seconds", "nan"], "--sync-seconds nan: a measured"),
         (["simulate", "qwen2.5-0.5b", "--rollout-gpus", "4", "--offload"], "--offload moves a co"),
         # DeepSeek-V3 on 256 H100s as NeMo-RL runs it, in GiB a GPU: the policy's shards,
@@ -363,11 +364,13 @@ def test_disaggregated_steps_without_partial_end_with_their_sync():
 
 @pytest.mark.parametrize("row", ROWS, ids=[row.setting for row in ROWS])
 def test_every_published_row_runs_from_the_command_line(row):
-    # `treadle simulate` with simulate_argv's arguments builds the row's own workload and setup
+    # `treadle simulate` with simulate_argv's arguments builds the row's own workload, setup
+    # and roles (verl's DAPO runs no reference)
     from treadle.cli import _parse
-    from treadle.jobs.scale_job import _check, _setup, _workload, simulate_argv
+    from treadle.jobs.scale_job import _check, _roles, _setup, _workload, simulate_argv
 
-    args = _parse(["simulate", *simulate_argv(row.shape, row.work, row.setup)])
+    args = _parse(["simulate", *simulate_argv(row.shape, row.work, row.setup, row.roles)])
     _check(args)
     assert _workload(args) == row.work
     assert _setup(args, gpu(args.gpu)) == row.setup
+    assert _roles(args.roles, "simulate") == row.roles

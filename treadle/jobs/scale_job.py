@@ -15,6 +15,7 @@ from treadle.scale.costs import SYNC_METHODS
 from treadle.scale.hardware import GIB, GPUS, Gpu, gpu
 from treadle.scale.memory import Breakdown, trainer_layout
 from treadle.scale.plan import (
+    DEFAULT_ROLES,
     MAX_GPUS,
     ROLES,
     Placement,
@@ -87,6 +88,11 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
         help=f"RL steps simulated, 2..{MAX_STEPS} (default: until the steady-state step time "
         f"is known to {AUTO_TOLERANCE * 100:g}%%, the warm-up dropped)",
     )
+    parser.add_argument("--roles", default=",".join(DEFAULT_ROLES),
+                        help=f"the roles that hold GPU memory, comma-separated, of: "
+                        f"{', '.join(ROLES)} (simulate: a policy and an engine at least; a "
+                        "reference or critic also runs a forward: see --extra-forwards) "
+                        f"({','.join(DEFAULT_ROLES)})")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     if command == "plan":
         _plan_arguments(parser)
@@ -101,8 +107,6 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per pass")
     parser.add_argument("--recompute", choices=("none", "selective", "full"),
                         default="selective", help="activation checkpointing")  # fmt: skip
-    parser.add_argument("--roles", default="policy,reference,engine",
-                        help=f"comma-separated, of: {', '.join(ROLES)}")  # fmt: skip
     parser.add_argument("--plot", help="write memory per GPU by term and role to this PNG")
 
 
@@ -260,12 +264,19 @@ def _check(args: argparse.Namespace) -> None:
             raise UserError(f"--plot {path}: a folder has that name; give a file name")
 
 
-def _roles(text: str) -> tuple[str, ...]:
+def _roles(text: str, command: str) -> tuple[str, ...]:
+    """``--roles`` as a tuple. Raises UserError for an unknown or repeated role, or a simulation
+    without a policy or an engine."""
     roles = tuple(r.strip().lower() for r in text.split(","))
     if any(r not in ROLES for r in roles) or len(set(roles)) < len(roles):
         raise UserError(
             f"--roles {text!r}: each of {', '.join(ROLES)} at most once, comma-separated "
             "(e.g. policy,reference,engine)"
+        )
+    if command == "simulate" and not {"policy", "engine"} <= set(roles):
+        raise UserError(
+            f"--roles {text!r}: a simulated step trains a policy on an engine's samples; give "
+            "both (e.g. policy,engine)"
         )
     return roles
 
@@ -308,16 +319,16 @@ def _save(draw, path: Path, console) -> None:
     console.print(f"plot: {path}", markup=False)
 
 
-def run(args: argparse.Namespace, console) -> int:
-    """Answer ``treadle plan`` or ``treadle simulate``: tables or JSON on stdout, messages on
-    ``console`` (stderr). Raises UserError on bad input."""
+def run(args: argparse.Namespace, console, out=None) -> int:
+    """Answer ``treadle plan`` or ``treadle simulate``: tables on ``out`` (stdout by default) or
+    JSON on stdout, messages on ``console`` (stderr). Raises UserError on bad input."""
     from rich.console import Console
 
-    out = Console()
+    out = out or Console()
     _check(args)
     shape, g, work = resolve(args.model), gpu(args.gpu.lower()), _workload(args)
     if args.command == "plan":
-        q = Question(shape, g, args.gpus, work, args.micro_batch, _roles(args.roles),
+        q = Question(shape, g, args.gpus, work, args.micro_batch, _roles(args.roles, "plan"),
                      args.recompute, tp=args.tp, sp=args.sp, offload=args.offload)  # fmt: skip
         with console.status("simulating the placements that fit") as status:
             placements = plan(q, steps=args.steps, progress=_progress(status))
@@ -334,8 +345,8 @@ def run(args: argparse.Namespace, console) -> int:
     setup = _setup(args, g)
     check(shape, work, setup)  # the setup's own errors (an engine's KV cache) first
     micro = _micro_batch(shape, work, setup)
-    check_fits(Question(shape, g, args.gpus, work, micro_batch=micro, offload=setup.offload),
-               setup)  # fmt: skip
+    roles = _roles(args.roles, "simulate")
+    check_fits(Question(shape, g, args.gpus, work, micro, roles, offload=setup.offload), setup)
     with console.status("simulating") as status:
         r = simulate(shape, work, setup, steps=args.steps, progress=_progress(status))
     if args.plot:
@@ -375,10 +386,11 @@ def _setup(args: argparse.Namespace, g: Gpu) -> Setup:
                  sync_seconds=args.sync_seconds)  # fmt: skip
 
 
-def simulate_argv(shape: str, work: Workload, setup: Setup) -> list[str]:
+def simulate_argv(shape: str, work: Workload, setup: Setup,
+                  roles: tuple[str, ...] = DEFAULT_ROLES) -> list[str]:  # fmt: skip
     """The ``treadle simulate`` arguments that give ``setup`` and ``work`` (lognormal lengths,
-    the GPU type's own efficiencies), to the steady state: SCALE.md's rows on the command
-    line."""
+    the GPU type's own efficiencies) and whose memory check holds ``roles``, to the steady
+    state: SCALE.md's rows on the command line."""
     w, s = work, setup
     argv = [shape, "--gpu", s.gpu.name, "--prompts", str(w.prompts), "--samples",
             str(w.samples_per_prompt), "--prompt-tokens", str(w.prompt_tokens),
@@ -411,6 +423,8 @@ def simulate_argv(shape: str, work: Workload, setup: Setup) -> list[str]:
     argv += [k for k, on in flags.items() if on]
     if s.sync_seconds is not None:
         argv += ["--sync-seconds", f"{s.sync_seconds:g}"]
+    if roles != DEFAULT_ROLES:
+        argv += ["--roles", ",".join(roles)]
     return argv + (["--sync-method", s.sync_method] if s.sync_method else [])
 
 

@@ -33,6 +33,8 @@ from treadle.scale.shapes import ModelShape
 from treadle.scale.simulate import Result, Setup, Workload, simulate
 
 ROLES = ("policy", "reference", "critic", "reward", "engine")
+DEFAULT_ROLES = ("policy", "reference", "engine")
+"""GRPO's roles with a KL penalty: ``treadle plan``'s and ``treadle simulate``'s default."""
 TRAINED = {"policy", "critic"}
 
 
@@ -47,7 +49,7 @@ class Question:
     micro_batch: float = 1
     """Sequences per training pass per data-parallel rank (``treadle simulate``'s packed
     micro-batches: their tokens in longest sequences, fractional)."""
-    roles: tuple[str, ...] = ("policy", "reference", "engine")
+    roles: tuple[str, ...] = DEFAULT_ROLES
     recompute: Recompute = "selective"
     tp: int | None = None
     """Training tensor-parallel degree; None: the smallest that fits."""

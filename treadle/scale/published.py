@@ -13,6 +13,7 @@ from typing import Literal
 
 from treadle.scale.costs import Lengths, Setup, Workload
 from treadle.scale.hardware import gpu
+from treadle.scale.plan import DEFAULT_ROLES
 from treadle.scale.shapes import NAMED
 from treadle.scale.simulate import simulate
 
@@ -30,6 +31,8 @@ class Row:
     setup: Setup
     steps: int | None = None
     """Steps simulated: None, to the steady state (:func:`treadle.scale.simulate.simulate`)."""
+    roles: tuple[str, ...] = DEFAULT_ROLES
+    """The roles ``treadle simulate``'s memory check holds (DAPO runs no reference)."""
 
     def predict(self) -> float:
         """The simulator's figure in ``unit``, for this setting (seconds, no device)."""
@@ -82,14 +85,14 @@ def _areal(eta: int, published: float) -> Row:
 def _verl_colocated(gpus: int, published: float) -> Row:
     setup = Setup(gpu("h20"), gpus, gpus, colocated=True, engine_tp=2, train_sp=4)
     return Row(f"verl colocated sync, {gpus} H20", published, "s", "qwen2.5-math-7b",
-               VERL_SYNC, setup)  # fmt: skip
+               VERL_SYNC, setup, roles=("policy", "engine"))  # fmt: skip
 
 
 def _verl_async(half: int, published: float) -> Row:
     setup = Setup(gpu("h20"), half, half, engine_tp=4, train_sp=4, mode="async",
                   staleness=0.5, partial=True, updates_per_sync=4)  # fmt: skip
     return Row(f"verl fully async {half}:{half} H20", published, "s", "qwen2.5-math-7b",
-               VERL_ASYNC, setup)  # fmt: skip
+               VERL_ASYNC, setup, roles=("policy", "engine"))  # fmt: skip
 
 
 def _nemo(gpus: int, published: float, mode: Literal["sync", "one_step"]) -> Row:

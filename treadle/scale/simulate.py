@@ -207,10 +207,13 @@ class _Simulation:
             engine.idle, engine.clock = True, time
             return
         engine.idle = False
-        growth = self.tokens_per_step * b  # KV cache tokens a step adds
-        # steps until the cache is full: at least 1 once make_room has run (a request alone
-        # always runs on: check() sees that the cache holds one prompt and longest response)
-        room = max(1, int((self.capacity - context) // growth))
+        growth = self.tokens_per_step * b  # KV cache tokens a step adds on average
+        # steps until the cache is full, each starting with a slot free for every token it
+        # verifies (1 + spec_tokens a request, as vLLM reserves them): at least 1 once
+        # make_room has run (a request alone always runs on: check() sees that the cache holds
+        # one prompt and longest response)
+        slots = (1 + self.setup.spec_tokens) * b
+        room = max(1, int((self.capacity - context - slots) // growth) + 1)
         n = min(SEGMENT_STEPS, engine.left(), room)
         if b not in self.weights_s:  # a step reads the experts of its verified tokens too
             tokens = b * (1 + self.setup.spec_tokens)
@@ -259,9 +262,10 @@ class _Simulation:
 
     def fits(self, engine: EngineBatch, tokens: float) -> float:
         """KV cache tokens left after ``tokens`` more and one decode step of the running
-        requests and of a request holding them (negative where they do not fit)."""
+        requests and of a request holding them, each step's 1 + spec_tokens slots a request
+        (negative where they do not fit)."""
         context = engine.context(self.work.prompt_tokens)
-        step = self.tokens_per_step * (len(engine.running) + (tokens > 0))
+        step = (1 + self.setup.spec_tokens) * (len(engine.running) + (tokens > 0))
         return self.capacity - context - tokens - step
 
     def admit(self, time: float, engine: EngineBatch, preempted: int) -> tuple[float, float]:
