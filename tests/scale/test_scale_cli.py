@@ -374,3 +374,19 @@ def test_every_published_row_runs_from_the_command_line(row):
     assert _workload(args) == row.work
     assert _setup(args, gpu(args.gpu)) == row.setup
     assert _roles(args.roles, "simulate") == row.roles
+
+
+@pytest.mark.parametrize(("accept", "per_step"), [(None, 1.0), ("0", 1.0), ("0.5", 1.5)])
+def test_spec_accept_zero_is_a_setting_not_a_missing_one(accept, per_step):
+    # --spec-accept 0 asks for a draft never accepted: each step verifies 2 tokens and keeps
+    # (1 - 0^2) / (1 - 0) = 1; at 0.5, (1 - 0.5^2) / (1 - 0.5) = 1.5. Without --spec-tokens the
+    # option is left out and a step adds its one token.
+    from treadle.cli import _parse
+    from treadle.jobs.scale_job import _check, _setup
+
+    spec = [] if accept is None else ["--spec-tokens", "1", "--spec-accept", accept]
+    args = _parse(["simulate", "qwen2.5-0.5b", *spec])
+    _check(args)
+    setup = _setup(args, gpu(args.gpu))
+    assert setup.spec_tokens == (0 if accept is None else 1)
+    assert setup.tokens_per_step == pytest.approx(per_step)

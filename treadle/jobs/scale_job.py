@@ -131,7 +131,9 @@ def _simulate_arguments(parser: argparse.ArgumentParser) -> None:
         "only) (1)",
     )
     parser.add_argument("--rollout-gpus", type=int, help="disaggregated: engines' GPUs")
-    parser.add_argument("--engine-tp", type=int, default=1)
+    parser.add_argument("--engine-tp", type=int, default=1,
+                        help="GPUs an engine spans by tensor parallel (vLLM's "
+                        "tensor_parallel_size) (1)")  # fmt: skip
     parser.add_argument("--train-tp", type=int, default=1, help="trainer's tensor parallel (1)")
     parser.add_argument("--train-pp", type=int, default=1,
                         help="trainer's pipeline stages: adds the 1F1B bubble (1)")  # fmt: skip
@@ -147,10 +149,10 @@ def _simulate_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: one sequence a micro-batch)")  # fmt: skip
     parser.add_argument("--sync-method", choices=SYNC_METHODS,
                         help="how the engines get new weights: colocated (each GPU's shard in "
-                        "place), broadcast (the model over one GPU's link), resharded (each "
-                        "trainer GPU sends its shard), gathered (every GPU receives the whole "
-                        "model, as NeMo-RL's Megatron refit) (colocated if the engines share "
-                        "the GPUs, else broadcast)")  # fmt: skip
+                        "place), broadcast (the model from one trainer GPU, by a ring), "
+                        "resharded (each trainer GPU sends its shard), gathered (every GPU "
+                        "receives the whole model, as NeMo-RL's Megatron refit) (colocated "
+                        "if the engines share the GPUs, else broadcast)")  # fmt: skip
     parser.add_argument("--sync-seconds", type=float,
                         help="a weight update's seconds as measured on your framework, in place "
                         "of the model of its bytes (default: the model's)")  # fmt: skip
@@ -158,9 +160,9 @@ def _simulate_arguments(parser: argparse.ArgumentParser) -> None:
                         help="speculative decoding: draft tokens a decode step proposes, "
                         "with a draft of one layer and the output head (MTP, EAGLE) "
                         "(0: none)")  # fmt: skip
-    parser.add_argument("--spec-accept", type=float, default=0.0,
-                        help="chance each draft token is accepted (DeepSeek-V3 reports 0.85-0.9 "
-                        "for its MTP token)")  # fmt: skip
+    parser.add_argument("--spec-accept", type=float,
+                        help="chance each draft token is accepted, 0..1 (DeepSeek-V3 reports "
+                        "0.85-0.9 for its MTP token); needed with --spec-tokens")  # fmt: skip
     parser.add_argument("--plot", help="write the timeline (engines and trainer) to this PNG")
 
 
@@ -242,7 +244,7 @@ def _check(args: argparse.Namespace) -> None:
             "and --length-sigma"
         )
     if args.command == "simulate":
-        if 0 < args.spec_tokens <= MAX_SPEC_TOKENS and args.spec_accept == 0:
+        if 0 < args.spec_tokens <= MAX_SPEC_TOKENS and args.spec_accept is None:
             raise UserError(
                 f"--spec-tokens {args.spec_tokens} needs --spec-accept A, the chance each draft "
                 "token is accepted (DeepSeek-V3 reports 0.85-0.9 for its MTP token)"
@@ -382,7 +384,7 @@ def _setup(args: argparse.Namespace, g: Gpu) -> Setup:
                  partial=args.partial, oversample=args.oversample,
                  sync_method=args.sync_method, updates_per_sync=args.updates_per_sync,
                  drop_stale=args.drop_stale, offload=args.offload,
-                 spec_tokens=args.spec_tokens, spec_accept=args.spec_accept,
+                 spec_tokens=args.spec_tokens, spec_accept=args.spec_accept or 0.0,
                  sync_seconds=args.sync_seconds)  # fmt: skip
 
 
@@ -409,12 +411,14 @@ def simulate_argv(shape: str, work: Workload, setup: Setup,
                "--reward-seconds": w.reward_s, "--pack-tokens": w.pack_tokens,
                "--engine-tp": s.engine_tp, "--train-tp": s.train_tp, "--train-pp": s.train_pp,
                "--train-sp": s.train_sp, "--oversample": s.oversample,
-               "--updates-per-sync": s.updates_per_sync, "--spec-tokens": s.spec_tokens,
-               "--spec-accept": s.spec_accept}  # fmt: skip
+               "--updates-per-sync": s.updates_per_sync,
+               "--spec-tokens": s.spec_tokens}  # fmt: skip
     parser = argparse.ArgumentParser()
     add_arguments(parser, "simulate")  # the options' defaults, left out
     default = lambda option: parser.get_default(option[2:].replace("-", "_"))  # noqa: E731
     argv += [a for k, v in options.items() if v != default(k) for a in (k, f"{v:g}")]
+    if s.spec_tokens:
+        argv += ["--spec-accept", f"{s.spec_accept:g}"]
     if s.mode != "sync":
         argv += ["--mode", s.mode]
     if s.mode == "async":
