@@ -317,19 +317,62 @@ def test_a_full_disk_in_a_background_writer_prints_no_traceback():
     assert seen == [other]  # everything else keeps its traceback
 
 
-@pytest.mark.parametrize(
-    "command",
-    [["config"], ["plan", "qwen2.5-0.5b", "--gpus", "2", "--steps", "2"], ["simulate", "--help"]],
-)
-def test_a_reader_that_goes_away_ends_the_command_quietly(command):
-    # `treadle config | head -1`: the reader closed before treadle writes, so every write of
-    # stdout fails (EPIPE); the command exits 0 with nothing on stderr, not a traceback or
-    # rich's exit status 1. The pipe's read end is closed before the process starts: no race
+def _to_a_gone_reader(argv: list[str], stderr_too: bool = False) -> subprocess.CompletedProcess:
+    """Run ``argv`` with stdout (and stderr, with ``stderr_too``) a pipe whose read end is
+    closed before the process starts, so every write fails (EPIPE): no race. Python's stdout
+    block-buffered, as in a shell (PYTHONUNBUFFERED unset)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     read, write = os.pipe()
     os.close(read)
     try:
-        done = subprocess.run([sys.executable, "-m", "treadle.cli", *command], stdout=write,
-                              stderr=subprocess.PIPE, text=True, timeout=300)  # fmt: skip
+        return subprocess.run(argv, stdout=write, stderr=write if stderr_too else subprocess.PIPE,
+                              text=True, timeout=300, env=env)  # fmt: skip
     finally:
         os.close(write)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["config"],  # rich's table
+        ["config", "model"],  # plain lines, print()'s buffer flushed at the end
+        ["plan", "qwen2.5-0.5b", "--gpus", "2", "--steps", "2"],
+        ["simulate", "qwen2.5-0.5b", "--gpus", "2", "--steps", "2", "--json"],
+        ["simulate", "--help"],  # argparse prints, then raises SystemExit(0)
+    ],
+)
+def test_a_reader_that_goes_away_ends_the_command_quietly(command):
+    # `treadle config | head -1`: exit 0 with nothing on stderr, not a traceback, Python's
+    # "Exception ignored ... BrokenPipeError" at exit (status 120) or rich's status 1
+    done = _to_a_gone_reader([sys.executable, "-m", "treadle.cli", *command])
     assert (done.returncode, done.stderr) == (0, "")
+
+
+def test_an_error_keeps_its_status_when_stderr_has_no_reader_either():
+    # `treadle simulate ... 2>&1 | true`: the message is lost, the status 2 is not
+    argv = [sys.executable, "-m", "treadle.cli", "simulate", "qwen2.5-0.5b", "--sync-seconds", "0"]
+    assert _to_a_gone_reader(argv, stderr_too=True).returncode == 2
+
+
+def test_a_rich_console_whose_reader_goes_away_lets_the_command_carry_on():
+    # a training run printing its steps through rich is not cut short by a closed pager: the
+    # console drops its output and the code after the failed write runs
+    code = (
+        "import sys; from treadle.cli import _stdout; c = _stdout(); c.print('x' * 70000); "
+        "c.print('more'); print('carried on', file=sys.stderr); sys.exit(3)"
+    )
+    done = _to_a_gone_reader([sys.executable, "-c", code])
+    assert (done.returncode, done.stderr) == (3, "carried on\n")
+
+
+def test_a_broken_pipe_that_is_not_stdouts_is_not_swallowed(monkeypatch):
+    # a reward server's socket or a subprocess's pipe failing is an error of the command,
+    # not a reader going away: it propagates (here stdout is pytest's capture, no pipe)
+    import treadle.cli as cli
+
+    def broken(name):
+        raise BrokenPipeError(32, "reward server socket")
+
+    monkeypatch.setattr(cli, "_config", broken)
+    with pytest.raises(BrokenPipeError, match="reward server socket"):
+        cli.main(["config"])

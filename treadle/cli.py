@@ -30,6 +30,7 @@ if not {"ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY"} & os
     os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = "16"
 
 import argparse
+import contextlib
 import errno
 import logging
 import sys
@@ -258,25 +259,65 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``treadle`` command; returns the process exit status.
 
     0 on success, 2 on a :class:`~treadle.core.errors.UserError` (printed to stderr), 143 on
-    SIGTERM and 130 on SIGINT (Ctrl-C): a run stops after its step, checkpointed; 0, quietly,
-    when the reader of stdout goes away (``treadle config | head``). ``argv`` defaults to
-    ``sys.argv[1:]``.
+    SIGTERM and 130 on SIGINT (Ctrl-C): a run stops after its step, checkpointed. When the
+    reader of stdout goes away (``treadle config | head -1``) the output is dropped, quietly:
+    a command printing through rich carries on to its own status (a training run is not cut
+    short by a closed pager), one printing plain text (``--json``, ``--help``) ends with 0.
+    ``argv`` defaults to ``sys.argv[1:]``.
     """
     try:
-        return _main(argv)
+        status = _main(argv)
+    except BrokenPipeError:  # a print() to stdout whose reader has gone
+        if not _reader_gone():
+            raise
+        status = 0
+    except SystemExit:  # argparse's --help (0) and usage errors (2), their text in the buffer
+        _flush_stdout()
+        raise
+    _flush_stdout()
+    return status
+
+
+def _reader_gone() -> bool:
+    """Whether stdout is a pipe or socket whose reader has closed it: poll reports an error
+    (POLLERR, or POLLHUP) on the writing end of a pipe that has no reader left."""
+    import select
+
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poll.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll, or stdout closed or replaced
+        return False
+
+
+def _flush_stdout() -> None:
+    """Write print()'s buffered output now; where its reader has gone, send stdout to
+    /dev/null so that Python's own flush at exit neither fails nor reports it."""
+    with contextlib.suppress(BrokenPipeError):
+        sys.stdout.flush()
+    if _reader_gone():
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def _say(message: str) -> None:
+    """Print ``message`` to stderr; a stderr whose reader has gone loses it, not the exit
+    status that follows it."""
+    try:
+        print(message, file=sys.stderr)
     except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
-        return 0
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
 
 
 def _stdout(**options: Any) -> Any:
-    """A rich console on stdout that raises BrokenPipeError when the reader goes away, for
-    :func:`main` to end quietly (rich's own default exits with status 1)."""
+    """A rich console on stdout that drops its output, quietly, once the reader goes away, and
+    lets the command carry on (rich's own default exits with status 1 at that write)."""
     from rich.console import Console
 
     class Stdout(Console):
         def on_broken_pipe(self) -> None:
-            raise BrokenPipeError
+            self.quiet = True
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
     return Stdout(**options)
 
@@ -303,34 +344,32 @@ def _main(argv: list[str] | None) -> int:
         with stop_on_signal():  # SIGTERM stops any command at once; train waits for its step
             return _run(args)
     except UserError as e:
-        print(f"treadle: error: {e}", file=sys.stderr)
+        _say(f"treadle: error: {e}")
         return 2
     except Stopped as e:
-        print(f"treadle: {_stopped(e, args)}", file=sys.stderr)
+        _say(f"treadle: {_stopped(e, args)}")
         return e.exit_code
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         # Any write of the run (metrics, buffer, samples): all are atomic or appended whole.
-        print(
+        _say(
             f"treadle: error: disk full writing {e.filename or 'the run directory'} ({e.strerror});"
             " free space and continue with treadle train --resume RUN_DIR: the last checkpoint "
-            "is intact",
-            file=sys.stderr,
+            "is intact"
         )
         return 2
     except KeyboardInterrupt:
-        print(
+        _say(
             "treadle: interrupted; nothing on disk is half-written: treadle train --resume "
-            "RUN_DIR continues from the last checkpoint (an interrupted SFT warm-up starts again)",
-            file=sys.stderr,
+            "RUN_DIR continues from the last checkpoint (an interrupted SFT warm-up starts again)"
         )
         return 130
 
 
 def _interrupted_while_starting() -> int:
     """Say that a Ctrl-C came before any work, and return its exit status (130)."""
-    print("treadle: interrupted while starting; nothing was written", file=sys.stderr)
+    _say("treadle: interrupted while starting; nothing was written")
     return 130
 
 
@@ -374,15 +413,13 @@ def _recipe_and_overrides(args: argparse.Namespace) -> tuple[str | Path, list[st
 
 
 def _run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
     from treadle.config import load_config
 
     if args.command == "inspect":
         console = _stdout()
         # Piped to a file or a pager, rich would wrap the table at 80 columns.
         return _inspect(args, console if console.is_terminal else _stdout(width=160))
-    console = Console()
+    console = _stdout()
     if args.command == "eval":
         return _eval(args, console)
     cfg = load_config(*_recipe_and_overrides(args))
@@ -508,10 +545,10 @@ def _scale(args: argparse.Namespace) -> int:
     try:
         return run(args, Console(stderr=True), _stdout())
     except UserError as e:
-        print(f"treadle: error: {e}", file=sys.stderr)
+        _say(f"treadle: error: {e}")
         return 2
     except KeyboardInterrupt:
-        print("treadle: interrupted", file=sys.stderr)
+        _say("treadle: interrupted")
         return 130
 
 
@@ -527,7 +564,7 @@ def _config(name: str | None) -> int:
     try:
         rows = select_keys(name)
     except UserError as e:
-        print(f"treadle: error: {e}", file=sys.stderr)
+        _say(f"treadle: error: {e}")
         return 2
     console = _stdout()
     if len(rows) == 1 and name is not None:

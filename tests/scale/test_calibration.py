@@ -117,6 +117,11 @@ def test_a_sync_crosses_the_network_only_where_its_gpus_span_nodes():
     assert sync_s(shape, Setup(h100, 8, 8)) == pytest.approx(2 + weights / (400e9 * 0.7))
     resharded = Setup(h100, 8, 8, sync_method="resharded")
     assert sync_s(shape, resharded) == pytest.approx(2 + weights / (8 * 50e9 * 0.7))
+    # one sender across nodes routes through its node's 8 NICs (400 GB/s), as a broadcast
+    # does, not its own 50 GB/s: a resharded sync is never slower than a broadcast
+    one = Setup(h100, 1, 8, sync_method="resharded")
+    assert sync_s(shape, one) == pytest.approx(2 + weights / (400e9 * 0.7))
+    assert sync_s(shape, one) == pytest.approx(sync_s(shape, replace(one, sync_method=None)))
 
 
 def test_pipeline_stages_stretch_an_update_by_the_1f1b_bubble():

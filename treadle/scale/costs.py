@@ -309,12 +309,13 @@ def sync_s(shape: ModelShape, setup: Setup) -> float:
     ``colocated``: each GPU's shard copied in place and the engine's weights woken from host
     memory (PCIe); ``broadcast``: the whole model from one trainer GPU to every engine GPU by
     a pipelined ring broadcast (:func:`ring_gbps` over the GPUs it spans); ``resharded``: each
-    trainer GPU sends its shard over its own link; ``gathered``: every tensor is gathered whole
-    on every trainer GPU before its engine takes its shard, so each GPU receives the whole
-    model by rings: NeMo-RL's colocated refit from Megatron, whose Megatron-Bridge export
-    broadcasts each layer over the pipeline stages and all-gathers its tensor- and
-    expert-parallel pieces on every rank. ``setup.sync_seconds``, where given, replaces all
-    of it (a refit measured on the framework)."""
+    trainer GPU sends its shard over its own NVLink, or across nodes its share of its node's
+    NICs (so at least :func:`ring_gbps`, never slower than ``broadcast``); ``gathered``: every
+    tensor is gathered whole on every trainer GPU before its engine takes its shard, so each
+    GPU receives the whole model by rings: NeMo-RL's colocated refit from Megatron, whose
+    Megatron-Bridge export broadcasts each layer over the pipeline stages and all-gathers its
+    tensor- and expert-parallel pieces on every rank. ``setup.sync_seconds``, where given,
+    replaces all of it (a refit measured on the framework)."""
     if setup.sync_seconds is not None:
         return setup.sync_seconds
     g, e = setup.gpu, setup.gpu.efficiency
@@ -327,9 +328,12 @@ def sync_s(shape: ModelShape, setup: Setup) -> float:
     spanned = setup.train_gpus + (0 if setup.colocated else setup.rollout_gpus)
     if method in ("gathered", "broadcast"):  # every GPU receives the whole model by rings
         return e.sync_overhead_s + weights / (ring_gbps(g, spanned) * 1e9 * e.interconnect)
-    link = (g.network_gbps if spanned > g.per_node else g.nvlink_gbps) * 1e9 * e.interconnect
     senders = min(setup.train_gpus, setup.rollout_gpus)
-    return e.sync_overhead_s + weights / (senders * link)
+    if spanned <= g.per_node:
+        gbps = senders * g.nvlink_gbps
+    else:  # a node's NICs shared by its senders, each on all of them (NCCL's PXN)
+        gbps = senders * ring_gbps(g, spanned) / min(senders, g.per_node)
+    return e.sync_overhead_s + weights / (gbps * 1e9 * e.interconnect)
 
 
 def offload_s(shape: ModelShape, setup: Setup) -> float:
