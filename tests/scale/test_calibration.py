@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 
 from treadle.core.errors import UserError
-from treadle.scale.costs import ring_gbps, segment_s, sync_s, train_s
+from treadle.scale.costs import ring_gbps, segment_s, sync_s, train_flops, train_s, ulysses_s
 from treadle.scale.hardware import GIB, gpu
 from treadle.scale.memory import Layout, trainer
 from treadle.scale.plan import Question, _two_sizes, check_fits, plan
@@ -122,6 +122,23 @@ def test_a_sync_crosses_the_network_only_where_its_gpus_span_nodes():
     one = Setup(h100, 1, 8, sync_method="resharded")
     assert sync_s(shape, one) == pytest.approx(2 + weights / (400e9 * 0.7))
     assert sync_s(shape, one) == pytest.approx(sync_s(shape, replace(one, sync_method=None)))
+
+
+def test_a_critic_trains_three_more_passes_without_the_vocabulary_head():
+    # Qwen2.5-7B, one sequence of 100 + 500 = 600 tokens. A forward: 2 x 7,070,619,136 active
+    # parameters x 600 = 8,484,742,963,200, plus causal attention 4 x 28 layers x 3,584 x 300
+    # x 600 = 72,253,440,000: 8,556,996,403,200. The update's 3 passes and the old policy's
+    # forward: 4 x that = 34,227,985,612,800. A critic's update adds 3 forwards without the
+    # vocabulary head, 2 x 152,064 x 3,584 x 600 = 653,996,851,200 a forward:
+    # 3 x 7,902,999,552,000 = 23,708,998,656,000, 57,936,984,268,800 in all.
+    shape, work = NAMED["qwen2.5-7b"], Workload(1, 1, 100, Lengths(500, 1000))
+    assert train_flops(shape, work, [500]) == pytest.approx(34_227_985_612_800, rel=1e-12)
+    critic = replace(work, critic=True)
+    assert train_flops(shape, critic, [500]) == pytest.approx(57_936_984_268_800, rel=1e-12)
+    # Ulysses' all-to-alls run in every pass: 3 + 1 + 3 = 7 against 4
+    h100 = gpu("h100")
+    alone = ulysses_s(shape, h100, 8, work, 6000.0, 1, 4)
+    assert ulysses_s(shape, h100, 8, critic, 6000.0, 1, 4) == pytest.approx(alone * 7 / 4)
 
 
 def test_pipeline_stages_stretch_an_update_by_the_1f1b_bubble():

@@ -3,6 +3,7 @@ response lengths read from a run's buffer."""
 
 import json
 import random
+from dataclasses import replace
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -89,7 +90,8 @@ def test_simulate_draws_lengths_from_a_runs_buffer(tmp_path, capsys):
     assert main(argv) == 0
     (row,) = json.loads(capsys.readouterr().out)
     groups = ((10,) * 4,) * 3 + ((300,) * 4,)
-    work = Workload(4, 4, 20, Lengths(sum(responses) / 16, 300, measured=groups))
+    # the default roles' forwards: the old policy's and the reference's
+    work = Workload(4, 4, 20, Lengths(sum(responses) / 16, 300, measured=groups), extra_forwards=2)
     direct = simulate(NAMED["qwen2.5-0.5b"], work, Setup(gpu("h100"), 2, 2, colocated=True),
                       steps=None)  # fmt: skip  # the CLI's default: to the steady state
     assert row["step_s"] == pytest.approx(direct.step_s)
@@ -251,8 +253,11 @@ def test_lengths_from_a_damaged_buffer_file_is_one_line_exit_2(tmp_path, capsys)
         (["plan", "qwen2.5-0.5b", "--sp", "0"], "--sp 0: must be 1..1,024"),
         (["plan", "qwen2.5-0.5b", "--gpus", "8", "--sp", "7"], "--sp 7 takes the trainer's GPUs 7"),
         (["plan", "qwen2.5-7b", "--micro-batch", "0"], "--micro-batch 0: must be 1..4,096"),
-        (["plan", "qwen2.5-7b", "--roles", "policy,policy,engine"], "at most once"),
-        (["plan", "qwen2.5-7b", "--roles", "actor"], "each of policy, reference, critic"),
+        (["plan", "qwen2.5-7b", "--roles", "policy,policy,engine"], "'policy' given twice"),
+        (["plan", "qwen2.5-7b", "--roles", "actor"], "'actor' is not a role; give each of"),
+        (["plan", "qwen2.5-7b", "--roles", "policy,,engine"], "an empty role; give each of"),
+        (["plan", "qwen2.5-7b", "--roles", "engine"], "trains a policy; give one"),
+        (["simulate", "qwen2.5-7b", "--roles", "policy"], "on an engine's samples; give both"),
         (["plan", "qwen2.5-7b", "--plot", "no_such_folder/m.png"], "does not exist"),
         (["plan", "qwen2.5-7b", "--plot", "m.txt"], "ending in .png"),
         (["plan", "qwen2.5-7b", "--prompt-tokens", "10000000"], "no placement fits up to"),
@@ -371,9 +376,9 @@ def test_every_published_row_runs_from_the_command_line(row):
 
     args = _parse(["simulate", *simulate_argv(row.shape, row.work, row.setup, row.roles)])
     _check(args)
-    assert _workload(args) == row.work
-    assert _setup(args, gpu(args.gpu)) == row.setup
     assert _roles(args.roles, "simulate") == row.roles
+    assert _workload(args, row.roles) == row.work
+    assert _setup(args, gpu(args.gpu)) == row.setup
 
 
 @pytest.mark.parametrize(("accept", "per_step"), [(None, 1.0), ("0", 1.0), ("0.5", 1.5)])
@@ -390,3 +395,31 @@ def test_spec_accept_zero_is_a_setting_not_a_missing_one(accept, per_step):
     setup = _setup(args, gpu(args.gpu))
     assert setup.spec_tokens == (0 if accept is None else 1)
     assert setup.tokens_per_step == pytest.approx(per_step)
+
+
+@pytest.mark.parametrize(
+    ("roles", "forwards"),
+    [("policy,engine", 1), ("policy,reference,engine", 2), ("policy,reference,critic,engine", 3)],
+)
+def test_extra_forwards_default_to_what_the_roles_run(roles, forwards):
+    # the old policy's logprobs, +1 for a reference, +1 for a critic's values; a critic is
+    # trained too; an explicit --extra-forwards wins (verl's use_rollout_log_probs: 0)
+    from treadle.cli import _parse
+    from treadle.jobs.scale_job import _roles, _workload
+
+    args = _parse(["simulate", "qwen2.5-0.5b", "--roles", roles])
+    work = _workload(args, _roles(args.roles, "simulate"))
+    assert (work.extra_forwards, work.critic) == (forwards, "critic" in roles)
+    args = _parse(["simulate", "qwen2.5-0.5b", "--roles", roles, "--extra-forwards", "0"])
+    assert _workload(args, _roles(args.roles, "simulate")).extra_forwards == 0
+
+
+def test_a_plan_with_a_critic_trains_it_in_its_simulated_steps():
+    # the same placements, the critic's update beside the policy's: a longer trainer phase
+    work = Workload(16, 4, 128, Lengths(200, 512))
+    q = Question(NAMED["qwen2.5-0.5b"], gpu("h100"), 2, work, roles=("policy", "engine"))
+    critic = replace(q, roles=("policy", "critic", "engine"))
+    without = {p.label: p.result.train_s for p in plan(q, steps=2)}
+    with_critic = {p.label: p.result.train_s for p in plan(critic, steps=2)}
+    assert without.keys() == with_critic.keys()
+    assert all(with_critic[k] > 1.5 * without[k] for k in without), (without, with_critic)

@@ -21,6 +21,7 @@ from treadle.scale.plan import (
     Placement,
     Question,
     check_fits,
+    extra_forwards,
     layout_name,
     plan,
 )
@@ -64,9 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--mean-response", type=float, help="tokens (default max / 3)")
     parser.add_argument("--length-sigma", type=float,
                         help="spread (sigma) of the lognormal response lengths (0.8)")  # fmt: skip
-    parser.add_argument("--extra-forwards", type=int, default=1,
-                        help="forward passes besides the update's: 1 for the old policy's "
-                        "logprobs, +1 for a reference, +1 for a critic (1)")  # fmt: skip
+    parser.add_argument("--extra-forwards", type=int,
+                        help="forward passes besides the update's, at the policy's cost "
+                        "(default from --roles: 1 for the old policy's logprobs, +1 for a "
+                        "reference, +1 for a critic's values)")  # fmt: skip
     parser.add_argument("--minibatches", type=int, default=1,
                         help="optimizer steps an RL step (verl's batch / ppo_mini_batch_size) "
                         "(1)")  # fmt: skip
@@ -90,8 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     )
     parser.add_argument("--roles", default=",".join(DEFAULT_ROLES),
                         help=f"the roles that hold GPU memory, comma-separated, of: "
-                        f"{', '.join(ROLES)} (simulate: a policy and an engine at least; a "
-                        "reference or critic also runs a forward: see --extra-forwards) "
+                        f"{', '.join(ROLES)} (a policy at least, and an engine to simulate; "
+                        "a reference or critic also runs a forward, see --extra-forwards, and "
+                        "a critic is trained beside the policy) "
                         f"({','.join(DEFAULT_ROLES)})")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     if command == "plan":
@@ -215,9 +218,10 @@ def run_lengths(run_dir: Path) -> tuple[list[tuple[int, ...]], list[int]]:
 
 def _check(args: argparse.Namespace) -> None:
     """Raises UserError for options out of range, naming the option and its range."""
-    bounds = [("--gpus", args.gpus, 1, MAX_GPUS), ("--extra-forwards", args.extra_forwards, 0, 8),
-              ("--minibatches", args.minibatches, 1, 4096),
+    bounds = [("--gpus", args.gpus, 1, MAX_GPUS), ("--minibatches", args.minibatches, 1, 4096),
               ("--reward-seconds", args.reward_seconds, 0, 3600)]  # fmt: skip
+    if args.extra_forwards is not None:
+        bounds += [("--extra-forwards", args.extra_forwards, 0, 8)]
     if args.length_sigma is not None:
         bounds += [("--length-sigma", args.length_sigma, 0, 3)]
     if args.steps is not None:
@@ -267,23 +271,30 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def _roles(text: str, command: str) -> tuple[str, ...]:
-    """``--roles`` as a tuple. Raises UserError for an unknown or repeated role, or a simulation
-    without a policy or an engine."""
+    """``--roles`` as a tuple. Raises UserError for an unknown, empty or repeated role, a plan
+    without a policy, or a simulation without a policy or an engine."""
     roles = tuple(r.strip().lower() for r in text.split(","))
-    if any(r not in ROLES for r in roles) or len(set(roles)) < len(roles):
+    bad = [r for r in roles if r not in ROLES] + [r for r in ROLES if roles.count(r) > 1]
+    if bad:
+        what = "an empty role" if bad[0] == "" else f"{bad[0]!r} " + (
+            "given twice" if bad[0] in ROLES else "is not a role"
+        )  # fmt: skip
         raise UserError(
-            f"--roles {text!r}: each of {', '.join(ROLES)} at most once, comma-separated "
-            "(e.g. policy,reference,engine)"
+            f"--roles {text!r}: {what}; give each of {', '.join(ROLES)} at most once, "
+            "comma-separated (e.g. policy,reference,engine)"
         )
-    if command == "simulate" and not {"policy", "engine"} <= set(roles):
+    if "policy" not in roles or (command == "simulate" and "engine" not in roles):
+        need = "a policy on an engine's samples" if command == "simulate" else "a policy"
         raise UserError(
-            f"--roles {text!r}: a simulated step trains a policy on an engine's samples; give "
-            "both (e.g. policy,engine)"
+            f"--roles {text!r}: an RL step trains {need}; give "
+            + ("both (e.g. policy,engine)" if command == "simulate" else "one (e.g. policy,engine)")
         )
     return roles
 
 
-def _workload(args: argparse.Namespace) -> Workload:
+def _workload(args: argparse.Namespace, roles: tuple[str, ...]) -> Workload:
+    """The step's work from the options; ``--extra-forwards`` defaults to what ``roles`` run
+    (:func:`~treadle.scale.plan.extra_forwards`), and a critic among them is trained."""
     prompt = 512 if args.prompt_tokens is None else args.prompt_tokens
     if args.lengths_from is not None:
         groups, prompts = run_lengths(args.lengths_from)
@@ -298,8 +309,9 @@ def _workload(args: argparse.Namespace) -> Workload:
         sigma = 0.8 if args.length_sigma is None else args.length_sigma
         lengths = Lengths(mean, longest, sigma)
     pack = getattr(args, "pack_tokens", 0)  # simulate's: plan's memory takes --micro-batch
-    return Workload(args.prompts, args.samples, prompt, lengths, args.reward_seconds,
-                    args.extra_forwards, args.minibatches, pack_tokens=pack)  # fmt: skip
+    forwards = extra_forwards(roles) if args.extra_forwards is None else args.extra_forwards
+    return Workload(args.prompts, args.samples, prompt, lengths, args.reward_seconds, forwards,
+                    args.minibatches, critic="critic" in roles, pack_tokens=pack)  # fmt: skip
 
 
 def _save(draw, path: Path, console) -> None:
@@ -328,10 +340,11 @@ def run(args: argparse.Namespace, console, out=None) -> int:
 
     out = out or Console()
     _check(args)
-    shape, g, work = resolve(args.model), gpu(args.gpu.lower()), _workload(args)
+    roles = _roles(args.roles, args.command)
+    shape, g, work = resolve(args.model), gpu(args.gpu.lower()), _workload(args, roles)
     if args.command == "plan":
-        q = Question(shape, g, args.gpus, work, args.micro_batch, _roles(args.roles, "plan"),
-                     args.recompute, tp=args.tp, sp=args.sp, offload=args.offload)  # fmt: skip
+        q = Question(shape, g, args.gpus, work, args.micro_batch, roles, args.recompute,
+                     tp=args.tp, sp=args.sp, offload=args.offload)  # fmt: skip
         with console.status("simulating the placements that fit") as status:
             placements = plan(q, steps=args.steps, progress=_progress(status))
         if args.plot:
@@ -347,7 +360,6 @@ def run(args: argparse.Namespace, console, out=None) -> int:
     setup = _setup(args, g)
     check(shape, work, setup)  # the setup's own errors (an engine's KV cache) first
     micro = _micro_batch(shape, work, setup)
-    roles = _roles(args.roles, "simulate")
     check_fits(Question(shape, g, args.gpus, work, micro, roles, offload=setup.offload), setup)
     with console.status("simulating") as status:
         r = simulate(shape, work, setup, steps=args.steps, progress=_progress(status))
@@ -392,8 +404,12 @@ def simulate_argv(shape: str, work: Workload, setup: Setup,
                   roles: tuple[str, ...] = DEFAULT_ROLES) -> list[str]:  # fmt: skip
     """The ``treadle simulate`` arguments that give ``setup`` and ``work`` (lognormal lengths,
     the GPU type's own efficiencies) and whose memory check holds ``roles``, to the steady
-    state: SCALE.md's rows on the command line."""
+    state: SCALE.md's rows on the command line. Raises ValueError where ``work`` trains a
+    critic that ``roles`` does not hold, or the other way round."""
     w, s = work, setup
+    if w.critic != ("critic" in roles):
+        raise ValueError(f"Workload.critic {w.critic} with roles {roles}: the CLI trains a critic "
+                         "exactly where --roles holds one")  # fmt: skip
     argv = [shape, "--gpu", s.gpu.name, "--prompts", str(w.prompts), "--samples",
             str(w.samples_per_prompt), "--prompt-tokens", str(w.prompt_tokens),
             "--max-response", str(w.lengths.max), "--mean-response", f"{w.lengths.mean:g}",
@@ -407,7 +423,7 @@ def simulate_argv(shape: str, work: Workload, setup: Setup,
             "--rollout-gpus",
             str(s.rollout_gpus),
         ]
-    options = {"--extra-forwards": w.extra_forwards, "--minibatches": w.minibatches,
+    options = {"--minibatches": w.minibatches,
                "--reward-seconds": w.reward_s, "--pack-tokens": w.pack_tokens,
                "--engine-tp": s.engine_tp, "--train-tp": s.train_tp, "--train-pp": s.train_pp,
                "--train-sp": s.train_sp, "--oversample": s.oversample,
@@ -417,6 +433,8 @@ def simulate_argv(shape: str, work: Workload, setup: Setup,
     add_arguments(parser, "simulate")  # the options' defaults, left out
     default = lambda option: parser.get_default(option[2:].replace("-", "_"))  # noqa: E731
     argv += [a for k, v in options.items() if v != default(k) for a in (k, f"{v:g}")]
+    if w.extra_forwards != extra_forwards(roles):  # --extra-forwards' default
+        argv += ["--extra-forwards", str(w.extra_forwards)]
     if s.spec_tokens:
         argv += ["--spec-accept", f"{s.spec_accept:g}"]
     if s.mode != "sync":

@@ -71,8 +71,8 @@ class Workload:
     reward_s: float = 0.0
     """Seconds to score one sample (graders run beside the engines, not on the GPUs)."""
     extra_forwards: int = 1
-    """Forward passes besides the update's: 1 for the old policy's logprobs, +1 for a
-    reference, +1 for a critic's values."""
+    """Forward passes besides the update's, each at the policy's cost: 1 for the old policy's
+    logprobs, +1 for a reference, +1 for a critic's values."""
     minibatches: int = 1
     """Optimizer steps per RL step (ppo_mini_batch_size = batch / minibatches)."""
     pack_tokens: int = 0
@@ -80,6 +80,9 @@ class Workload:
     ``train_mb_tokens``; verl's dynamic batch size): a data-parallel rank's share of an
     optimizer step makes ``tokens / pack_tokens`` micro-batches, not one a sample (the pipeline
     bubble of :func:`train_s`); 0: one sample a micro-batch."""
+    critic: bool = False
+    """A critic of the policy's shape is trained beside it (PPO's value model, verl's critic
+    worker): its update adds :func:`train_flops`' 3 passes without the vocabulary head."""
 
     @property
     def batch(self) -> int:
@@ -253,12 +256,14 @@ def segment_s(costs: tuple[float, float, float, float], weights_s: float, b: int
 def train_flops(shape: ModelShape, work: Workload, lengths: list[int]) -> float:
     """FLOPs of training on one batch of responses of ``lengths`` tokens: forward FLOPs (2N
     per token plus causal attention, 2 L q s^2 per sequence) times 3 for the update and once
-    per extra forward."""
-    fwd = 0.0
+    per extra forward; with ``work.critic`` 3 more of the critic's, the forward without its
+    2 x vocab x hidden FLOPs a token of vocabulary head (a value head has one output)."""
+    fwd = head = 0.0
     for response in lengths:
         s = work.prompt_tokens + response
         fwd += 2.0 * shape.active_params() * s + shape.attention_flops_per_token(s / 2) * s
-    return fwd * (3 + work.extra_forwards)
+        head += 2.0 * shape.vocab * shape.hidden * s
+    return fwd * (3 + work.extra_forwards) + (3 * (fwd - head) if work.critic else 0.0)
 
 
 def train_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, lengths: list[int],
@@ -294,13 +299,14 @@ def ulysses_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, tokens: fl
     its tokens' queries, keys and values (bf16, its tensor-parallel share) and receives as much
     attention output, ``2 (2 q + 2 kv) / tp`` bytes a token, over NVLink (the network where
     tp x sp spans nodes); the passes as in :func:`train_flops`: the update's forward, backward
-    and recomputed forward, and one per extra forward. Not overlapped with compute."""
+    and recomputed forward, one per extra forward, and a critic's update. Not overlapped with
+    compute."""
     if sp == 1:
         return 0.0
     per_gpu = tokens * tp / gpus  # a tensor-parallel group holds the same tokens
     per_token = 2.0 * (2 * shape.q_dim + 2 * shape.kv_dim) / tp * shape.layers * (sp - 1) / sp
     link = gpu.nvlink_gbps if tp * sp <= gpu.per_node else gpu.network_gbps
-    passes = 3 + work.extra_forwards
+    passes = 3 + work.extra_forwards + (3 if work.critic else 0)
     return passes * per_gpu * per_token / (link * 1e9 * gpu.efficiency.interconnect)
 
 

@@ -38,6 +38,12 @@ DEFAULT_ROLES = ("policy", "reference", "engine")
 TRAINED = {"policy", "critic"}
 
 
+def extra_forwards(roles: tuple[str, ...]) -> int:
+    """The forward passes besides the update's that ``roles`` run a step: the old policy's
+    logprobs (1), a reference's logprobs and a critic's values (1 each)."""
+    return 1 + ("reference" in roles) + ("critic" in roles)
+
+
 @dataclass(frozen=True)
 class Question:
     """What ``treadle plan`` is asked."""
@@ -50,6 +56,8 @@ class Question:
     """Sequences per training pass per data-parallel rank (``treadle simulate``'s packed
     micro-batches: their tokens in longest sequences, fractional)."""
     roles: tuple[str, ...] = DEFAULT_ROLES
+    """The roles that hold memory; a critic among them is also trained in the simulated steps
+    (``Workload.critic``), whatever ``work`` says."""
     recompute: Recompute = "selective"
     tp: int | None = None
     """Training tensor-parallel degree; None: the smallest that fits."""
@@ -219,6 +227,7 @@ def plan(q: Question, steps: int | None = 3, progress=None) -> list[Placement]:
     fits = [p for p in candidates(q) if p.fits]
     if not fits:
         raise UserError(_nothing_fits(q))
+    work = replace(q.work, critic="critic" in q.roles)
     for p in fits:
         setup = Setup(
             q.gpu, p.rollout_gpus, p.train_gpus, colocated=p.kind == "colocated",
@@ -230,7 +239,7 @@ def plan(q: Question, steps: int | None = 3, progress=None) -> list[Placement]:
         )  # fmt: skip
         if "engine" in q.roles:
             show = None if progress is None else partial(progress, label=p.label.split(" |")[0])
-            p.result = simulate(q.shape, q.work, setup, steps=steps, progress=show)
+            p.result = simulate(q.shape, work, setup, steps=steps, progress=show)
     return sorted(fits, key=lambda p: -p.result.tokens_per_s if p.result else p.train_peak)
 
 
