@@ -182,6 +182,9 @@ def test_tensor_parallel_all_reduces_cost_their_bytes_and_the_network_hops():
     assert fixed == 0.0 and per_token == pytest.approx(1.9115e-6, rel=1e-4)
     fixed, per_token = tp_allreduce(NAMED["deepseek-v3"], h100, 32)
     assert fixed == pytest.approx(2.44e-3) and per_token == pytest.approx(1.2102e-5, rel=1e-4)
+    # 24 GPUs over 3 nodes (the hops alone: 128 heads would not split 24 ways in vLLM): NCCL's
+    # integer log2, floor(log2 3) = 1, so 2 hops on each of the 122: 122 x 2 x 5 us
+    assert tp_allreduce(NAMED["deepseek-v3"], h100, 24)[0] == pytest.approx(1.22e-3)
 
 
 def test_an_engine_over_two_nodes_adds_its_all_reduces_to_every_step(monkeypatch):

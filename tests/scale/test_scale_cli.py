@@ -423,3 +423,27 @@ def test_a_plan_with_a_critic_trains_it_in_its_simulated_steps():
     with_critic = {p.label: p.result.train_s for p in plan(critic, steps=2)}
     assert without.keys() == with_critic.keys()
     assert all(with_critic[k] > 1.5 * without[k] for k in without), (without, with_critic)
+
+
+def test_a_setting_rounded_by_g_is_given_whole_on_the_command_line():
+    # f"{3600.0001:g}" is "3600" and f"{1234.5678:g}" "1234.57": the command would simulate
+    # another setting; the arguments parse back to the very same workload and setup
+    from treadle.cli import _parse
+    from treadle.jobs.scale_job import _roles, _setup, _workload, simulate_argv
+
+    work = Workload(8, 4, 100, Lengths(1234.5678, 4096, 0.8))
+    setup = Setup(gpu("h100"), 8, 8, colocated=True, sync_seconds=3600.0001)
+    argv = simulate_argv("qwen2.5-7b", work, setup)
+    assert argv[argv.index("--sync-seconds") + 1] == "3600.0001"
+    assert argv[argv.index("--mean-response") + 1] == "1234.5678"
+    args = _parse(["simulate", *argv])
+    assert _workload(args, _roles(args.roles, "simulate")) == work
+    assert _setup(args, gpu(args.gpu)) == setup
+
+
+def test_plan_takes_simulates_names_for_the_trainer_layout():
+    # a simulate command's --train-tp/--train-sp pasted into plan set its --tp/--sp
+    from treadle.cli import _parse
+
+    args = _parse(["plan", "qwen2.5-7b", "--train-tp", "2", "--train-sp", "4"])
+    assert (args.tp, args.sp) == (2, 4)

@@ -105,8 +105,11 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
 
 def _plan_arguments(parser: argparse.ArgumentParser) -> None:
     """``treadle plan``'s own options."""
-    parser.add_argument("--tp", type=int, help="training tensor-parallel degree")
-    parser.add_argument("--sp", type=int, help="training Ulysses sequence-parallel degree")
+    parser.add_argument("--tp", "--train-tp", type=int, dest="tp",
+                        help="training tensor-parallel degree (simulate's --train-tp)")  # fmt: skip
+    parser.add_argument("--sp", "--train-sp", type=int, dest="sp",
+                        help="training Ulysses sequence-parallel degree (simulate's "
+                        "--train-sp)")  # fmt: skip
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per pass")
     parser.add_argument("--recompute", choices=("none", "selective", "full"),
                         default="selective", help="activation checkpointing")  # fmt: skip
@@ -412,8 +415,8 @@ def simulate_argv(shape: str, work: Workload, setup: Setup,
                          "exactly where --roles holds one")  # fmt: skip
     argv = [shape, "--gpu", s.gpu.name, "--prompts", str(w.prompts), "--samples",
             str(w.samples_per_prompt), "--prompt-tokens", str(w.prompt_tokens),
-            "--max-response", str(w.lengths.max), "--mean-response", f"{w.lengths.mean:g}",
-            "--length-sigma", f"{w.lengths.sigma:g}"]  # fmt: skip
+            "--max-response", str(w.lengths.max), "--mean-response", _number(w.lengths.mean),
+            "--length-sigma", _number(w.lengths.sigma)]  # fmt: skip
     if s.colocated:
         argv += ["--gpus", str(s.train_gpus)]
     else:
@@ -432,22 +435,29 @@ def simulate_argv(shape: str, work: Workload, setup: Setup,
     parser = argparse.ArgumentParser()
     add_arguments(parser, "simulate")  # the options' defaults, left out
     default = lambda option: parser.get_default(option[2:].replace("-", "_"))  # noqa: E731
-    argv += [a for k, v in options.items() if v != default(k) for a in (k, f"{v:g}")]
+    argv += [a for k, v in options.items() if v != default(k) for a in (k, _number(v))]
     if w.extra_forwards != extra_forwards(roles):  # --extra-forwards' default
         argv += ["--extra-forwards", str(w.extra_forwards)]
     if s.spec_tokens:
-        argv += ["--spec-accept", f"{s.spec_accept:g}"]
+        argv += ["--spec-accept", _number(s.spec_accept)]
     if s.mode != "sync":
         argv += ["--mode", s.mode]
     if s.mode == "async":
-        argv += ["--staleness", f"{s.staleness:g}"]
+        argv += ["--staleness", _number(s.staleness)]
     flags = {"--partial": s.partial, "--drop-stale": s.drop_stale, "--offload": s.offload}
     argv += [k for k, on in flags.items() if on]
     if s.sync_seconds is not None:
-        argv += ["--sync-seconds", f"{s.sync_seconds:g}"]
+        argv += ["--sync-seconds", _number(s.sync_seconds)]
     if roles != DEFAULT_ROLES:
         argv += ["--roles", ",".join(roles)]
     return argv + (["--sync-method", s.sync_method] if s.sync_method else [])
+
+
+def _number(value: float) -> str:
+    """``value`` as an option's text that parses back to it exactly: ``47.2``, ``1500``, and
+    ``3600.0001`` where ``:g`` would round it to ``3600``."""
+    short = f"{value:g}"
+    return short if float(short) == value else repr(float(value))
 
 
 def _progress(status):

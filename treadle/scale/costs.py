@@ -197,8 +197,9 @@ def tp_allreduce(shape: ModelShape, gpu: Gpu, tp: int) -> tuple[float, float]:
     attention and after the MLP or MoE: Shoeybi et al. 2019, arXiv 1909.08053, Sec. 3); a ring
     all-reduce sends and receives 2 (tp - 1) / tp of the bytes (Patarasuk and Yuan 2009) at
     :func:`ring_gbps`, not overlapped with the kernels. An engine spanning ``n`` nodes adds
-    2 log2(n) network hops to each (NCCL's tree), ``network_hop_s`` each; the latency within
-    a node is ``layer_latency_s``'s. (0, 0) for tp 1."""
+    2 floor(log2 n) network hops to each (NCCL's tree latency, ``log2i(nNodes)`` in its
+    ``src/graph/tuning.cc``), ``network_hop_s`` each; the latency within a node is
+    ``layer_latency_s``'s. (0, 0) for tp 1."""
     if tp == 1:
         return 0.0, 0.0
     e = gpu.efficiency
@@ -206,7 +207,7 @@ def tp_allreduce(shape: ModelShape, gpu: Gpu, tp: int) -> tuple[float, float]:
     rate = ring_gbps(gpu, tp) * 1e9 * e.interconnect
     per_token = calls * 2.0 * (tp - 1) / tp * 2.0 * shape.hidden / rate
     nodes = math.ceil(tp / gpu.per_node)
-    return calls * 2 * math.log2(nodes) * e.network_hop_s, per_token
+    return calls * 2 * (nodes.bit_length() - 1) * e.network_hop_s, per_token
 
 
 def draft_fraction(shape: ModelShape) -> float:
