@@ -117,11 +117,14 @@ def test_a_sync_crosses_the_network_only_where_its_gpus_span_nodes():
     assert sync_s(shape, Setup(h100, 8, 8)) == pytest.approx(2 + weights / (400e9 * 0.7))
     resharded = Setup(h100, 8, 8, sync_method="resharded")
     assert sync_s(shape, resharded) == pytest.approx(2 + weights / (8 * 50e9 * 0.7))
-    # one sender across nodes routes through its node's 8 NICs (400 GB/s), as a broadcast
-    # does, not its own 50 GB/s: a resharded sync is never slower than a broadcast
-    one = Setup(h100, 1, 8, sync_method="resharded")
+    # one trainer GPU sending to 15 engine GPUs (two full nodes) routes through its node's 8
+    # NICs (400 GB/s), as a broadcast does, not its own 50 GB/s: a resharded sync is never
+    # slower than a broadcast
+    one = Setup(h100, 15, 1, sync_method="resharded")
     assert sync_s(shape, one) == pytest.approx(2 + weights / (400e9 * 0.7))
     assert sync_s(shape, one) == pytest.approx(sync_s(shape, replace(one, sync_method=None)))
+    # 8 + 4 GPUs: a full node and one of 4, whose 4 NICs (200 GB/s) set the rings' pace
+    assert sync_s(shape, Setup(h100, 8, 4)) == pytest.approx(2 + weights / (200e9 * 0.7))
 
 
 def test_a_critic_trains_three_more_passes_without_the_vocabulary_head():

@@ -185,10 +185,13 @@ def ring_gbps(gpu: Gpu, gpus: int) -> float:
     GPUs at full efficiency: NVLink within a node; spanning nodes, NCCL runs a ring channel
     over each of a node's NICs, so the rings cross between nodes on all of them at once:
     min(NVLink, GPUs a node x network per GPU), 400 GB/s on H100 nodes (NVIDIA's own speed of
-    light for NeMo-RL's DeepSeek-V3 refit, 3.3 s for 1.34 TB, is this rate)."""
+    light for NeMo-RL's DeepSeek-V3 refit, 3.3 s for 1.34 TB, is this rate). The GPUs fill
+    whole nodes first, and a last node partly filled has only its own GPUs' NICs, which set
+    the pace of every ring through it (28 H100s: 4 x 50 = 200 GB/s)."""
     if gpus <= gpu.per_node:
         return gpu.nvlink_gbps
-    return min(gpu.nvlink_gbps, gpu.per_node * gpu.network_gbps)
+    last = gpus % gpu.per_node or gpu.per_node
+    return min(gpu.nvlink_gbps, last * gpu.network_gbps)
 
 
 def tp_allreduce(shape: ModelShape, gpu: Gpu, tp: int) -> tuple[float, float]:
