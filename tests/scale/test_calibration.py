@@ -5,7 +5,15 @@ from dataclasses import replace
 import pytest
 
 from treadle.core.errors import UserError
-from treadle.scale.costs import ring_gbps, segment_s, sync_s, train_flops, train_s, ulysses_s
+from treadle.scale.costs import (
+    ring_gbps,
+    segment_s,
+    sync_s,
+    train_flops,
+    train_s,
+    train_tp_s,
+    ulysses_s,
+)
 from treadle.scale.hardware import GIB, gpu
 from treadle.scale.memory import Layout, trainer
 from treadle.scale.plan import Question, _two_sizes, check_fits, plan
@@ -154,8 +162,22 @@ def test_pipeline_stages_stretch_an_update_by_the_1f1b_bubble():
         flat * 19 / 16
     )
     assert train_s(NAMED["qwen2.5-7b"], h100, 8, work, lengths, tp=2, pp=4) == pytest.approx(
-        flat * 35 / 32
+        flat * 35 / 32 + train_tp_s(NAMED["qwen2.5-7b"], h100, 8, work, 32 * 600, 2)
     )
+
+
+def test_a_trainers_tensor_parallelism_costs_its_all_reduces():
+    # Megatron's two all-reduces a layer forward and two backward, of each token's bf16 hidden
+    # state: Qwen2.5-7B at TP 2 in a node, 56 x 2 x 1/2 x 7,168 bytes / (450e9 x 0.7) =
+    # 1.27431e-6 s a token. 32 samples of 600 tokens on 8 GPUs: 19,200 x 2 / 8 = 4,800 tokens a
+    # tensor-parallel group, over the update's forward and backward and the old policy's
+    # forward, 3 passes: 3 x 4,800 x 1.27431e-6 = 0.0183501 s; a critic adds 2: 0.0305835 s
+    shape, h100 = NAMED["qwen2.5-7b"], gpu("h100")
+    work = Workload(32, 1, 100, Lengths(500, 1000))
+    assert train_tp_s(shape, h100, 8, work, 19_200, 1) == 0.0
+    assert train_tp_s(shape, h100, 8, work, 19_200, 2) == pytest.approx(0.0183501, rel=1e-5)
+    critic = replace(work, critic=True)
+    assert train_tp_s(shape, h100, 8, critic, 19_200, 2) == pytest.approx(0.0305835, rel=1e-5)
 
 
 MISSED = {

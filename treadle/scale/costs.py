@@ -105,8 +105,8 @@ class Setup:
     train_sp: int = 1
     """The trainer's tensor-, pipeline- and Ulysses sequence-parallel degrees: its
     data-parallel ranks are ``train_gpus / (train_tp x train_pp x train_sp)``, pipeline stages
-    add the 1F1B schedule's bubble and sequence parallelism its all-to-alls (:func:`train_s`);
-    tensor parallelism's own all-reduces are not modelled."""
+    add the 1F1B schedule's bubble, sequence parallelism its all-to-alls and tensor parallelism
+    its all-reduces (:func:`train_s`)."""
     mode: Mode = "sync"
     staleness: float = 0.0
     """eta for ``async``: batches the engines may run ahead of the trainer (AReaL's eta;
@@ -274,7 +274,8 @@ def train_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, lengths: lis
             tp: int = 1, pp: int = 1, sp: int = 1) -> float:  # fmt: skip
     """Seconds to train on one batch: :func:`train_flops` on ``gpus`` GPUs at the MFU that the
     tokens per GPU and optimizer step reach, stretched by the pipeline bubble of ``pp`` stages,
-    plus :func:`ulysses_s` for ``sp`` > 1 and the fixed ``train_overhead_s``.
+    plus :func:`ulysses_s` for ``sp`` > 1, :func:`train_tp_s` for ``tp`` > 1 and the fixed
+    ``train_overhead_s``.
 
     The bubble: each of the ``gpus / (tp x pp x sp)`` data-parallel ranks pushes its share of
     an optimizer step's samples through the stages one sample a micro-batch, or packed into
@@ -293,7 +294,24 @@ def train_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, lengths: lis
                              / ranks))  # fmt: skip
     bubble = (micro + pp - 1) / micro
     compute = flops / (gpus * gpu.bf16_tflops * 1e12 * mfu) * bubble
-    return compute + ulysses_s(shape, gpu, gpus, work, tokens, tp, sp) + e.train_overhead_s
+    comms = ulysses_s(shape, gpu, gpus, work, tokens, tp, sp) + train_tp_s(shape, gpu, gpus, work,
+                                                                           tokens, tp)  # fmt: skip
+    return compute + comms + e.train_overhead_s
+
+
+def train_tp_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, tokens: float,
+               tp: int) -> float:  # fmt: skip
+    """Seconds of a trainer's tensor-parallel all-reduces for training on ``tokens`` tokens
+    (Megatron's layout, Shoeybi et al. 2019, arXiv 1909.08053, Sec. 3: two all-reduces a layer
+    in the forward pass and two in the backward; sequence parallelism's all-gather and
+    reduce-scatter move the same bytes): :func:`tp_allreduce`'s bytes a token, on the
+    ``tokens x tp / gpus`` tokens each tensor-parallel group holds, for the update's forward
+    and backward, each extra forward, and a critic's update. Not overlapped with compute;
+    the network hops' latency, small against these messages, left out. 0 for tp 1."""
+    if tp == 1:
+        return 0.0
+    passes = 2 + work.extra_forwards + (2 if work.critic else 0)
+    return passes * tokens * tp / gpus * tp_allreduce(shape, gpu, tp)[1]
 
 
 def ulysses_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, tokens: float, tp: int,
