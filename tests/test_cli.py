@@ -8,6 +8,7 @@ as one of them.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -317,16 +318,19 @@ def test_a_full_disk_in_a_background_writer_prints_no_traceback():
     assert seen == [other]  # everything else keeps its traceback
 
 
-def _to_a_gone_reader(argv: list[str], stderr_too: bool = False) -> subprocess.CompletedProcess:
+def _to_a_gone_reader(argv: list[str], stderr_too: bool = False,
+                      stdout=None) -> subprocess.CompletedProcess:  # fmt: skip
     """Run ``argv`` with stdout (and stderr, with ``stderr_too``) a pipe whose read end is
-    closed before the process starts, so every write fails (EPIPE): no race. Python's stdout
-    block-buffered, as in a shell (PYTHONUNBUFFERED unset)."""
+    closed before the process starts, so every write fails (EPIPE): no race; ``stdout``, a
+    file, in place of the pipe for stdout. Python's stdout block-buffered, as in a shell
+    (PYTHONUNBUFFERED unset)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     read, write = os.pipe()
     os.close(read)
     try:
-        return subprocess.run(argv, stdout=write, stderr=write if stderr_too else subprocess.PIPE,
-                              text=True, timeout=300, env=env)  # fmt: skip
+        return subprocess.run(argv, stdout=write if stdout is None else stdout,
+                              stderr=write if stderr_too else subprocess.PIPE, text=True,
+                              timeout=300, env=env)  # fmt: skip
     finally:
         os.close(write)
 
@@ -348,17 +352,46 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(command):
     assert (done.returncode, done.stderr) == (0, "")
 
 
-def test_an_error_keeps_its_status_when_stderr_has_no_reader_either():
-    # `treadle simulate ... 2>&1 | true`: the message is lost, the status 2 is not
-    argv = [sys.executable, "-m", "treadle.cli", "simulate", "qwen2.5-0.5b", "--sync-seconds", "0"]
+@pytest.mark.parametrize(
+    "bad",
+    [["--sync-seconds", "0"], ["--bogus"]],  # treadle's refusal, argparse's
+)
+def test_an_error_keeps_its_status_when_stderr_has_no_reader_either(bad):
+    # `treadle simulate ... 2>&1 | true`: the message is lost, the status 2 is not (argparse's
+    # usage text left in stderr's buffer made Python's flush at exit fail: status 120)
+    argv = [sys.executable, "-m", "treadle.cli", "simulate", "qwen2.5-0.5b", *bad]
     assert _to_a_gone_reader(argv, stderr_too=True).returncode == 2
+
+
+def test_a_stderr_without_a_reader_leaves_stdout_whole(tmp_path):
+    # `treadle simulate ... --plot P > out 2>&1-to-a-closed-pipe`: the "plot: P" line is lost;
+    # rich's own console pointed stdout at /dev/null and exited 1 there (then 120)
+    png, out = tmp_path / "t.png", tmp_path / "out.txt"
+    argv = [sys.executable, "-m", "treadle.cli", "simulate", "qwen2.5-0.5b", "--gpus", "2",
+            "--steps", "2", "--json", "--plot", str(png)]  # fmt: skip
+    with out.open("w") as f:
+        assert _to_a_gone_reader(argv, stderr_too=True, stdout=f).returncode == 0
+    (row,) = json.loads(out.read_text())
+    assert row["steps"] == 2 and png.stat().st_size > 10_000
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full on this system")
+@pytest.mark.parametrize("command", [["config"], ["config", "model"], ["--help"]])
+def test_stdout_on_a_full_disk_is_one_line_and_exit_2(command):
+    # /dev/full fails every write with ENOSPC: one line, no traceback, status 2
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "treadle.cli", *command], stdout=full,
+                              stderr=subprocess.PIPE, text=True, timeout=300, env=env)  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr == "treadle: error: cannot write stdout (No space left on device)\n"
 
 
 def test_a_rich_console_whose_reader_goes_away_lets_the_command_carry_on():
     # a training run printing its steps through rich is not cut short by a closed pager: the
     # console drops its output and the code after the failed write runs
     code = (
-        "import sys; from treadle.cli import _stdout; c = _stdout(); c.print('x' * 70000); "
+        "import sys; from treadle.cli import _console; c = _console(); c.print('x' * 70000); "
         "c.print('more'); print('carried on', file=sys.stderr); sys.exit(3)"
     )
     done = _to_a_gone_reader([sys.executable, "-c", code])

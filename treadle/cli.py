@@ -262,42 +262,75 @@ def main(argv: list[str] | None = None) -> int:
     SIGTERM and 130 on SIGINT (Ctrl-C): a run stops after its step, checkpointed. When the
     reader of stdout goes away (``treadle config | head -1``) the output is dropped, quietly:
     a command printing through rich carries on to its own status (a training run is not cut
-    short by a closed pager), one printing plain text (``--json``, ``--help``) ends with 0.
-    ``argv`` defaults to ``sys.argv[1:]``.
+    short by a closed pager), one printing plain text (``--json``, ``--help``) ends with 0; a
+    stderr without a reader loses its messages, not the status. 2, with one line on stderr,
+    when stdout cannot be written (a full disk). ``argv`` defaults to ``sys.argv[1:]``.
     """
     try:
         status = _main(argv)
     except BrokenPipeError:  # a print() to stdout whose reader has gone
-        if not _reader_gone():
+        if not _reader_gone(sys.stdout):
             raise
         status = 0
-    except SystemExit:  # argparse's --help (0) and usage errors (2), their text in the buffer
-        _flush_stdout()
+    except SystemExit:  # argparse's --help (0) and usage errors (2), their text in the buffers
+        written = _flush(sys.stdout)
+        _flush(sys.stderr)
+        if not written:
+            return 2
         raise
-    _flush_stdout()
-    return status
+    except OSError as e:  # config, plan and simulate write nothing but stdout unguarded
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        status = _stdout_failed(e)
+    written = _flush(sys.stdout)
+    _flush(sys.stderr)
+    return status if written or status else 2
 
 
-def _reader_gone() -> bool:
-    """Whether stdout is a pipe or socket whose reader has closed it: poll reports an error
+def _reader_gone(stream: Any) -> bool:
+    """Whether ``stream`` is a pipe or socket whose reader has closed it: poll reports an error
     (POLLERR, or POLLHUP) on the writing end of a pipe that has no reader left."""
     import select
 
     try:
         poll = select.poll()
-        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        poll.register(stream.fileno(), select.POLLOUT)
         return any(events & (select.POLLERR | select.POLLHUP) for _, events in poll.poll(0))
-    except (AttributeError, OSError, ValueError):  # no poll, or stdout closed or replaced
+    except (AttributeError, OSError, ValueError):  # no poll, or the stream closed or replaced
         return False
 
 
-def _flush_stdout() -> None:
-    """Write print()'s buffered output now; where its reader has gone, send stdout to
-    /dev/null so that Python's own flush at exit neither fails nor reports it."""
-    with contextlib.suppress(BrokenPipeError):
-        sys.stdout.flush()
-    if _reader_gone():
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+def _to_devnull(stream: Any) -> None:
+    """Point ``stream``'s file descriptor at /dev/null: what is still buffered, and Python's
+    own flush at exit, then go nowhere instead of failing."""
+    with contextlib.suppress(AttributeError, OSError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+
+
+def _flush(stream: Any) -> bool:
+    """Write ``stream``'s buffered output now; where its reader has gone, drop it, quietly.
+    False where it cannot be written (stdout on a full disk), said in one line on stderr."""
+    try:
+        stream.flush()
+    except BrokenPipeError:
+        pass
+    except OSError as e:
+        if stream is sys.stderr:
+            _to_devnull(stream)
+        else:
+            _stdout_failed(e)
+        return False
+    if _reader_gone(stream):
+        _to_devnull(stream)
+    return True
+
+
+def _stdout_failed(error: OSError) -> int:
+    """Say in one line that stdout cannot be written (a full disk), drop the rest of it, and
+    return the exit status, 2."""
+    _to_devnull(sys.stdout)
+    _say(f"treadle: error: cannot write stdout ({error.strerror or error})")
+    return 2
 
 
 def _say(message: str) -> None:
@@ -305,21 +338,22 @@ def _say(message: str) -> None:
     status that follows it."""
     try:
         print(message, file=sys.stderr)
-    except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
+    except OSError:  # no reader, or a full disk
+        _to_devnull(sys.stderr)
 
 
-def _stdout(**options: Any) -> Any:
-    """A rich console on stdout that drops its output, quietly, once the reader goes away, and
-    lets the command carry on (rich's own default exits with status 1 at that write)."""
+def _console(stderr: bool = False, **options: Any) -> Any:
+    """A rich console on stdout (or ``stderr``) that drops its output, quietly, once the reader
+    goes away, and lets the command carry on (rich's own default points stdout at /dev/null,
+    whichever stream it writes, and exits with status 1 at that write)."""
     from rich.console import Console
 
-    class Stdout(Console):
+    class Quiet(Console):
         def on_broken_pipe(self) -> None:
             self.quiet = True
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            _to_devnull(sys.stderr if stderr else sys.stdout)
 
-    return Stdout(**options)
+    return Quiet(stderr=stderr, **options)
 
 
 def _main(argv: list[str] | None) -> int:
@@ -416,10 +450,10 @@ def _run(args: argparse.Namespace) -> int:
     from treadle.config import load_config
 
     if args.command == "inspect":
-        console = _stdout()
+        console = _console()
         # Piped to a file or a pager, rich would wrap the table at 80 columns.
-        return _inspect(args, console if console.is_terminal else _stdout(width=160))
-    console = _stdout()
+        return _inspect(args, console if console.is_terminal else _console(width=160))
+    console = _console()
     if args.command == "eval":
         return _eval(args, console)
     cfg = load_config(*_recipe_and_overrides(args))
@@ -537,13 +571,11 @@ def _inspect(args: argparse.Namespace, console) -> int:
 
 def _scale(args: argparse.Namespace) -> int:
     """``treadle plan`` / ``treadle simulate``; 2 with one line on bad input, 130 on Ctrl-C."""
-    from rich.console import Console
-
     from treadle.core.errors import UserError
     from treadle.jobs.scale_job import run
 
     try:
-        return run(args, Console(stderr=True), _stdout())
+        return run(args, _console(stderr=True), _console())
     except UserError as e:
         _say(f"treadle: error: {e}")
         return 2
@@ -566,7 +598,7 @@ def _config(name: str | None) -> int:
     except UserError as e:
         _say(f"treadle: error: {e}")
         return 2
-    console = _stdout()
+    console = _console()
     if len(rows) == 1 and name is not None:
         (r,) = rows
         console.print(f"{r.key}  ({r.type}, default {r.default})", markup=False, highlight=False)
