@@ -133,6 +133,10 @@ def test_a_sync_crosses_the_network_only_where_its_gpus_span_nodes():
     assert sync_s(shape, one) == pytest.approx(sync_s(shape, replace(one, sync_method=None)))
     # 8 + 4 GPUs: a full node and one of 4, whose 4 NICs (200 GB/s) set the rings' pace
     assert sync_s(shape, Setup(h100, 8, 4)) == pytest.approx(2 + weights / (200e9 * 0.7))
+    # resharded 9 : 9 (3 nodes, the last with 2 GPUs): 9 senders, each on its node's 8 NICs
+    # shared by 8 senders, 50 GB/s: 450 GB/s in all, not paced by the partly filled node
+    nine = Setup(h100, 9, 9, sync_method="resharded")
+    assert sync_s(shape, nine) == pytest.approx(2 + weights / (450e9 * 0.7))
 
 
 def test_a_critic_trains_three_more_passes_without_the_vocabulary_head():

@@ -27,6 +27,7 @@ def test_plan_table_names_each_placement_and_the_best_ones_roles(capsys):
     roles = [line.split()[0] for line in out.splitlines() if line.split()[:1] in
              (["policy"], ["reference"], ["engine"])]  # fmt: skip
     assert roles == ["policy", "reference", "engine"]
+    assert "GiB t/e: a training GPU's peak / an engine GPU's" in out
 
 
 def test_plan_json_gives_each_roles_terms_summing_to_its_total(capsys):
@@ -40,6 +41,9 @@ def test_plan_json_gives_each_roles_terms_summing_to_its_total(capsys):
         assert row["simulated"]["step_s"] > 0
     rates = [r["simulated"]["tokens_per_s"] for r in rows]
     assert rates == sorted(rates, reverse=True)  # most trained tokens per second first
+    # every engine GPU holds the 0.85 x 79.6 = 67.66 GiB the engine reserves (colocated: the
+    # trainer's states beside the engine within it), as the plot draws it
+    assert [r["engine_peak_gib"] for r in rows] == pytest.approx([67.66] * 3, abs=0.01)
 
 
 def test_memory_plot_bars_hold_each_phase_on_its_gpus(tmp_path):
@@ -399,11 +403,17 @@ def test_spec_accept_zero_is_a_setting_not_a_missing_one(accept, per_step):
 
 @pytest.mark.parametrize(
     ("roles", "forwards"),
-    [("policy,engine", 1), ("policy,reference,engine", 2), ("policy,reference,critic,engine", 3)],
+    [
+        ("policy,engine", 1),
+        ("policy,reference,engine", 2),
+        ("policy,reference,critic,engine", 3),
+        ("policy,reference,critic,reward,engine", 4),
+    ],
 )
 def test_extra_forwards_default_to_what_the_roles_run(roles, forwards):
-    # the old policy's logprobs, +1 for a reference, +1 for a critic's values; a critic is
-    # trained too; an explicit --extra-forwards wins (verl's use_rollout_log_probs: 0)
+    # the old policy's logprobs, +1 for a reference, +1 for a critic's values, +1 for a reward
+    # model's scores; a critic is trained too; an explicit --extra-forwards wins (verl's
+    # use_rollout_log_probs: 0)
     from treadle.cli import _parse
     from treadle.jobs.scale_job import _roles, _workload
 
@@ -431,11 +441,12 @@ def test_a_setting_rounded_by_g_is_given_whole_on_the_command_line():
     from treadle.cli import _parse
     from treadle.jobs.scale_job import _roles, _setup, _workload, simulate_argv
 
-    work = Workload(8, 4, 100, Lengths(1234.5678, 4096, 0.8))
+    work = Workload(8, 4, 100, Lengths(1234.5678, 4096, 0.8), pack_tokens=1_000_000)
     setup = Setup(gpu("h100"), 8, 8, colocated=True, sync_seconds=3600.0001)
     argv = simulate_argv("qwen2.5-7b", work, setup)
     assert argv[argv.index("--sync-seconds") + 1] == "3600.0001"
     assert argv[argv.index("--mean-response") + 1] == "1234.5678"
+    assert argv[argv.index("--pack-tokens") + 1] == "1000000"  # :g's 1e+06 is no integer
     args = _parse(["simulate", *argv])
     assert _workload(args, _roles(args.roles, "simulate")) == work
     assert _setup(args, gpu(args.gpu)) == setup

@@ -68,7 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--extra-forwards", type=int,
                         help="forward passes besides the update's, at the policy's cost "
                         "(default from --roles: 1 for the old policy's logprobs, +1 for a "
-                        "reference, +1 for a critic's values)")  # fmt: skip
+                        "reference, +1 for a critic's values, +1 for a reward model's "
+                        "scores)")  # fmt: skip
     parser.add_argument("--minibatches", type=int, default=1,
                         help="optimizer steps an RL step (verl's batch / ppo_mini_batch_size) "
                         "(1)")  # fmt: skip
@@ -93,8 +94,8 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--roles", default=",".join(DEFAULT_ROLES),
                         help=f"the roles that hold GPU memory, comma-separated, of: "
                         f"{', '.join(ROLES)} (a policy at least, and an engine to simulate; "
-                        "a reference or critic also runs a forward, see --extra-forwards, and "
-                        "a critic is trained beside the policy) "
+                        "a reference, critic or reward model also runs a forward, see "
+                        "--extra-forwards, and a critic is trained beside the policy) "
                         f"({','.join(DEFAULT_ROLES)})")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     if command == "plan":
@@ -454,8 +455,11 @@ def simulate_argv(shape: str, work: Workload, setup: Setup,
 
 
 def _number(value: float) -> str:
-    """``value`` as an option's text that parses back to it exactly: ``47.2``, ``1500``, and
-    ``3600.0001`` where ``:g`` would round it to ``3600``."""
+    """``value`` as an option's text that parses back to it exactly: ``47.2``, ``1500``,
+    ``3600.0001`` where ``:g`` would round it to ``3600``, and an integer's digits (``:g``
+    writes 1,000,000 as ``1e+06``, which an integer option refuses)."""
+    if isinstance(value, int):
+        return str(value)
     short = f"{value:g}"
     return short if float(short) == value else repr(float(value))
 
@@ -548,6 +552,12 @@ def _print_plan(console, placements: list[Placement], memory_gib: float) -> None
             "-" if r is None else f"{r.engine_busy * 100:.0f}/{r.trainer_busy:.0%}",
         )  # fmt: skip
     console.print(table)
+    console.print(
+        "GiB t/e: a training GPU's peak / an engine GPU's, its KV cache filling the share of "
+        "the GPU it reserves (gpu_memory_utilization); colocated: the most the update or a "
+        "rollout of one longest sequence needs / the rollout as reserved",
+        markup=False,
+    )
     results = [p.result for p in placements if p.result is not None]
     if results:
         worst = max(r.step_error for r in results)

@@ -72,7 +72,7 @@ class Workload:
     """Seconds to score one sample (graders run beside the engines, not on the GPUs)."""
     extra_forwards: int = 1
     """Forward passes besides the update's, each at the policy's cost: 1 for the old policy's
-    logprobs, +1 for a reference, +1 for a critic's values."""
+    logprobs, +1 for a reference, +1 for a critic's values, +1 for a reward model's scores."""
     minibatches: int = 1
     """Optimizer steps per RL step (ppo_mini_batch_size = batch / minibatches)."""
     pack_tokens: int = 0
@@ -337,8 +337,10 @@ def sync_s(shape: ModelShape, setup: Setup) -> float:
     ``colocated``: each GPU's shard copied in place and the engine's weights woken from host
     memory (PCIe); ``broadcast``: the whole model from one trainer GPU to every engine GPU by
     a pipelined ring broadcast (:func:`ring_gbps` over the GPUs it spans); ``resharded``: each
-    trainer GPU sends its shard over its own NVLink, or across nodes its share of its node's
-    NICs (so at least :func:`ring_gbps`, never slower than ``broadcast``); ``gathered``: every
+    trainer GPU sends its shard over its own NVLink, or across nodes its share of a full
+    node's NICs, ``per_node x network / senders a node``, at most NVLink (NCCL's PXN routes a
+    GPU's sends through the node's other NICs; so never slower than ``broadcast``, whose rings
+    a partly filled node paces); ``gathered``: every
     tensor is gathered whole on every trainer GPU before its engine takes its shard, so each
     GPU receives the whole model by rings: NeMo-RL's colocated refit from Megatron, whose
     Megatron-Bridge export broadcasts each layer over the pipeline stages and all-gathers its
@@ -360,7 +362,8 @@ def sync_s(shape: ModelShape, setup: Setup) -> float:
     if spanned <= g.per_node:
         gbps = senders * g.nvlink_gbps
     else:  # a node's NICs shared by its senders, each on all of them (NCCL's PXN)
-        gbps = senders * ring_gbps(g, spanned) / min(senders, g.per_node)
+        nics = g.per_node * g.network_gbps
+        gbps = senders * min(g.nvlink_gbps, nics / min(senders, g.per_node))
     return e.sync_overhead_s + weights / (gbps * 1e9 * e.interconnect)
 
 

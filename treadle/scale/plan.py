@@ -40,8 +40,9 @@ TRAINED = {"policy", "critic"}
 
 def extra_forwards(roles: tuple[str, ...]) -> int:
     """The forward passes besides the update's that ``roles`` run a step: the old policy's
-    logprobs (1), a reference's logprobs and a critic's values (1 each)."""
-    return 1 + ("reference" in roles) + ("critic" in roles)
+    logprobs (1), a reference's logprobs, a critic's values and a reward model's scores (1
+    each, on the training GPUs, as verl's reward model worker runs)."""
+    return 1 + sum(r in roles for r in ("reference", "critic", "reward"))
 
 
 @dataclass(frozen=True)
@@ -89,8 +90,13 @@ class Placement:
     memory: list[Breakdown] = field(default_factory=list)
     """Per role, bytes per GPU of the GPUs that hold it."""
     train_peak: float = 0.0
-    """Peak bytes per training GPU (colocated: the larger of the rollout and update phases)."""
+    """Peak bytes per training GPU that must fit (colocated: the larger of the update phase
+    and the rollout phase with the KV cache of one longest sequence)."""
     engine_peak: float = 0.0
+    """Bytes per engine GPU as the engine holds them, its KV cache filling the share of the GPU
+    it reserves (``kv_memory_fraction``, vLLM's gpu_memory_utilization); colocated: the rollout
+    phase, the trainer's resident states beside it (what :func:`~treadle.scale.plots.memory`
+    draws)."""
     fits: bool = False
     result: Result | None = None
 
@@ -145,7 +151,7 @@ def measure(q: Question, p: Placement) -> Placement:
         engine_min, engine_fits = 0.0, True
     if p.kind == "colocated":
         p.train_peak = max(update, beside + engine_min)
-        p.engine_peak = p.train_peak
+        p.engine_peak = beside + p.engine_peak if "engine" in q.roles else p.train_peak
     else:
         p.train_peak = update
     p.fits = engine_fits and p.train_peak <= memory
