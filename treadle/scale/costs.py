@@ -274,8 +274,8 @@ def train_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, lengths: lis
             tp: int = 1, pp: int = 1, sp: int = 1) -> float:  # fmt: skip
     """Seconds to train on one batch: :func:`train_flops` on ``gpus`` GPUs at the MFU that the
     tokens per GPU and optimizer step reach, stretched by the pipeline bubble of ``pp`` stages,
-    plus :func:`ulysses_s` for ``sp`` > 1, :func:`train_tp_s` for ``tp`` > 1 and the fixed
-    ``train_overhead_s``.
+    plus :func:`ulysses_s` for ``sp`` > 1, :func:`train_tp_s` for ``tp`` > 1,
+    :func:`expert_alltoall_s` for a mixture of experts and the fixed ``train_overhead_s``.
 
     The bubble: each of the ``gpus / (tp x pp x sp)`` data-parallel ranks pushes its share of
     an optimizer step's samples through the stages one sample a micro-batch, or packed into
@@ -294,8 +294,10 @@ def train_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, lengths: lis
                              / ranks))  # fmt: skip
     bubble = (micro + pp - 1) / micro
     compute = flops / (gpus * gpu.bf16_tflops * 1e12 * mfu) * bubble
-    comms = ulysses_s(shape, gpu, gpus, work, tokens, tp, sp) + train_tp_s(shape, gpu, gpus, work,
-                                                                           tokens, tp)  # fmt: skip
+    comms = (ulysses_s(shape, gpu, gpus, work, tokens, tp, sp)
+             + train_tp_s(shape, gpu, gpus, work, tokens, tp)
+             + expert_alltoall_s(shape, gpu, gpus, work, tokens, tp * pp * sp,
+                                 tp * sp))  # fmt: skip
     return compute + comms + e.train_overhead_s
 
 
@@ -312,6 +314,30 @@ def train_tp_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, tokens: f
         return 0.0
     passes = 2 + work.extra_forwards + (2 if work.critic else 0)
     return passes * tokens * tp / gpus * tp_allreduce(shape, gpu, tp)[1]
+
+
+def expert_alltoall_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, tokens: float,
+                      replica: int, node_group: int) -> float:  # fmt: skip
+    """Seconds of a trainer's expert-parallel all-to-alls for training on ``tokens`` tokens
+    (Lepikhin et al. 2020, GShard, arXiv 2006.16668, Sec. 2.2; Megatron's all-to-all token
+    dispatcher): the experts sharded over the ``ep = gpus / replica`` data-parallel ranks (as
+    :func:`~treadle.scale.memory.trainer_layout` shards them), each token's bf16 hidden state
+    goes to each of its ``experts_active`` experts and comes back, ``2 x 2 x k x hidden``
+    bytes a token and MoE layer, of which (ep - 1) / ep leave its GPU. A GPU holds
+    ``tokens x moe_layers / gpus`` token-layers whatever the tensor, pipeline and sequence
+    split; the share bound for other nodes (a node holds ``per_node / node_group`` expert
+    ranks, ``node_group`` = tp x sp) crosses its own NIC, the rest NVLink, the slower of the
+    two setting the time; passes as :func:`train_tp_s`'s. Not overlapped with compute. 0 for a
+    dense model or one data-parallel rank."""
+    ep = gpus // replica if shape.experts else 1
+    if ep <= 1:
+        return 0.0
+    local = min(ep, max(1, gpu.per_node // node_group))  # expert ranks on a GPU's node
+    per_gpu = tokens * shape.moe_layers / gpus * 4.0 * shape.experts_active * shape.hidden
+    cross = per_gpu * (ep - local) / ep / gpu.network_gbps
+    within = per_gpu * (local - 1) / ep / gpu.nvlink_gbps
+    passes = 2 + work.extra_forwards + (2 if work.critic else 0)
+    return passes * max(cross, within) / (1e9 * gpu.efficiency.interconnect)
 
 
 def ulysses_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, tokens: float, tp: int,
