@@ -107,6 +107,49 @@ def test_simulate_draws_lengths_from_a_runs_buffer(tmp_path, capsys):
     assert {tuple(drawn[k : k + 4]) for k in range(0, 200, 4)} == {(10,) * 4, (300,) * 4}
 
 
+@pytest.mark.parametrize(
+    ("overrides", "roles", "forwards"),
+    [
+        ([], ("policy", "engine"), 0),  # the default recipe: no KL, no importance sampling
+        (["algorithm.importance_sampling=tis_token", "algorithm.kl.coef=0.1"],
+         ("policy", "reference", "engine"), 2),
+        (["algorithm.advantage=gae"], ("policy", "critic", "engine"), 1),
+    ],
+)  # fmt: skip
+def test_lengths_from_a_run_take_its_roles_and_forwards(tmp_path, capsys, overrides, roles,
+                                                         forwards):  # fmt: skip
+    # the run's config.yaml: a reference where kl.coef > 0, a critic for gae (its values'
+    # forward), the old policy's forward unless importance_sampling is none
+    import yaml
+
+    from treadle.cli import _parse
+    from treadle.config import load_config
+    from treadle.config.loading import to_dict
+    from treadle.jobs.scale_job import _roles_and_forwards, run_roles
+
+    _buffer(tmp_path, [10] * 16, 20, group_size=4)
+    cfg = to_dict(load_config("recipes/default.yaml", overrides))
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    assert run_roles(tmp_path) == (roles, forwards)
+    argv = ["simulate", "qwen2.5-0.5b", "--gpus", "2", "--prompts", "4", "--samples", "4",
+            "--lengths-from", str(tmp_path), "--json", "--steps", "2"]  # fmt: skip
+    assert main(argv) == 0
+    said = " ".join(capsys.readouterr().err.split())  # rich wraps the line
+    assert f"roles from {tmp_path / 'config.yaml'}: {', '.join(roles)}; {forwards} " in said
+    # --roles given wins, with the forwards its roles run
+    args = _parse([*argv, "--roles", "policy,engine"])
+    assert _roles_and_forwards(args) == (("policy", "engine"), None, "")
+
+
+def test_lengths_from_a_buffer_without_a_config_uses_the_default_roles(tmp_path, capsys):
+    _buffer(tmp_path, [10] * 16, 20, group_size=4)
+    argv = ["simulate", "qwen2.5-0.5b", "--gpus", "2", "--prompts", "4", "--samples", "4",
+            "--lengths-from", str(tmp_path), "--json", "--steps", "2"]  # fmt: skip
+    assert main(argv) == 0
+    said = " ".join(capsys.readouterr().err.split())  # rich wraps the line
+    assert "has no config.yaml: the default roles, policy, reference, engine" in said
+
+
 def test_lengths_from_a_buffer_without_groups_draws_each_rollout_alone(tmp_path):
     from treadle.jobs.scale_job import run_lengths
 

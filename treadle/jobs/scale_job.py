@@ -91,12 +91,13 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
         help=f"RL steps simulated, 2..{MAX_STEPS} (default: until the steady-state step time "
         f"is known to {AUTO_TOLERANCE * 100:g}%%, the warm-up dropped)",
     )
-    parser.add_argument("--roles", default=",".join(DEFAULT_ROLES),
+    parser.add_argument("--roles",
                         help=f"the roles that hold GPU memory, comma-separated, of: "
                         f"{', '.join(ROLES)} (a policy at least, and an engine to simulate; "
                         "a reference, critic or reward model also runs a forward, see "
                         "--extra-forwards, and a critic is trained beside the policy) "
-                        f"({','.join(DEFAULT_ROLES)})")  # fmt: skip
+                        f"(default {','.join(DEFAULT_ROLES)}; with --lengths-from, the run's "
+                        "own, and its forwards, from its config.yaml)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     if command == "plan":
         _plan_arguments(parser)
@@ -274,9 +275,12 @@ def _check(args: argparse.Namespace) -> None:
             raise UserError(f"--plot {path}: a folder has that name; give a file name")
 
 
-def _roles(text: str, command: str) -> tuple[str, ...]:
-    """``--roles`` as a tuple. Raises UserError for an unknown, empty or repeated role, a plan
-    without a policy, or a simulation without a policy or an engine."""
+def _roles(text: str | None, command: str) -> tuple[str, ...]:
+    """``--roles`` as a tuple (None: the default roles). Raises UserError for an unknown, empty
+    or repeated role, a plan without a policy, or a simulation without a policy or an
+    engine."""
+    if text is None:
+        return DEFAULT_ROLES
     roles = tuple(r.strip().lower() for r in text.split(","))
     bad = [r for r in roles if r not in ROLES] + [r for r in ROLES if roles.count(r) > 1]
     if bad:
@@ -296,9 +300,46 @@ def _roles(text: str, command: str) -> tuple[str, ...]:
     return roles
 
 
-def _workload(args: argparse.Namespace, roles: tuple[str, ...]) -> Workload:
-    """The step's work from the options; ``--extra-forwards`` defaults to what ``roles`` run
-    (:func:`~treadle.scale.plan.extra_forwards`), and a critic among them is trained."""
+def run_roles(run_dir: Path) -> tuple[tuple[str, ...], int] | None:
+    """The roles and the forwards besides the update's of the treadle run in ``run_dir``, as
+    its ``config.yaml`` sets them: a policy and an engine, a reference where
+    ``algorithm.kl.coef`` > 0 and a critic for ``algorithm.advantage=gae``; forwards: the old
+    policy's logprobs unless ``algorithm.importance_sampling`` is none, the reference's and the
+    critic's. None where the run has no config.yaml (a buffer copied alone).
+
+    Raises:
+        UserError: a config.yaml that does not load, naming the key.
+    """
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        return None
+    from treadle.config import load_config
+
+    algo = load_config(path).algorithm
+    roles = ("policy", *(["reference"] if algo.kl.coef > 0 else []),
+             *(["critic"] if algo.advantage == "gae" else []), "engine")  # fmt: skip
+    return roles, (algo.importance_sampling != "none") + len(roles) - 2
+
+
+def _roles_and_forwards(args: argparse.Namespace) -> tuple[tuple[str, ...], int | None, str]:
+    """``--roles`` (or, with ``--lengths-from`` and no ``--roles``, the run's own roles), the
+    forwards they fix (None: ``--extra-forwards`` or what the roles run) and a line saying
+    where the roles came from ("" for ``--roles`` or the default)."""
+    if args.roles is not None or args.lengths_from is None:
+        return _roles(args.roles, args.command), None, ""
+    run = run_roles(args.lengths_from)
+    if run is None:
+        note = f"{args.lengths_from} has no config.yaml: the default roles, "
+        return DEFAULT_ROLES, None, note + ", ".join(DEFAULT_ROLES)
+    note = f"roles from {args.lengths_from / 'config.yaml'}: {', '.join(run[0])}; "
+    return run[0], run[1], note + f"{run[1]} forwards besides the update's"
+
+
+def _workload(args: argparse.Namespace, roles: tuple[str, ...],
+              forwards: int | None = None) -> Workload:  # fmt: skip
+    """The step's work from the options; ``--extra-forwards`` defaults to ``forwards``, else to
+    what ``roles`` run (:func:`~treadle.scale.plan.extra_forwards`), and a critic among them is
+    trained."""
     prompt = 512 if args.prompt_tokens is None else args.prompt_tokens
     if args.lengths_from is not None:
         groups, prompts = run_lengths(args.lengths_from)
@@ -313,7 +354,10 @@ def _workload(args: argparse.Namespace, roles: tuple[str, ...]) -> Workload:
         sigma = 0.8 if args.length_sigma is None else args.length_sigma
         lengths = Lengths(mean, longest, sigma)
     pack = getattr(args, "pack_tokens", 0)  # simulate's: plan's memory takes --micro-batch
-    forwards = extra_forwards(roles) if args.extra_forwards is None else args.extra_forwards
+    if args.extra_forwards is not None:
+        forwards = args.extra_forwards
+    elif forwards is None:
+        forwards = extra_forwards(roles)
     return Workload(args.prompts, args.samples, prompt, lengths, args.reward_seconds, forwards,
                     args.minibatches, critic="critic" in roles, pack_tokens=pack)  # fmt: skip
 
@@ -344,8 +388,11 @@ def run(args: argparse.Namespace, console, out=None) -> int:
 
     out = out or Console()
     _check(args)
-    roles = _roles(args.roles, args.command)
-    shape, g, work = resolve(args.model), gpu(args.gpu.lower()), _workload(args, roles)
+    roles, forwards, note = _roles_and_forwards(args)
+    shape, g = resolve(args.model), gpu(args.gpu.lower())
+    work = _workload(args, roles, forwards)  # the run's buffer read: a note only for a good one
+    if note:
+        console.print(note, markup=False)
     if args.command == "plan":
         q = Question(shape, g, args.gpus, work, args.micro_batch, roles, args.recompute,
                      tp=args.tp, sp=args.sp, offload=args.offload)  # fmt: skip
