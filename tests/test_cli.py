@@ -375,6 +375,34 @@ def test_a_stderr_without_a_reader_leaves_stdout_whole(tmp_path):
     assert row["steps"] == 2 and png.stat().st_size > 10_000
 
 
+SIMULATE_JSON = [sys.executable, "-m", "treadle.cli", "simulate", "qwen2.5-0.5b", "--gpus", "2",
+                 "--steps", "2", "--json"]  # fmt: skip
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full on this system")
+def test_stderr_on_a_full_disk_loses_the_messages_not_the_result():
+    # `treadle simulate ... --json 2>/dev/full`: rich's progress display fails with ENOSPC
+    # (unbuffered, each write at once); the JSON still reaches stdout and the status is 0 (it
+    # was 2, blamed on stdout, and no JSON)
+    env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(SIMULATE_JSON, stdout=subprocess.PIPE, stderr=full, text=True,
+                              timeout=300, env=env)  # fmt: skip
+    assert done.returncode == 0
+    assert json.loads(done.stdout)[0]["steps"] == 2
+
+
+@pytest.mark.parametrize("fd", [1, 2])
+def test_a_descriptor_closed_before_the_start_is_nothing_to_write(fd):
+    # `treadle simulate ... >&-` or `2>&-`: Python's sys.stdout or sys.stderr is None; the
+    # command runs to its status 0 (it raised AttributeError at the end)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    done = subprocess.run(SIMULATE_JSON, preexec_fn=lambda: os.close(fd), env=env,
+                          stdout=subprocess.DEVNULL if fd == 2 else None,
+                          stderr=subprocess.DEVNULL if fd == 1 else None, timeout=300)  # fmt: skip
+    assert done.returncode == 0
+
+
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full on this system")
 @pytest.mark.parametrize("command", [["config"], ["config", "model"], ["--help"]])
 def test_stdout_on_a_full_disk_is_one_line_and_exit_2(command):

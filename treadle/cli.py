@@ -185,8 +185,8 @@ _ABOUT = {
         "Plan a run on paper: for MODEL (a named shape or a model folder's config.json) on "
         "--gpus GPUs of --gpu type, the colocated and disaggregated placements of the roles "
         "that fit in memory, ranked by simulated trained tokens per second (SCALE.md).\n\n"
-        "Reads MODEL's config.json (and --lengths-from RUN_DIR's buffer). Writes nothing but "
-        "--plot's PNG.",
+        "Reads MODEL's config.json (and --lengths-from RUN_DIR's buffer and config.yaml). "
+        "Writes nothing but --plot's PNG.",
         "treadle plan qwen2.5-7b --gpu h100 --gpus 8 --max-response 8192 --plot memory.png",
     ),
     "simulate": (
@@ -195,7 +195,7 @@ _ABOUT = {
         "preempting where it fills, training at the GPU's MFU, weight sync) in sync, one_step "
         "or async mode (SCALE.md). `bench/scale_published.py --commands` prints the commands "
         "of SCALE.md's published rows.\n\nReads MODEL's config.json (and --lengths-from "
-        "RUN_DIR's buffer). Writes nothing but --plot's PNG.",
+        "RUN_DIR's buffer and config.yaml). Writes nothing but --plot's PNG.",
         "treadle simulate r1-distill-qwen-1.5b --gpu h800 --gpus 8 --rollout-gpus 6 "
         "--mode async --staleness 1 --partial --plot timeline.png\n"
         "  treadle simulate qwen2.5-0.5b --lengths-from runs/default --gpus 2",
@@ -309,7 +309,10 @@ def _to_devnull(stream: Any) -> None:
 
 def _flush(stream: Any) -> bool:
     """Write ``stream``'s buffered output now; where its reader has gone, drop it, quietly.
-    False where it cannot be written (stdout on a full disk), said in one line on stderr."""
+    False where it cannot be written (stdout on a full disk), said in one line on stderr.
+    None (a descriptor closed before the start, ``>&-``) has nothing to write."""
+    if stream is None:
+        return True
     try:
         stream.flush()
     except BrokenPipeError:
@@ -345,7 +348,8 @@ def _say(message: str) -> None:
 def _console(stderr: bool = False, **options: Any) -> Any:
     """A rich console on stdout (or ``stderr``) that drops its output, quietly, once the reader
     goes away, and lets the command carry on (rich's own default points stdout at /dev/null,
-    whichever stream it writes, and exits with status 1 at that write)."""
+    whichever stream it writes, and exits with status 1 at that write). On stderr, whose
+    lines are messages, a full disk loses them too, not the command's stdout or status."""
     from rich.console import Console
 
     class Quiet(Console):
@@ -353,7 +357,35 @@ def _console(stderr: bool = False, **options: Any) -> Any:
             self.quiet = True
             _to_devnull(sys.stderr if stderr else sys.stdout)
 
-    return Quiet(stderr=stderr, **options)
+    return Quiet(file=_Messages() if stderr else None, **options)
+
+
+class _Messages:
+    """stderr as a file for messages that may be lost: a write or flush that fails (no reader,
+    a full disk, a descriptor closed) points stderr at /dev/null and carries on."""
+
+    @property
+    def encoding(self) -> str:
+        return getattr(sys.stderr, "encoding", None) or "utf-8"
+
+    def write(self, text: str) -> int:
+        try:
+            sys.stderr.write(text)
+        except (AttributeError, OSError):
+            _to_devnull(sys.stderr)
+        return len(text)
+
+    def flush(self) -> None:
+        try:
+            sys.stderr.flush()
+        except (AttributeError, OSError):
+            _to_devnull(sys.stderr)
+
+    def isatty(self) -> bool:
+        return bool(sys.stderr) and sys.stderr.isatty()
+
+    def fileno(self) -> int:
+        return sys.stderr.fileno()
 
 
 def _main(argv: list[str] | None) -> int:

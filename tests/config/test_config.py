@@ -168,7 +168,17 @@ def test_missing_recipe_file(tmp_path):
 def test_invalid_yaml_recipe(tmp_path):
     recipe = tmp_path / "bad.yaml"
     recipe.write_text("run: {name: [unclosed\n")
-    with pytest.raises(UserError, match="is not valid YAML"):
+    with pytest.raises(UserError, match="is not valid YAML") as e:
+        load_config(recipe)
+    assert "\n" not in str(e.value)  # yaml's several lines, as one
+
+
+def test_a_recipe_that_is_not_utf8_is_refused_naming_the_byte(tmp_path):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_bytes(b"run:\n  name: \xff\n")  # 5 + 8 bytes before the 0xff: byte 13
+    with pytest.raises(
+        UserError, match=r"bad.yaml is not UTF-8 text \(byte 13: invalid start byte\)"
+    ):
         load_config(recipe)
 
 

@@ -16,7 +16,7 @@ from treadle.scale.costs import (
     ulysses_s,
 )
 from treadle.scale.hardware import GIB, gpu
-from treadle.scale.memory import Layout, trainer
+from treadle.scale.memory import Layout, trainer, trainer_layout
 from treadle.scale.plan import Question, _two_sizes, check_fits, plan
 from treadle.scale.published import AREAL, NEMO, ROWS
 from treadle.scale.shapes import NAMED
@@ -152,6 +152,20 @@ def test_a_mixture_of_experts_trainer_pays_its_all_to_alls():
     # one data-parallel rank, or a dense model: no expert parallelism, nothing to send
     assert expert_alltoall_s(shape, h100, 16, NEMO, 400_000, 16, 1) == 0.0
     assert expert_alltoall_s(NAMED["qwen2.5-7b"], h100, 256, NEMO, 400_000, 16, 1) == 0.0
+
+
+def test_expert_parallelism_divides_both_the_ranks_and_the_experts():
+    # DeepSeek-V3's 256 experts: 16 ranks hold 16 each; 512 ranks, 256 (each expert on 2
+    # ranks); 48 ranks, gcd(48, 256) = 16; a dense model, 1. The memory layout agrees.
+    shape = NAMED["deepseek-v3"]
+    assert [shape.expert_parallel(dp) for dp in (16, 512, 48)] == [16, 256, 16]
+    assert NAMED["qwen2.5-7b"].expert_parallel(64) == 1
+    assert trainer_layout(shape, 512).ep == 256
+    # the all-to-all over 256 expert ranks, 8 on a node: 512 GPUs hold 400,000 x 58 / 512 =
+    # 45,312.5 token-layers of 229,376 bytes, 248/256 of them to other nodes over the NIC
+    h100 = gpu("h100")
+    sent = 400_000 * 58 / 512 * 229_376 * 248 / 256 / 50e9
+    assert expert_alltoall_s(shape, h100, 512, NEMO, 400_000, 1, 1) == pytest.approx(4 * sent / 0.7)
 
 
 def test_a_critic_trains_three_more_passes_without_the_vocabulary_head():

@@ -107,51 +107,104 @@ def test_simulate_draws_lengths_from_a_runs_buffer(tmp_path, capsys):
     assert {tuple(drawn[k : k + 4]) for k in range(0, 200, 4)} == {(10,) * 4, (300,) * 4}
 
 
-@pytest.mark.parametrize(
-    ("overrides", "roles", "forwards"),
-    [
-        ([], ("policy", "engine"), 0),  # the default recipe: no KL, no importance sampling
-        (["algorithm.importance_sampling=tis_token", "algorithm.kl.coef=0.1"],
-         ("policy", "reference", "engine"), 2),
-        (["algorithm.advantage=gae"], ("policy", "critic", "engine"), 1),
-    ],
-)  # fmt: skip
-def test_lengths_from_a_run_take_its_roles_and_forwards(tmp_path, capsys, overrides, roles,
-                                                         forwards):  # fmt: skip
-    # the run's config.yaml: a reference where kl.coef > 0, a critic for gae (its values'
-    # forward), the old policy's forward unless importance_sampling is none
+def _run_dir(run, overrides=(), reward_model=False):
+    """A run folder with a one-step buffer and the config.yaml treadle train writes."""
     import yaml
 
-    from treadle.cli import _parse
     from treadle.config import load_config
     from treadle.config.loading import to_dict
-    from treadle.jobs.scale_job import _roles_and_forwards, run_roles
 
-    _buffer(tmp_path, [10] * 16, 20, group_size=4)
-    cfg = to_dict(load_config("recipes/default.yaml", overrides))
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
-    assert run_roles(tmp_path) == (roles, forwards)
-    argv = ["simulate", "qwen2.5-0.5b", "--gpus", "2", "--prompts", "4", "--samples", "4",
-            "--lengths-from", str(tmp_path), "--json", "--steps", "2"]  # fmt: skip
-    assert main(argv) == 0
-    said = " ".join(capsys.readouterr().err.split())  # rich wraps the line
-    assert f"roles from {tmp_path / 'config.yaml'}: {', '.join(roles)}; {forwards} " in said
+    _buffer(run, [10] * 16, 20, group_size=4)
+    cfg = to_dict(load_config("recipes/default.yaml", list(overrides)))
+    if reward_model:
+        cfg["reward"]["functions"].append({"name": "reward_model", "params": {"path": "rm"}})
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    return run
+
+
+RUN_ARGV = ["simulate", "qwen2.5-0.5b", "--gpus", "2", "--prompts", "4", "--samples", "4",
+            "--json", "--steps", "2", "--lengths-from"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("overrides", "reward_model", "roles", "forwards"),
+    [
+        ([], False, ("policy", "engine"), 0),  # the default recipe: no KL, no importance sampling
+        (["algorithm.importance_sampling=tis_token", "algorithm.kl.coef=0.1"], False,
+         ("policy", "reference", "engine"), 2),
+        (["algorithm.advantage=gae"], False, ("policy", "critic", "engine"), 1),
+        ([], True, ("policy", "reward", "engine"), 1),
+    ],
+)  # fmt: skip
+def test_lengths_from_a_run_take_its_roles_and_forwards(tmp_path, capsys, overrides, reward_model,
+                                                         roles, forwards):  # fmt: skip
+    # the run's config.yaml: a reference where kl.coef > 0, a critic for gae (its values'
+    # forward), a reward model's scores, the old policy's forward unless importance_sampling
+    # is none
+    from treadle.cli import _parse
+    from treadle.jobs.scale_job import _roles_and_forwards
+    from treadle.jobs.scale_runs import run_roles
+
+    run = _run_dir(tmp_path, overrides, reward_model)
+    assert run_roles(run) == (roles, forwards)
+    assert main([*RUN_ARGV, str(run)]) == 0
+    (said,) = capsys.readouterr().err.splitlines()  # one line, not wrapped
+    assert said == (f"roles from {run / 'config.yaml'}: {', '.join(roles)}; forwards besides "
+                    f"the update's: {forwards}")  # fmt: skip
+    # --extra-forwards replaces the run's, and the line says so
+    assert main([*RUN_ARGV, str(run), "--extra-forwards", "3"]) == 0
+    assert capsys.readouterr().err.endswith(
+        f"forwards besides the update's: 3 (--extra-forwards; the run's: {forwards})\n"
+    )
     # --roles given wins, with the forwards its roles run
-    args = _parse([*argv, "--roles", "policy,engine"])
+    args = _parse([*RUN_ARGV, str(run), "--roles", "policy,engine"])
     assert _roles_and_forwards(args) == (("policy", "engine"), None, "")
 
 
 def test_lengths_from_a_buffer_without_a_config_uses_the_default_roles(tmp_path, capsys):
     _buffer(tmp_path, [10] * 16, 20, group_size=4)
-    argv = ["simulate", "qwen2.5-0.5b", "--gpus", "2", "--prompts", "4", "--samples", "4",
-            "--lengths-from", str(tmp_path), "--json", "--steps", "2"]  # fmt: skip
-    assert main(argv) == 0
-    said = " ".join(capsys.readouterr().err.split())  # rich wraps the line
-    assert "has no config.yaml: the default roles, policy, reference, engine" in said
+    assert main([*RUN_ARGV, str(tmp_path)]) == 0
+    assert capsys.readouterr().err == (
+        f"{tmp_path} has no config.yaml: the default roles: policy, reference, engine; forwards "
+        "besides the update's: 2\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        (b"\xff\xfe", "cannot read"),  # not UTF-8
+        (b"foo: [unclosed", "cannot read"),  # not YAML: one line all the same
+        (b"", "holds no run config"),
+        (b"- a list", "holds no run config"),
+        (b"algorithm: {advantage: nonsense}", "algorithm.advantage"),
+    ],
+)
+def test_lengths_from_a_damaged_config_is_one_line_naming_it_and_roles(tmp_path, capsys, text,
+                                                                        says):  # fmt: skip
+    _buffer(tmp_path, [10] * 16, 20, group_size=4)
+    (tmp_path / "config.yaml").write_bytes(text)
+    assert main([*RUN_ARGV, str(tmp_path)]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("treadle: error: --lengths-from: ") and says in line, line
+    assert str(tmp_path / "config.yaml") in line and line.endswith("give the run's roles instead")
+
+
+def test_lengths_from_an_older_runs_config_reads_only_the_keys_it_needs(tmp_path):
+    # a key this treadle does not know (another version's) is no reason to refuse
+    import yaml
+
+    from treadle.jobs.scale_runs import run_roles
+
+    run = _run_dir(tmp_path, ["algorithm.kl.coef=0.05"])
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    cfg["rollout"]["a_removed_key"] = 3
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    assert run_roles(run) == (("policy", "reference", "engine"), 1)
 
 
 def test_lengths_from_a_buffer_without_groups_draws_each_rollout_alone(tmp_path):
-    from treadle.jobs.scale_job import run_lengths
+    from treadle.jobs.scale_runs import run_lengths
 
     _buffer(tmp_path, [10] * 12 + [300] * 4, 20)
     groups, prompts = run_lengths(tmp_path)

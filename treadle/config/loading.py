@@ -57,9 +57,11 @@ def _read_recipe(p: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
     if p.resolve() in seen:
         raise UserError(f"recipe {p}: its base: chain loops back to itself")
     try:
-        raw = yaml.safe_load(p.read_text()) or {}
+        raw = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as e:
+        raise UserError(f"recipe {p} is not UTF-8 text (byte {e.start}: {e.reason})") from None
     except yaml.YAMLError as e:
-        raise UserError(f"recipe {p} is not valid YAML: {e}") from None
+        raise UserError(f"recipe {p} is not valid YAML: {' '.join(str(e).split())}") from None
     if not isinstance(raw, dict):
         raise UserError(f"recipe {p} must be a mapping of sections (run:, model:, ...)")
     base = raw.pop("base", None)

@@ -10,6 +10,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from treadle.core.errors import UserError
+from treadle.jobs.scale_runs import run_lengths, run_roles
 from treadle.scale.checks import MAX_SPEC_TOKENS, check
 from treadle.scale.costs import SYNC_METHODS
 from treadle.scale.hardware import GIB, GPUS, Gpu, gpu
@@ -174,53 +175,6 @@ def _simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", help="write the timeline (engines and trainer) to this PNG")
 
 
-def run_lengths(run_dir: Path) -> tuple[list[tuple[int, ...]], list[int]]:
-    """(response tokens by prompt, prompt tokens) of every rollout in ``run_dir``'s buffer
-    (``buffer/step_*.parquet``), read only: one tuple per group (the rows of a step that share
-    its ``group`` column; a file without that column gives one tuple per rollout).
-
-    Raises:
-        UserError: no buffer there, or a file that is not a readable rollout table.
-    """
-    import pyarrow.parquet as pq
-
-    files = sorted((run_dir / "buffer").glob("step_*.parquet"))
-    if not files:
-        raise UserError(
-            f"--lengths-from {run_dir}: no buffer/step_*.parquet there; pass the run directory "
-            "of a treadle train run (it stores each step's rollouts)"
-        )
-    groups: dict[tuple[int, int], list[int]] = {}
-    prompts = []
-    for f, path in enumerate(files):
-        try:
-            names = pq.read_schema(path).names
-            columns = ["token_ids", "prompt_tokens"] + (["group"] if "group" in names else [])
-            table = pq.read_table(path, columns=columns).to_pydict()
-        except Exception as e:  # pyarrow raises several types for a damaged or foreign file
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UserError(f"--lengths-from: cannot read {path} as rollouts ({first})") from None
-        ids_, prompt_ = table["token_ids"], table["prompt_tokens"]
-        for row, (ids, prompt, group) in enumerate(
-            zip(ids_, prompt_, table.get("group", range(len(ids_))), strict=True)
-        ):
-            if (
-                not isinstance(ids, list)
-                or not isinstance(prompt, int)
-                or not 0 < prompt < len(ids)
-            ):
-                raise UserError(
-                    f"--lengths-from: {path} holds a rollout whose token_ids ({type(ids).__name__}"
-                    f") and prompt_tokens ({prompt!r}) leave no response; is it a treadle buffer?"
-                )
-            key = (f, group if isinstance(group, int) else -1 - row)
-            groups.setdefault(key, []).append(len(ids) - prompt)
-            prompts.append(prompt)
-    if not groups or max(max(g) for g in groups.values()) < 1:
-        raise UserError(f"--lengths-from {run_dir}: its buffer holds no response tokens")
-    return [tuple(g) for g in groups.values()], prompts
-
-
 def _check(args: argparse.Namespace) -> None:
     """Raises UserError for options out of range, naming the option and its range."""
     bounds = [("--gpus", args.gpus, 1, MAX_GPUS), ("--minibatches", args.minibatches, 1, 4096),
@@ -300,39 +254,26 @@ def _roles(text: str | None, command: str) -> tuple[str, ...]:
     return roles
 
 
-def run_roles(run_dir: Path) -> tuple[tuple[str, ...], int] | None:
-    """The roles and the forwards besides the update's of the treadle run in ``run_dir``, as
-    its ``config.yaml`` sets them: a policy and an engine, a reference where
-    ``algorithm.kl.coef`` > 0 and a critic for ``algorithm.advantage=gae``; forwards: the old
-    policy's logprobs unless ``algorithm.importance_sampling`` is none, the reference's and the
-    critic's. None where the run has no config.yaml (a buffer copied alone).
-
-    Raises:
-        UserError: a config.yaml that does not load, naming the key.
-    """
-    path = run_dir / "config.yaml"
-    if not path.is_file():
-        return None
-    from treadle.config import load_config
-
-    algo = load_config(path).algorithm
-    roles = ("policy", *(["reference"] if algo.kl.coef > 0 else []),
-             *(["critic"] if algo.advantage == "gae" else []), "engine")  # fmt: skip
-    return roles, (algo.importance_sampling != "none") + len(roles) - 2
-
-
 def _roles_and_forwards(args: argparse.Namespace) -> tuple[tuple[str, ...], int | None, str]:
     """``--roles`` (or, with ``--lengths-from`` and no ``--roles``, the run's own roles), the
-    forwards they fix (None: ``--extra-forwards`` or what the roles run) and a line saying
-    where the roles came from ("" for ``--roles`` or the default)."""
+    forwards they fix (None: ``--extra-forwards`` or what the roles run) and where the roles
+    came from, for a line on stderr ("" for ``--roles`` or the default)."""
     if args.roles is not None or args.lengths_from is None:
         return _roles(args.roles, args.command), None, ""
     run = run_roles(args.lengths_from)
     if run is None:
-        note = f"{args.lengths_from} has no config.yaml: the default roles, "
-        return DEFAULT_ROLES, None, note + ", ".join(DEFAULT_ROLES)
-    note = f"roles from {args.lengths_from / 'config.yaml'}: {', '.join(run[0])}; "
-    return run[0], run[1], note + f"{run[1]} forwards besides the update's"
+        return DEFAULT_ROLES, None, f"{args.lengths_from} has no config.yaml: the default roles"
+    return run[0], run[1], f"roles from {args.lengths_from / 'config.yaml'}"
+
+
+def _role_note(source: str, roles: tuple[str, ...], work: Workload, run_forwards: int | None,
+               args: argparse.Namespace) -> str:  # fmt: skip
+    """The line saying where ``roles`` came from and the forwards used (``--extra-forwards``
+    named where it replaced the run's)."""
+    note = f"{source}: {', '.join(roles)}; forwards besides the update's: {work.extra_forwards}"
+    if args.extra_forwards is not None and run_forwards is not None:
+        note += f" (--extra-forwards; the run's: {run_forwards})"
+    return note
 
 
 def _workload(args: argparse.Namespace, roles: tuple[str, ...],
@@ -388,11 +329,12 @@ def run(args: argparse.Namespace, console, out=None) -> int:
 
     out = out or Console()
     _check(args)
-    roles, forwards, note = _roles_and_forwards(args)
+    roles, forwards, source = _roles_and_forwards(args)
     shape, g = resolve(args.model), gpu(args.gpu.lower())
     work = _workload(args, roles, forwards)  # the run's buffer read: a note only for a good one
-    if note:
-        console.print(note, markup=False)
+    if source:
+        console.print(_role_note(source, roles, work, forwards, args), markup=False,
+                      soft_wrap=True)  # fmt: skip
     if args.command == "plan":
         q = Question(shape, g, args.gpus, work, args.micro_batch, roles, args.recompute,
                      tp=args.tp, sp=args.sp, offload=args.offload)  # fmt: skip

@@ -320,7 +320,8 @@ def expert_alltoall_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, to
                       replica: int, node_group: int) -> float:  # fmt: skip
     """Seconds of a trainer's expert-parallel all-to-alls for training on ``tokens`` tokens
     (Lepikhin et al. 2020, GShard, arXiv 2006.16668, Sec. 2.2; Megatron's all-to-all token
-    dispatcher): the experts sharded over the ``ep = gpus / replica`` data-parallel ranks (as
+    dispatcher): the experts sharded over ``ep`` of the ``gpus / replica`` data-parallel ranks
+    (:meth:`~treadle.scale.shapes.ModelShape.expert_parallel`, as
     :func:`~treadle.scale.memory.trainer_layout` shards them), each token's bf16 hidden state
     goes to each of its ``experts_active`` experts and comes back, ``2 x 2 x k x hidden``
     bytes a token and MoE layer, of which (ep - 1) / ep leave its GPU. A GPU holds
@@ -329,7 +330,7 @@ def expert_alltoall_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, to
     ranks, ``node_group`` = tp x sp) crosses its own NIC, the rest NVLink, the slower of the
     two setting the time; passes as :func:`train_tp_s`'s. Not overlapped with compute. 0 for a
     dense model or one data-parallel rank."""
-    ep = gpus // replica if shape.experts else 1
+    ep = shape.expert_parallel(gpus // replica)
     if ep <= 1:
         return 0.0
     local = min(ep, max(1, gpu.per_node // node_group))  # expert ranks on a GPU's node

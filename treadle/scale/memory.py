@@ -94,7 +94,7 @@ def trainer_layout(shape: ModelShape, gpus: int, tp: int = 1, pp: int = 1, sp: i
     ``zero`` (FSDP at 3) over the data-parallel rest, a MoE model's experts sharded over those
     ranks."""
     dp = max(1, gpus // (tp * pp * sp))
-    return Layout(dp=dp, tp=tp, pp=pp, sp=sp, ep=dp if shape.experts else 1, zero=zero)
+    return Layout(dp=dp, tp=tp, pp=pp, sp=sp, ep=shape.expert_parallel(dp), zero=zero)
 
 
 def check_layout(shape: ModelShape, layout: Layout) -> None:

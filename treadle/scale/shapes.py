@@ -7,6 +7,7 @@ multi-head latent attention and mixture of experts) or from a name in :data:`NAM
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -98,6 +99,12 @@ class ModelShape:
         return (
             self.params() - unused - self.vocab * self.hidden * (0 if self.tied_embeddings else 1)
         )
+
+    def expert_parallel(self, dp: int) -> int:
+        """Expert-parallel degree over ``dp`` data-parallel ranks: the most that divides both
+        the ranks and the experts (Megatron requires both; each expert group then repeats over
+        ``dp / ep`` ranks, its expert data parallelism); 1 for a dense model."""
+        return math.gcd(dp, self.experts) if self.experts else 1
 
     def expert_params(self) -> int:
         """Parameters of all routed experts (what expert parallelism shards)."""

@@ -1,0 +1,113 @@
+"""What ``treadle simulate`` and ``treadle plan`` read from a treadle run (``--lengths-from
+RUN_DIR``): the response and prompt lengths in its buffer, and its roles and forwards from its
+config.yaml. Read only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from treadle.core.errors import UserError
+
+
+def run_lengths(run_dir: Path) -> tuple[list[tuple[int, ...]], list[int]]:
+    """(response tokens by prompt, prompt tokens) of every rollout in ``run_dir``'s buffer
+    (``buffer/step_*.parquet``), read only: one tuple per group (the rows of a step that share
+    its ``group`` column; a file without that column gives one tuple per rollout).
+
+    Raises:
+        UserError: no buffer there, or a file that is not a readable rollout table.
+    """
+    import pyarrow.parquet as pq
+
+    files = sorted((run_dir / "buffer").glob("step_*.parquet"))
+    if not files:
+        raise UserError(
+            f"--lengths-from {run_dir}: no buffer/step_*.parquet there; pass the run directory "
+            "of a treadle train run (it stores each step's rollouts)"
+        )
+    groups: dict[tuple[int, int], list[int]] = {}
+    prompts = []
+    for f, path in enumerate(files):
+        try:
+            names = pq.read_schema(path).names
+            columns = ["token_ids", "prompt_tokens"] + (["group"] if "group" in names else [])
+            table = pq.read_table(path, columns=columns).to_pydict()
+        except Exception as e:  # pyarrow raises several types for a damaged or foreign file
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(f"--lengths-from: cannot read {path} as rollouts ({first})") from None
+        ids_, prompt_ = table["token_ids"], table["prompt_tokens"]
+        for row, (ids, prompt, group) in enumerate(
+            zip(ids_, prompt_, table.get("group", range(len(ids_))), strict=True)
+        ):
+            if (
+                not isinstance(ids, list)
+                or not isinstance(prompt, int)
+                or not 0 < prompt < len(ids)
+            ):
+                raise UserError(
+                    f"--lengths-from: {path} holds a rollout whose token_ids ({type(ids).__name__}"
+                    f") and prompt_tokens ({prompt!r}) leave no response; is it a treadle buffer?"
+                )
+            key = (f, group if isinstance(group, int) else -1 - row)
+            groups.setdefault(key, []).append(len(ids) - prompt)
+            prompts.append(prompt)
+    if not groups or max(max(g) for g in groups.values()) < 1:
+        raise UserError(f"--lengths-from {run_dir}: its buffer holds no response tokens")
+    return [tuple(g) for g in groups.values()], prompts
+
+
+def run_roles(run_dir: Path) -> tuple[tuple[str, ...], int] | None:
+    """The roles and the forwards besides the update's of the treadle run in ``run_dir``, as
+    its ``config.yaml`` sets them: a policy and an engine, a reference where
+    ``algorithm.kl.coef`` > 0, a critic for ``algorithm.advantage=gae`` and a reward model where
+    a ``reward.functions`` entry is ``reward_model``; forwards: the old policy's logprobs unless
+    ``algorithm.importance_sampling`` is none, and one for each of the others. Only those keys
+    are read (a run saved by another treadle version still answers). None where the run has no
+    config.yaml (a buffer copied alone).
+
+    Raises:
+        UserError: a config.yaml that cannot be read, is empty or not a mapping, or holds a bad
+            value for one of those keys; the message names the file and ``--roles``.
+    """
+    from treadle.config import load_config
+
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        return None
+    fix = "pass --roles (and --extra-forwards) to give the run's roles instead"
+    raw = _run_config(path, fix)
+    algo, reward = _section(raw, "algorithm"), _section(raw, "reward")
+    picked = {"kl.coef": _section(algo, "kl").get("coef"), "advantage": algo.get("advantage"),
+              "importance_sampling": algo.get("importance_sampling")}  # fmt: skip
+    try:
+        cfg = load_config(None, [f"algorithm.{k}={v}" for k, v in picked.items() if v is not None])
+    except UserError as e:
+        raise UserError(f"--lengths-from: {path}: {e}; {fix}") from None
+    functions = reward.get("functions") if isinstance(reward.get("functions"), list) else []
+    rewarded = any(isinstance(f, dict) and f.get("name") == "reward_model" for f in functions)
+    roles = ("policy", *(["reference"] if cfg.algorithm.kl.coef > 0 else []),
+             *(["critic"] if cfg.algorithm.advantage == "gae" else []),
+             *(["reward"] if rewarded else []), "engine")  # fmt: skip
+    return roles, (cfg.algorithm.importance_sampling != "none") + len(roles) - 2
+
+
+def _run_config(path: Path, fix: str) -> dict:
+    """A run's config.yaml as a mapping. Raises UserError (ending with ``fix``) for a file
+    that cannot be read, is not YAML, or is empty or not a mapping."""
+    import yaml
+
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        what = " ".join(str(e).split())
+        raise UserError(f"--lengths-from: cannot read {path} ({what}); {fix}") from None
+    if not raw or not isinstance(raw, dict):
+        raise UserError(f"--lengths-from: {path} holds no run config (empty, or not the mapping "
+                        f"treadle train writes); {fix}")  # fmt: skip
+    return raw
+
+
+def _section(raw: dict, key: str) -> dict:
+    """``raw[key]`` where it is a mapping, else an empty one (the defaults)."""
+    value = raw.get(key)
+    return value if isinstance(value, dict) else {}
