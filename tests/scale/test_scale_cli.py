@@ -521,7 +521,11 @@ def test_extra_forwards_default_to_what_the_roles_run(roles, forwards):
 
 
 def test_a_plan_with_a_critic_trains_it_in_its_simulated_steps():
-    # the same placements, the critic's update beside the policy's: a longer trainer phase
+    # the same placements, the critic's update beside the policy's: train_flops grows from 4
+    # forwards (the update's 3 and the old policy's) to 4 + 3 x 0.728 (Qwen2.5-0.5B's tied
+    # vocabulary head is 27.2% of a forward at these lengths) = 1.546x; an H100 has no fixed
+    # training overhead, and a dense model without tensor or sequence parallelism no
+    # collectives: above 1.5x
     work = Workload(16, 4, 128, Lengths(200, 512))
     q = Question(NAMED["qwen2.5-0.5b"], gpu("h100"), 2, work, roles=("policy", "engine"))
     critic = replace(q, roles=("policy", "critic", "engine"))

@@ -238,18 +238,18 @@ def _roles(text: str | None, command: str) -> tuple[str, ...]:
     roles = tuple(r.strip().lower() for r in text.split(","))
     bad = [r for r in roles if r not in ROLES] + [r for r in ROLES if roles.count(r) > 1]
     if bad:
-        what = "an empty role" if bad[0] == "" else f"{bad[0]!r} " + (
-            "given twice" if bad[0] in ROLES else "is not a role"
-        )  # fmt: skip
+        first = bad[0]
+        what = (f"{first!r} given twice" if first in ROLES else f"{first!r} is not a role"
+                if first else "an empty role")  # fmt: skip
         raise UserError(
             f"--roles {text!r}: {what}; give each of {', '.join(ROLES)} at most once, "
             "comma-separated (e.g. policy,reference,engine)"
         )
     if "policy" not in roles or (command == "simulate" and "engine" not in roles):
-        need = "a policy on an engine's samples" if command == "simulate" else "a policy"
+        need, give = (("a policy on an engine's samples", "both") if command == "simulate"
+                      else ("a policy", "one"))  # fmt: skip
         raise UserError(
-            f"--roles {text!r}: an RL step trains {need}; give "
-            + ("both (e.g. policy,engine)" if command == "simulate" else "one (e.g. policy,engine)")
+            f"--roles {text!r}: an RL step trains {need}; give {give} (e.g. policy,engine)"
         )
     return roles
 

@@ -70,6 +70,7 @@ def run_roles(run_dir: Path) -> tuple[tuple[str, ...], int] | None:
             value for one of those keys; the message names the file and ``--roles``.
     """
     from treadle.config import load_config
+    from treadle.scale.plan import extra_forwards
 
     path = run_dir / "config.yaml"
     if not path.is_file():
@@ -88,7 +89,7 @@ def run_roles(run_dir: Path) -> tuple[tuple[str, ...], int] | None:
     roles = ("policy", *(["reference"] if cfg.algorithm.kl.coef > 0 else []),
              *(["critic"] if cfg.algorithm.advantage == "gae" else []),
              *(["reward"] if rewarded else []), "engine")  # fmt: skip
-    return roles, (cfg.algorithm.importance_sampling != "none") + len(roles) - 2
+    return roles, extra_forwards(roles, old_logprobs=cfg.algorithm.importance_sampling != "none")
 
 
 def _run_config(path: Path, fix: str) -> dict:

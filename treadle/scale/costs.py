@@ -312,8 +312,13 @@ def train_tp_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, tokens: f
     the network hops' latency, small against these messages, left out. 0 for tp 1."""
     if tp == 1:
         return 0.0
-    passes = 2 + work.extra_forwards + (2 if work.critic else 0)
-    return passes * tokens * tp / gpus * tp_allreduce(shape, gpu, tp)[1]
+    return _collective_passes(work) * tokens * tp / gpus * tp_allreduce(shape, gpu, tp)[1]
+
+
+def _collective_passes(work: Workload) -> int:
+    """Passes whose layers run a trainer's per-layer collectives in a step: the update's
+    forward and backward, each extra forward, and a critic's forward and backward."""
+    return 2 + work.extra_forwards + (2 if work.critic else 0)
 
 
 def expert_alltoall_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, tokens: float,
@@ -337,8 +342,7 @@ def expert_alltoall_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, to
     per_gpu = tokens * shape.moe_layers / gpus * 4.0 * shape.experts_active * shape.hidden
     cross = per_gpu * (ep - local) / ep / gpu.network_gbps
     within = per_gpu * (local - 1) / ep / gpu.nvlink_gbps
-    passes = 2 + work.extra_forwards + (2 if work.critic else 0)
-    return passes * max(cross, within) / (1e9 * gpu.efficiency.interconnect)
+    return _collective_passes(work) * max(cross, within) / (1e9 * gpu.efficiency.interconnect)
 
 
 def ulysses_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, tokens: float, tp: int,
@@ -367,12 +371,12 @@ def sync_s(shape: ModelShape, setup: Setup) -> float:
     trainer GPU sends its shard over its own NVLink, or across nodes its share of a full
     node's NICs, ``per_node x network / senders a node``, at most NVLink (NCCL's PXN routes a
     GPU's sends through the node's other NICs; so never slower than ``broadcast``, whose rings
-    a partly filled node paces); ``gathered``: every
-    tensor is gathered whole on every trainer GPU before its engine takes its shard, so each
-    GPU receives the whole model by rings: NeMo-RL's colocated refit from Megatron, whose
-    Megatron-Bridge export broadcasts each layer over the pipeline stages and all-gathers its
-    tensor- and expert-parallel pieces on every rank. ``setup.sync_seconds``, where given,
-    replaces all of it (a refit measured on the framework)."""
+    a partly filled node paces); ``gathered``: every tensor is gathered whole on every trainer
+    GPU before its engine takes its shard, so each GPU receives the whole model by rings:
+    NeMo-RL's colocated refit from Megatron, whose Megatron-Bridge export broadcasts each layer
+    over the pipeline stages and all-gathers its tensor- and expert-parallel pieces on every
+    rank. ``setup.sync_seconds``, where given, replaces all of it (a refit measured on the
+    framework)."""
     if setup.sync_seconds is not None:
         return setup.sync_seconds
     g, e = setup.gpu, setup.gpu.efficiency

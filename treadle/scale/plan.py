@@ -38,11 +38,12 @@ DEFAULT_ROLES = ("policy", "reference", "engine")
 TRAINED = {"policy", "critic"}
 
 
-def extra_forwards(roles: tuple[str, ...]) -> int:
+def extra_forwards(roles: tuple[str, ...], old_logprobs: bool = True) -> int:
     """The forward passes besides the update's that ``roles`` run a step: the old policy's
-    logprobs (1), a reference's logprobs, a critic's values and a reward model's scores (1
-    each, on the training GPUs, as verl's reward model worker runs)."""
-    return 1 + sum(r in roles for r in ("reference", "critic", "reward"))
+    logprobs (1, unless ``old_logprobs`` is False: the engine's are trained on), a reference's
+    logprobs, a critic's values and a reward model's scores (1 each, on the training GPUs, as
+    verl's reward model worker runs)."""
+    return old_logprobs + sum(r in roles for r in ("reference", "critic", "reward"))
 
 
 @dataclass(frozen=True)
