@@ -145,10 +145,11 @@ def test_a_mixture_of_experts_trainer_pays_its_all_to_alls():
     # (ep 16), 8 of them on a GPU's node. 400,000 tokens x 58 MoE layers / 256 GPUs = 90,625
     # token-layers a GPU, each 2 x 2 bytes x 8 experts x 7,168 = 229,376 bytes out and back:
     # 20.7872 GB, half of it to the other node over the GPU's 50 GB/s NIC, 0.207872 s (7/16
-    # over NVLink, 0.0202 s, in parallel); the update's forward and backward and NeMo-RL's 2
-    # extra forwards, 4 passes at 0.7: 4 x 0.207872 / 0.7 = 1.18784 s
+    # over NVLink, 0.0202 s, in parallel); the update's forward, backward and recomputed forward
+    # (NeMo-RL's activation checkpointing) and its 2 extra forwards, 5 passes at 0.7:
+    # 5 x 0.207872 / 0.7 = 1.4848 s
     shape, h100 = NAMED["deepseek-v3"], gpu("h100")
-    assert expert_alltoall_s(shape, h100, 256, NEMO, 400_000, 16, 1) == pytest.approx(1.18784)
+    assert expert_alltoall_s(shape, h100, 256, NEMO, 400_000, 16, 1) == pytest.approx(1.4848)
     # one data-parallel rank, or a dense model: no expert parallelism, nothing to send
     assert expert_alltoall_s(shape, h100, 16, NEMO, 400_000, 16, 1) == 0.0
     assert expert_alltoall_s(NAMED["qwen2.5-7b"], h100, 256, NEMO, 400_000, 16, 1) == 0.0
@@ -162,13 +163,14 @@ def test_expert_parallelism_divides_both_the_ranks_and_the_experts():
     assert NAMED["qwen2.5-7b"].expert_parallel(64) == 1
     assert trainer_layout(shape, 512).ep == 256
     # the all-to-all over 256 expert ranks, 8 on a node: 512 GPUs hold 400,000 x 58 / 512 =
-    # 45,312.5 token-layers of 229,376 bytes, 248/256 of them to other nodes over the NIC
+    # 45,312.5 token-layers of 229,376 bytes, 248/256 of them to other nodes over the NIC, in
+    # NeMo-RL's 5 passes (the update's 3 with its recomputed forward, 2 extra forwards)
     h100 = gpu("h100")
     sent = 400_000 * 58 / 512 * 229_376 * 248 / 256 / 50e9
-    assert expert_alltoall_s(shape, h100, 512, NEMO, 400_000, 1, 1) == pytest.approx(4 * sent / 0.7)
+    assert expert_alltoall_s(shape, h100, 512, NEMO, 400_000, 1, 1) == pytest.approx(5 * sent / 0.7)
 
 
-def test_a_critic_trains_three_more_passes_without_the_vocabulary_head():
+def test_a_critic_trains_its_update_passes_without_the_vocabulary_head():
     # Qwen2.5-7B, one sequence of 100 + 500 = 600 tokens. A forward: 2 x 7,070,619,136 active
     # parameters x 600 = 8,484,742,963,200, plus causal attention 4 x 28 layers x 3,584 x 300
     # x 600 = 72,253,440,000: 8,556,996,403,200. The update's 3 passes and the old policy's
@@ -179,10 +181,18 @@ def test_a_critic_trains_three_more_passes_without_the_vocabulary_head():
     assert train_flops(shape, work, [500]) == pytest.approx(34_227_985_612_800, rel=1e-12)
     critic = replace(work, critic=True)
     assert train_flops(shape, critic, [500]) == pytest.approx(57_936_984_268_800, rel=1e-12)
-    # Ulysses' all-to-alls run in every pass: 3 + 1 + 3 = 7 against 4
+    # each layer recomputed (Korthikanti et al. Sec. 5): the update takes 4 forwards, the
+    # critic's as many: 5 x 8,556,996,403,200 + 4 x 7,902,999,552,000 = 42,784,982,016,000 +
+    # 31,611,998,208,000 = 74,396,980,224,000
+    full = replace(critic, recompute="full")
+    assert train_flops(shape, full, [500]) == pytest.approx(74_396_980_224_000, rel=1e-12)
+    # Ulysses' all-to-alls run in every pass: the update's forward and backward, the extra
+    # forward and the critic's forward and backward, 2 + 1 + 2 = 5 against 3; recomputing, the
+    # update's and the critic's one more each, 3 + 1 + 3 = 7
     h100 = gpu("h100")
     alone = ulysses_s(shape, h100, 8, work, 6000.0, 1, 4)
-    assert ulysses_s(shape, h100, 8, critic, 6000.0, 1, 4) == pytest.approx(alone * 7 / 4)
+    assert ulysses_s(shape, h100, 8, critic, 6000.0, 1, 4) == pytest.approx(alone * 5 / 3)
+    assert ulysses_s(shape, h100, 8, full, 6000.0, 1, 4) == pytest.approx(alone * 7 / 3)
 
 
 def test_pipeline_stages_stretch_an_update_by_the_1f1b_bubble():
@@ -204,24 +214,25 @@ def test_a_trainers_tensor_parallelism_costs_its_all_reduces():
     # state: Qwen2.5-7B at TP 2 in a node, 56 x 2 x 1/2 x 7,168 bytes / (450e9 x 0.7) =
     # 1.27431e-6 s a token. 32 samples of 600 tokens on 8 GPUs: 19,200 x 2 / 8 = 4,800 tokens a
     # tensor-parallel group, over the update's forward and backward and the old policy's
-    # forward, 3 passes: 3 x 4,800 x 1.27431e-6 = 0.0183501 s; a critic adds 2: 0.0305835 s
+    # forward, 3 passes: 3 x 4,800 x 1.27431e-6 = 0.0183501 s; a critic adds 2: 0.0305835 s;
+    # recomputing each layer, the update's and the critic's forward once more: 7 passes,
+    # 0.0428169 s
     shape, h100 = NAMED["qwen2.5-7b"], gpu("h100")
     work = Workload(32, 1, 100, Lengths(500, 1000))
     assert train_tp_s(shape, h100, 8, work, 19_200, 1) == 0.0
     assert train_tp_s(shape, h100, 8, work, 19_200, 2) == pytest.approx(0.0183501, rel=1e-5)
     critic = replace(work, critic=True)
     assert train_tp_s(shape, h100, 8, critic, 19_200, 2) == pytest.approx(0.0305835, rel=1e-5)
+    full = replace(critic, recompute="full")
+    assert train_tp_s(shape, h100, 8, full, 19_200, 2) == pytest.approx(0.0428169, rel=1e-5)
 
 
 MISSED = {
-    "AReaL 6:2 H800, staleness 0": "+20.8% at the steady state: at the line (+19.9% over the "
-    "6 steps it was simulated for before); AReaL's synchronous baseline is 1.63x under its "
-    "asynchronous runs in the model, 1.76x in the paper (SCALE.md)",
-    "verl colocated sync, 64 H20": "+22%: verl's 64- and 128-GPU steps differ by 2.5%, the "
-    "model's by 1.4x (SCALE.md)",
+    "verl colocated sync, 64 H20": "+42%: verl's 64- and 128-GPU steps differ by 2.5%, the "
+    "model's by 1.44x (SCALE.md)",
     **dict.fromkeys(
         (f"verl fully async {n}:{n} H20" for n in (16, 32, 64)),
-        "+140/+101/+43%: verl's own phase times give these runs 0.34-0.41x the colocated runs' "
+        "+219/+167/+90%: verl's own phase times give these runs 0.34-0.41x the colocated runs' "
         "training GPU-seconds a step, which one workload cannot give (SCALE.md)",
     ),
     **dict.fromkeys(
@@ -229,7 +240,7 @@ MISSED = {
             *(f"NeMo-RL DeepSeek-V3 colocated, {n} H100" for n in (512, 256)),
             "NeMo-RL DeepSeek-V3 one-step off-policy 256:256, in-flight updates",
         ),
-        "-31/-41/-65%: with NeMo-RL's measured refit, its three rows solve to about 41 s of "
+        "-29/-40/-64%: with NeMo-RL's measured refit, its three rows solve to about 41 s of "
         "generation and 42 s of training on 256 GPUs a step, where the roofline gives 13-16 s "
         "and 11.6 s: DeepSeek-V3's MoE kernels at these batches are slower than their bytes "
         "and FLOPs (SCALE.md)",
@@ -255,11 +266,18 @@ def test_published_step_times_and_throughputs_within_20_percent(row):
     assert row.predict() == pytest.approx(row.published, rel=0.20)
 
 
-def test_areal_speedups_of_staleness_over_synchronous():
+@pytest.mark.parametrize(
+    ("row", "published"),
+    [
+        pytest.param(1, 47.8 / 27.1, id="staleness 1"),
+        pytest.param(2, 52.0 / 27.1, id="staleness 16", marks=pytest.mark.xfail(
+            strict=True, reason="1.51x against 1.92x, -21%: the 2 assumed training GPUs, "
+            "recomputing each layer, bound both asynchronous rows alike (SCALE.md)")),
+    ],
+)  # fmt: skip
+def test_areal_speedups_of_staleness_over_synchronous(row, published):
     # published 47.8k / 27.1k = 1.76x at staleness 1, 52.0k / 27.1k = 1.92x at 16
-    sync, eta1, eta16 = (row.predict() for row in ROWS[:3])
-    assert eta1 / sync == pytest.approx(47.8 / 27.1, rel=0.20)
-    assert eta16 / sync == pytest.approx(52.0 / 27.1, rel=0.20)
+    assert ROWS[row].predict() / ROWS[0].predict() == pytest.approx(published, rel=0.20)
 
 
 def test_engines_share_the_requests_as_a_router_would():
@@ -330,3 +348,30 @@ def test_timeline_plot_has_the_trainer_and_every_engine_lane(tmp_path):
     r = simulate(NAMED["qwen2.5-0.5b"], work, setup, steps=3)
     assert {lane for lane, *_ in r.timeline} == {"trainer", "engine 0", "engine 1"}
     assert timeline(r, tmp_path / "t.png").stat().st_size > 10_000
+
+
+def test_recomputing_each_layer_adds_a_forward_to_every_update(capsys):
+    # Qwen2.5-0.5B on 2 H100s with the default roles: the update's 3 passes beside the old
+    # policy's and the reference's forwards, 5; recomputing each layer, 4 + 2 = 6: with no
+    # tensor or sequence parallelism nothing else grows, so the update takes 6/5 the time
+    import json
+
+    from treadle.cli import main
+
+    argv = ["simulate", "qwen2.5-0.5b", "--gpus", "2", "--prompts", "8", "--steps", "3", "--json"]
+    updates = []
+    for recompute in ("selective", "full"):
+        assert main([*argv, "--recompute", recompute]) == 0
+        updates.append(json.loads(capsys.readouterr().out)[0]["train_s"])
+    assert updates[1] == pytest.approx(updates[0] * 6 / 5, rel=1e-9)
+    # treadle plan simulates its placements with the recompute it sizes memory for
+    work = Workload(8, 4, 256, Lengths(500, 1024), extra_forwards=2)  # as the roles run
+    q = Question(NAMED["qwen2.5-0.5b"], gpu("h100"), 8, work)
+    plain = {p.label: p.result.train_s for p in plan(q, steps=3)}
+    full = {p.label: p.result.train_s for p in plan(replace(q, recompute="full"), steps=3)}
+    assert plain.keys() == full.keys()
+    for label, seconds in plain.items():  # asynchronous: other groups train when times change
+        if label.startswith("colocated"):
+            assert full[label] == pytest.approx(seconds * 6 / 5, rel=1e-9)
+        else:
+            assert seconds * 1.1 < full[label] < seconds * 1.3, label

@@ -99,6 +99,12 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                         "--extra-forwards, and a critic is trained beside the policy) "
                         f"(default {','.join(DEFAULT_ROLES)}; with --lengths-from, the run's "
                         "own, and its forwards, from its config.yaml)")  # fmt: skip
+    parser.add_argument("--recompute", choices=("none", "selective", "full"),
+                        default="selective",
+                        help="activation checkpointing of the trained roles: full recomputes "
+                        "each layer's forward in the backward pass, one more forward an update "
+                        "(verl's enable_gradient_checkpointing, Megatron's recompute "
+                        "granularity) (selective)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     if command == "plan":
         _plan_arguments(parser)
@@ -114,8 +120,6 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="training Ulysses sequence-parallel degree (simulate's "
                         "--train-sp)")  # fmt: skip
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per pass")
-    parser.add_argument("--recompute", choices=("none", "selective", "full"),
-                        default="selective", help="activation checkpointing")  # fmt: skip
     parser.add_argument("--plot", help="write memory per GPU by term and role to this PNG")
 
 
@@ -300,7 +304,8 @@ def _workload(args: argparse.Namespace, roles: tuple[str, ...],
     elif forwards is None:
         forwards = extra_forwards(roles)
     return Workload(args.prompts, args.samples, prompt, lengths, args.reward_seconds, forwards,
-                    args.minibatches, critic="critic" in roles, pack_tokens=pack)  # fmt: skip
+                    args.minibatches, critic="critic" in roles, pack_tokens=pack,
+                    recompute=args.recompute)  # fmt: skip
 
 
 def _save(draw, path: Path, console) -> None:
@@ -353,7 +358,8 @@ def run(args: argparse.Namespace, console, out=None) -> int:
     setup = _setup(args, g)
     check(shape, work, setup)  # the setup's own errors (an engine's KV cache) first
     micro = _micro_batch(shape, work, setup)
-    check_fits(Question(shape, g, args.gpus, work, micro, roles, offload=setup.offload), setup)
+    check_fits(Question(shape, g, args.gpus, work, micro, roles, args.recompute,
+                        offload=setup.offload), setup)  # fmt: skip
     with console.status("simulating") as status:
         r = simulate(shape, work, setup, steps=args.steps, progress=_progress(status))
     if args.plot:
@@ -421,7 +427,7 @@ def simulate_argv(shape: str, work: Workload, setup: Setup,
                "--engine-tp": s.engine_tp, "--train-tp": s.train_tp, "--train-pp": s.train_pp,
                "--train-sp": s.train_sp, "--oversample": s.oversample,
                "--updates-per-sync": s.updates_per_sync,
-               "--spec-tokens": s.spec_tokens}  # fmt: skip
+               "--spec-tokens": s.spec_tokens, "--recompute": w.recompute}  # fmt: skip
     parser = argparse.ArgumentParser()
     add_arguments(parser, "simulate")  # the options' defaults, left out
     default = lambda option: parser.get_default(option[2:].replace("-", "_"))  # noqa: E731
@@ -443,11 +449,12 @@ def simulate_argv(shape: str, work: Workload, setup: Setup,
     return argv + (["--sync-method", s.sync_method] if s.sync_method else [])
 
 
-def _number(value: float) -> str:
+def _number(value: float | str) -> str:
     """``value`` as an option's text that parses back to it exactly: ``47.2``, ``1500``,
     ``3600.0001`` where ``:g`` would round it to ``3600``, and an integer's digits (``:g``
-    writes 1,000,000 as ``1e+06``, which an integer option refuses)."""
-    if isinstance(value, int):
+    writes 1,000,000 as ``1e+06``, which an integer option refuses); a choice's text as it
+    is."""
+    if isinstance(value, int | str):
         return str(value)
     short = f"{value:g}"
     return short if float(short) == value else repr(float(value))

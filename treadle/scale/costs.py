@@ -21,7 +21,7 @@ from typing import Literal
 
 from treadle.scale import memory
 from treadle.scale.hardware import Gpu
-from treadle.scale.memory import OVERHEAD_BYTES, kv_bytes_per_token
+from treadle.scale.memory import OVERHEAD_BYTES, Recompute, kv_bytes_per_token
 from treadle.scale.shapes import ModelShape
 
 Mode = Literal["sync", "one_step", "async"]
@@ -82,7 +82,15 @@ class Workload:
     bubble of :func:`train_s`); 0: one sample a micro-batch."""
     critic: bool = False
     """A critic of the policy's shape is trained beside it (PPO's value model, verl's critic
-    worker): its update adds :func:`train_flops`' 3 passes without the vocabulary head."""
+    worker): its update adds :func:`train_flops`' update passes without the vocabulary head."""
+    recompute: Recompute = "selective"
+    """Activation checkpointing of the trained models (Korthikanti et al. 2022, arXiv
+    2205.05198): ``full`` recomputes each layer's forward in the backward pass, one more
+    forward an update, about a third more time (their Table 4; verl's
+    ``enable_gradient_checkpointing``, NeMo-RL's ``activation_checkpointing``, AReaL's
+    ``gradient_checkpointing``); ``selective`` recomputes attention's core only (Sec. 4.2: a
+    few percent in Table 4, and nothing more where flash attention recomputes it anyway) and
+    ``none`` nothing: both counted as the update's forward and backward alone."""
 
     @property
     def batch(self) -> int:
@@ -257,17 +265,26 @@ def segment_s(costs: tuple[float, float, float, float], weights_s: float, b: int
     return total
 
 
+def update_passes(work: Workload) -> int:
+    """Forward passes' worth of FLOPs in an update: its forward and backward (1 + 2), and with
+    ``work.recompute`` full the forward recomputed in the backward (Korthikanti et al. 2022,
+    arXiv 2205.05198, Sec. 5: 4 in all)."""
+    return 3 + (work.recompute == "full")
+
+
 def train_flops(shape: ModelShape, work: Workload, lengths: list[int]) -> float:
     """FLOPs of training on one batch of responses of ``lengths`` tokens: forward FLOPs (2N
-    per token plus causal attention, 2 L q s^2 per sequence) times 3 for the update and once
-    per extra forward; with ``work.critic`` 3 more of the critic's, the forward without its
+    per token plus causal attention, 2 L q s^2 per sequence) times :func:`update_passes` (3,
+    or 4 recomputing each layer) for the update and once per extra forward; with
+    ``work.critic`` as many update passes of the critic's, the forward without its
     2 x vocab x hidden FLOPs a token of vocabulary head (a value head has one output)."""
     fwd = head = 0.0
     for response in lengths:
         s = work.prompt_tokens + response
         fwd += 2.0 * shape.active_params() * s + shape.attention_flops_per_token(s / 2) * s
         head += 2.0 * shape.vocab * shape.hidden * s
-    return fwd * (3 + work.extra_forwards) + (3 * (fwd - head) if work.critic else 0.0)
+    update = update_passes(work)
+    return fwd * (update + work.extra_forwards) + (update * (fwd - head) if work.critic else 0.0)
 
 
 def train_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, lengths: list[int],
@@ -307,18 +324,20 @@ def train_tp_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, tokens: f
     (Megatron's layout, Shoeybi et al. 2019, arXiv 1909.08053, Sec. 3: two all-reduces a layer
     in the forward pass and two in the backward; sequence parallelism's all-gather and
     reduce-scatter move the same bytes): :func:`tp_allreduce`'s bytes a token, on the
-    ``tokens x tp / gpus`` tokens each tensor-parallel group holds, for the update's forward
-    and backward, each extra forward, and a critic's update. Not overlapped with compute;
+    ``tokens x tp / gpus`` tokens each tensor-parallel group holds, for the passes of
+    :func:`collective_passes`. Not overlapped with compute;
     the network hops' latency, small against these messages, left out. 0 for tp 1."""
     if tp == 1:
         return 0.0
-    return _collective_passes(work) * tokens * tp / gpus * tp_allreduce(shape, gpu, tp)[1]
+    return collective_passes(work) * tokens * tp / gpus * tp_allreduce(shape, gpu, tp)[1]
 
 
-def _collective_passes(work: Workload) -> int:
+def collective_passes(work: Workload) -> int:
     """Passes whose layers run a trainer's per-layer collectives in a step: the update's
-    forward and backward, each extra forward, and a critic's forward and backward."""
-    return 2 + work.extra_forwards + (2 if work.critic else 0)
+    forward and backward (and its recomputed forward, ``work.recompute`` full), each extra
+    forward, and a critic's update as many."""
+    update = 2 + (work.recompute == "full")
+    return update + work.extra_forwards + (update if work.critic else 0)
 
 
 def expert_alltoall_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, tokens: float,
@@ -333,8 +352,8 @@ def expert_alltoall_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, to
     ``tokens x moe_layers / gpus`` token-layers whatever the tensor, pipeline and sequence
     split; the share bound for other nodes (a node holds ``per_node / node_group`` expert
     ranks, ``node_group`` = tp x sp) crosses its own NIC, the rest NVLink, the slower of the
-    two setting the time; passes as :func:`train_tp_s`'s. Not overlapped with compute. 0 for a
-    dense model or one data-parallel rank."""
+    two setting the time; for the passes of :func:`collective_passes`. Not overlapped with
+    compute. 0 for a dense model or one data-parallel rank."""
     ep = shape.expert_parallel(gpus // replica)
     if ep <= 1:
         return 0.0
@@ -342,7 +361,7 @@ def expert_alltoall_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, to
     per_gpu = tokens * shape.moe_layers / gpus * 4.0 * shape.experts_active * shape.hidden
     cross = per_gpu * (ep - local) / ep / gpu.network_gbps
     within = per_gpu * (local - 1) / ep / gpu.nvlink_gbps
-    return _collective_passes(work) * max(cross, within) / (1e9 * gpu.efficiency.interconnect)
+    return collective_passes(work) * max(cross, within) / (1e9 * gpu.efficiency.interconnect)
 
 
 def ulysses_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, tokens: float, tp: int,
@@ -351,16 +370,15 @@ def ulysses_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, tokens: fl
     al. 2023, arXiv 2309.14509, Sec. 3.1): per layer and pass, each GPU sends (sp - 1) / sp of
     its tokens' queries, keys and values (bf16, its tensor-parallel share) and receives as much
     attention output, ``2 (2 q + 2 kv) / tp`` bytes a token, over NVLink (the network where
-    tp x sp spans nodes); the passes as in :func:`train_flops`: the update's forward, backward
-    and recomputed forward, one per extra forward, and a critic's update. Not overlapped with
+    tp x sp spans nodes); for the passes of :func:`collective_passes`. Not overlapped with
     compute."""
     if sp == 1:
         return 0.0
     per_gpu = tokens * tp / gpus  # a tensor-parallel group holds the same tokens
     per_token = 2.0 * (2 * shape.q_dim + 2 * shape.kv_dim) / tp * shape.layers * (sp - 1) / sp
     link = gpu.nvlink_gbps if tp * sp <= gpu.per_node else gpu.network_gbps
-    passes = 3 + work.extra_forwards + (3 if work.critic else 0)
-    return passes * per_gpu * per_token / (link * 1e9 * gpu.efficiency.interconnect)
+    rate = link * 1e9 * gpu.efficiency.interconnect
+    return collective_passes(work) * per_gpu * per_token / rate
 
 
 def sync_s(shape: ModelShape, setup: Setup) -> float:

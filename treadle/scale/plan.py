@@ -61,6 +61,9 @@ class Question:
     """The roles that hold memory; a critic among them is also trained in the simulated steps
     (``Workload.critic``), whatever ``work`` says."""
     recompute: Recompute = "selective"
+    """Activation checkpointing of the trained roles: their activations, and in the simulated
+    steps the forward that ``full`` recomputes (``Workload.recompute``), whatever ``work``
+    says."""
     tp: int | None = None
     """Training tensor-parallel degree; None: the smallest that fits."""
     pp: int | None = None
@@ -234,7 +237,7 @@ def plan(q: Question, steps: int | None = 3, progress=None) -> list[Placement]:
     fits = [p for p in candidates(q) if p.fits]
     if not fits:
         raise UserError(_nothing_fits(q))
-    work = replace(q.work, critic="critic" in q.roles)
+    work = replace(q.work, critic="critic" in q.roles, recompute=q.recompute)
     for p in fits:
         setup = Setup(
             q.gpu, p.rollout_gpus, p.train_gpus, colocated=p.kind == "colocated",
@@ -257,7 +260,8 @@ def check_fits(q: Question, setup: Setup) -> Placement:
 
     Raises:
         UserError: the trainer does not fit (says what it needs, and the --train-tp,
-            --train-pp and --train-sp that fit these GPUs, if any), or a colocated engine's KV
+            --train-pp and --train-sp that fit these GPUs, if any, or that --offload or
+            --recompute full would fit them as given), or a colocated engine's KV
             cache beside the trainer's states holds less than one sequence.
     """
     kind = "colocated" if setup.colocated else "disaggregated"
@@ -272,25 +276,7 @@ def check_fits(q: Question, setup: Setup) -> Placement:
         where += f", packed {q.work.pack_tokens:,} tokens a micro-batch"
     if p.train_peak > memory:
         need, have = _two_sizes(p.train_peak, memory)
-        free = replace(q, tp=None, pp=None, sp=None)
-        other = _smallest_fit(free, kind, setup.rollout_gpus, setup.train_gpus, setup.engine_tp)
-        engine = ""
-        if other is None or not other.fits:  # the user's engine TP leaves too little room
-            other = _smallest_fit(free, kind, setup.rollout_gpus, setup.train_gpus)
-            engine = "" if other is None else f"--engine-tp {other.engine_tp} "
-        fix = (
-            f"{engine}{layout_options(other.layout)} fits"
-            if other is not None and other.fits
-            else f"`treadle plan {q.shape.name} --gpus N` lists the placements that fit"
-        )
-        # as given, with the trainer's states in host memory while the engine generates
-        offload = kind == "colocated" and not q.offload and _measured(
-            replace(q, offload=True), kind, setup.rollout_gpus, setup.train_gpus,
-            setup.train_tp, setup.train_pp, setup.engine_tp, setup.train_sp).fits  # fmt: skip
-        if offload:
-            fix = f"{fix}, or --offload" if other is not None and other.fits else "--offload fits"
-        elif q.work.pack_tokens:
-            fix += ", or pack fewer tokens a micro-batch (--pack-tokens)"
+        fix = _what_fits(q, setup, kind)
         raise UserError(
             f"{where} needs {need} per training GPU in {layout_name(layout, dp=False)} over "
             f"{setup.train_gpus} x {q.gpu.name} ({have}): {fix}"
@@ -303,6 +289,34 @@ def check_fits(q: Question, setup: Setup) -> Placement:
         "--train-tp, --offload the trainer's states, or give the engines GPUs of their own "
         "(--rollout-gpus N)"
     )
+
+
+def _what_fits(q: Question, setup: Setup, kind: str) -> str:
+    """What a refusal of ``setup``'s trainer names: the least parallel trainer layout that fits
+    (and the engine TP it needs, where the given one leaves too little room), then ``--offload``
+    and ``--recompute full`` where either fits the layout as given; else ``treadle plan``."""
+    free = replace(q, tp=None, pp=None, sp=None)
+    other = _smallest_fit(free, kind, setup.rollout_gpus, setup.train_gpus, setup.engine_tp)
+    engine = ""
+    if other is None or not other.fits:  # the user's engine TP leaves too little room
+        other = _smallest_fit(free, kind, setup.rollout_gpus, setup.train_gpus)
+        engine = "" if other is None else f"--engine-tp {other.engine_tp} "
+    fixes = [f"{engine}{layout_options(other.layout)}"] if other is not None and other.fits else []
+
+    def as_given(changed: Question) -> bool:
+        return _measured(changed, kind, setup.rollout_gpus, setup.train_gpus, setup.train_tp,
+                         setup.train_pp, setup.engine_tp, setup.train_sp).fits  # fmt: skip
+
+    # the trainer's states in host memory while the engine generates; each layer recomputed
+    if kind == "colocated" and not q.offload and as_given(replace(q, offload=True)):
+        fixes.append("--offload")
+    if q.recompute != "full" and as_given(replace(q, recompute="full")):
+        fixes.append("--recompute full")
+    text = (f"{fixes[0]} fits" + "".join(f", or {f}" for f in fixes[1:]) if fixes else
+            f"`treadle plan {q.shape.name} --gpus N` lists the placements that fit")  # fmt: skip
+    if q.work.pack_tokens and "--offload" not in fixes:
+        text += ", or pack fewer tokens a micro-batch (--pack-tokens)"
+    return text
 
 
 def _two_sizes(need: float, have: float) -> tuple[str, str]:

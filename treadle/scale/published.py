@@ -42,20 +42,27 @@ class Row:
 
 # AReaL (arXiv 2505.24298), R1-Distill-Qwen-1.5B, 8 H800, 8k context, 64 prompts x 16; assumed
 # 6 generation : 2 training GPUs, 300-token prompts, responses lognormal mean 5,000, 4
-# optimizer steps a batch
-AREAL = Workload(64, 16, 300, Lengths(5000, 8192, 0.8), minibatches=4)
+# optimizer steps a batch; each layer recomputed in the backward pass (the paper's system,
+# realhf, defaults to gradient_checkpointing=True: ModelTrainEvalConfig in realhf/api/cli_args.py)
+AREAL = Workload(64, 16, 300, Lengths(5000, 8192, 0.8), minibatches=4, recompute="full")
 # verl fully-async README: Qwen2.5-Math-7B, DAPO, 28K max response, n=16, 512 prompts in 16
-# mini-batches; the async scripts' engine TP 4, Ulysses sequence parallel 4, 4 streamed updates
+# mini-batches; the async scripts' engine TP 4, Ulysses sequence parallel 4, gradient
+# checkpointing (enable_gradient_checkpointing=True: each layer recomputed), 4 streamed updates
 # of 128 prompts a sync and no old-logprob forward (use_rollout_log_probs); assumed 200-token
 # prompts, lognormal responses (mean 1,500, sigma 1.0) and the colocated runs' engine TP 2 and
 # Ulysses 4 (verl's one-step-off colocate script: the table's colocated script is not
 # published)
-VERL_SYNC = Workload(512, 16, 200, Lengths(1500, 28672, 1.0), extra_forwards=1, minibatches=16)
-VERL_ASYNC = Workload(512, 16, 200, Lengths(1500, 28672, 1.0), extra_forwards=0, minibatches=16)
+VERL_SYNC = Workload(
+    512, 16, 200, Lengths(1500, 28672, 1.0), extra_forwards=1, minibatches=16, recompute="full"
+)
+VERL_ASYNC = Workload(
+    512, 16, 200, Lengths(1500, 28672, 1.0), extra_forwards=0, minibatches=16, recompute="full"
+)
 # NeMo-RL v0.6 performance summary, DeepSeek-V3: GRPO 32 x 16, max sequence 1,536, average
 # sequence 697-710 tokens, engines of TP 32, training PP 16 x EP 16; its recipes
 # (grpo-deepseek-v3-32n8g.yaml and the 64n8g ones over it): sequence packing into micro-batches
-# of train_mb_tokens = 1,536 x train_micro_batch_size 1 tokens, and NeMo-RL's default refit (IPC
+# of train_mb_tokens = 1,536 x train_micro_batch_size 1 tokens, activation_checkpointing (NeMo-RL
+# sets Megatron's recompute_granularity full, one layer at a time), and NeMo-RL's default refit (IPC
 # colocated, from Megatron-Bridge's export: every rank gathers every tensor whole, sync method
 # "gathered"), the trainer's states offloaded to host memory while the colocated engines generate
 # (NeMo-RL's colocated mode: offload_before_refit / offload_after_refit); the one-step recipe
@@ -66,7 +73,9 @@ VERL_ASYNC = Workload(512, 16, 200, Lengths(1500, 28672, 1.0), extra_forwards=0,
 # (547 after it: 697 in all), a reference and an old-logprob forward, and the recipes' MTP
 # speculative decoding (one draft token) accepted 85% of the time (the DeepSeek-V3 report, arXiv
 # 2412.19437, Sec. 5.4.3: 85-90% for the second token; RL samples at temperature 1)
-NEMO = Workload(32, 16, 150, Lengths(600, 1386, 0.8), extra_forwards=2, pack_tokens=1536)
+NEMO = Workload(
+    32, 16, 150, Lengths(600, 1386, 0.8), extra_forwards=2, pack_tokens=1536, recompute="full"
+)
 # NeMo-RL's colocated refit of DeepSeek-V3 as NeMo-RL measured it (blog, 2025-08-12, "Journey of
 # Optimizing Weight Transfer in Large MoE Models by 10x", Table 1, v0.3: 12.2 s gathering the
 # parameters, 33.5 s passing CUDA IPC handles, 1.5 s loading them into vLLM; TP 64 engines from
