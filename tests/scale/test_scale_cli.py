@@ -556,5 +556,21 @@ def test_plan_takes_simulates_names_for_the_trainer_layout():
     # a simulate command's --train-tp/--train-sp pasted into plan set its --tp/--sp
     from treadle.cli import _parse
 
-    args = _parse(["plan", "qwen2.5-7b", "--train-tp", "2", "--train-sp", "4"])
-    assert (args.tp, args.sp) == (2, 4)
+    args = _parse(["plan", "qwen2.5-7b", "--train-tp", "2", "--train-sp", "4", "--train-pp", "2"])
+    assert (args.tp, args.sp, args.pp) == (2, 4, 2)
+
+
+def test_plan_pins_the_pipeline_stages_and_names_the_option_as_typed(capsys):
+    # --pp 2 on 8 GPUs: every placement's trainer in 2 stages (the 4:4 split's 4 GPUs are
+    # dp2 pp2), as --tp pins the tensor-parallel ranks
+    assert main(["plan", "qwen2.5-7b", "--pp", "2", "--steps", "3", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows and {r["train_layout"]["pp"] for r in rows} == {2}
+    four = next(r for r in rows if r["train_gpus"] == 4)
+    assert (four["train_layout"]["dp"], four["train_layout"]["tp"]) == (2, 1)
+    # a bad value names the spelling given
+    for option in ("--pp", "--train-pp", "--train-tp", "--sp"):
+        assert main(["plan", "qwen2.5-7b", option, "0"]) == 2
+        assert capsys.readouterr().err.strip() == f"treadle: error: {option} 0: must be 1..1,024"
+    assert main(["plan", "qwen2.5-7b", "--pp", "3"]) == 2
+    assert "--pp 3 takes the trainer's GPUs 3 at a time" in capsys.readouterr().err

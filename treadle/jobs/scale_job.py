@@ -112,11 +112,23 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
         _simulate_arguments(parser)
 
 
+class _Spelled(argparse.Action):
+    """Stores the value and the option's spelling as typed (``--tp`` or ``--train-tp``) in
+    ``namespace.spelled``, so a message names the option the user wrote."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.spelled = {**(getattr(namespace, "spelled", None) or {}),
+                             self.dest: option_string}  # fmt: skip
+
+
 def _plan_arguments(parser: argparse.ArgumentParser) -> None:
     """``treadle plan``'s own options."""
-    parser.add_argument("--tp", "--train-tp", type=int, dest="tp",
+    parser.add_argument("--tp", "--train-tp", type=int, dest="tp", action=_Spelled,
                         help="training tensor-parallel degree (simulate's --train-tp)")  # fmt: skip
-    parser.add_argument("--sp", "--train-sp", type=int, dest="sp",
+    parser.add_argument("--pp", "--train-pp", type=int, dest="pp", action=_Spelled,
+                        help="training pipeline stages (simulate's --train-pp)")  # fmt: skip
+    parser.add_argument("--sp", "--train-sp", type=int, dest="sp", action=_Spelled,
                         help="training Ulysses sequence-parallel degree (simulate's "
                         "--train-sp)")  # fmt: skip
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per pass")
@@ -191,10 +203,9 @@ def _check(args: argparse.Namespace) -> None:
         bounds += [("--steps", args.steps, 2, MAX_STEPS)]
     if args.command == "plan":
         bounds += [("--micro-batch", args.micro_batch, 1, 4096)]
-        if args.tp is not None:
-            bounds += [("--tp", args.tp, 1, 1024)]
-        if args.sp is not None:
-            bounds += [("--sp", args.sp, 1, 1024)]
+        spelled = getattr(args, "spelled", None) or {}
+        bounds += [(spelled.get(n, f"--{n}"), getattr(args, n), 1, 1024)
+                   for n in ("tp", "pp", "sp") if getattr(args, n) is not None]  # fmt: skip
     else:
         bounds += [("--pack-tokens", args.pack_tokens, 0, MAX_PACK_TOKENS),
                    ("--oversample", args.oversample, 0, 4)]  # fmt: skip
@@ -342,7 +353,7 @@ def run(args: argparse.Namespace, console, out=None) -> int:
                       soft_wrap=True)  # fmt: skip
     if args.command == "plan":
         q = Question(shape, g, args.gpus, work, args.micro_batch, roles, args.recompute,
-                     tp=args.tp, sp=args.sp, offload=args.offload)  # fmt: skip
+                     tp=args.tp, pp=args.pp, sp=args.sp, offload=args.offload)  # fmt: skip
         with console.status("simulating the placements that fit") as status:
             placements = plan(q, steps=args.steps, progress=_progress(status))
         if args.plot:

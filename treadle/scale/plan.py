@@ -67,6 +67,7 @@ class Question:
     tp: int | None = None
     """Training tensor-parallel degree; None: the smallest that fits."""
     pp: int | None = None
+    """Training pipeline stages; None: the fewest that fit."""
     sp: int | None = None
     """Training Ulysses sequence-parallel degree; None: the smallest that fits."""
     zero: int = 3
@@ -222,14 +223,15 @@ def plan(q: Question, steps: int | None = 3, progress=None) -> list[Placement]:
     by training memory per GPU).
 
     Raises:
-        UserError: an explicit --tp or --sp the model cannot take, or no placement fits (says
-            how many GPUs of this type the smallest fitting placement needs).
+        UserError: an explicit --tp, --pp or --sp the model cannot take, or no placement fits
+            (says how many GPUs of this type the smallest fitting placement needs).
     """
-    if q.tp or q.sp:
+    if q.tp or q.pp or q.sp:
         check_layout(q.shape, Layout(tp=q.tp or 1, pp=q.pp or 1, sp=q.sp or 1))
         replica = (q.tp or 1) * (q.pp or 1) * (q.sp or 1)
         if q.gpus % replica:
-            given = " x ".join(f"--{n} {v}" for n, v in (("tp", q.tp), ("sp", q.sp)) if v)
+            given = " x ".join(f"--{n} {v}" for n, v in (("tp", q.tp), ("pp", q.pp),
+                                                          ("sp", q.sp)) if v)  # fmt: skip
             raise UserError(
                 f"{given} takes the trainer's GPUs {replica} at a time, which --gpus {q.gpus} "
                 f"does not divide: use --gpus {(q.gpus // replica + 1) * replica}"
