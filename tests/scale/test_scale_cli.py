@@ -373,6 +373,18 @@ def test_bad_input_is_one_line_and_exit_2(argv, says, capsys):
     assert line.startswith("treadle: error: ") and says in line, line
 
 
+TWO_LAYER_MOE = {"num_attention_heads": 32, "hidden_size": 4096, "num_hidden_layers": 2,
+                 "intermediate_size": 128, "vocab_size": 100, "num_experts": 8,
+                 "num_experts_per_tok": 2, "moe_intermediate_size": 64}  # fmt: skip
+BAD_MOE_LAYERS = (
+    ({"mlp_only_layers": [2]}, "mlp_only_layers is [2]; a list of layer indices 0..1"),
+    ({"mlp_only_layers": "0"}, "mlp_only_layers is '0'; a list"),
+    ({"decoder_sparse_step": 0}, "decoder_sparse_step is 0; a positive integer"),
+    ({"first_k_dense_replace": 3}, "first_k_dense_replace is 3; an integer 0..2"),
+)
+"""Which layers hold experts, given badly (the layers are 0 and 1)."""
+
+
 @pytest.mark.parametrize(
     ("config", "says"),
     [
@@ -419,6 +431,7 @@ def test_bad_input_is_one_line_and_exit_2(argv, says, capsys):
             },
             "8 experts but no 'num_experts_per_tok'",
         ),
+        *(({**TWO_LAYER_MOE, **bad}, says) for bad, says in BAD_MOE_LAYERS),
     ],
 )
 def test_a_bad_config_json_is_one_line_exit_2(tmp_path, config, says, capsys):
@@ -446,6 +459,22 @@ def test_mixture_of_experts_configs_count_every_expert():
         "shared_expert_intermediate_size": 5632}, "qwen-moe")  # fmt: skip
     assert qwen.shared_experts == 4
     assert qwen.params() / 1e9 == pytest.approx(14.3, abs=0.1)
+    # experts every second layer, none in layer 1 (transformers' Qwen2-MoE: layer i has them
+    # where (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers): layers
+    # 3, 5, ..., 23, 11 of 24. Each dense layer trades (60 + 4) x 3 x 2,048 x 1,408 expert and
+    # 60 x 2,048 router parameters, 553,771,008, for a 3 x 2,048 x 5,632 = 34,603,008 MLP:
+    # 13 x 519,168,000 = 6,749,184,000 fewer
+    sparse = from_hf_config({
+        "num_attention_heads": 16, "hidden_size": 2048, "num_hidden_layers": 24,
+        "intermediate_size": 5632, "vocab_size": 151936, "num_experts": 60,
+        "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632, "decoder_sparse_step": 2,
+        "mlp_only_layers": [1]}, "qwen-moe-sparse")  # fmt: skip
+    assert (sparse.moe_layers, sparse.dense_layers) == (11, 13)
+    assert qwen.params() - sparse.params() == 6_749_184_000
+    assert qwen.active_params() - sparse.active_params() == 13 * (
+        4 * 3 * 2048 * 1408 + 4 * 3 * 2048 * 1408 + 60 * 2048 - 3 * 2048 * 5632
+    )
 
 
 def test_plot_with_json_keeps_stdout_json_and_replaces_the_file_whole(tmp_path, capsys):

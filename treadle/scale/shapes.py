@@ -37,7 +37,8 @@ class ModelShape:
     shared_experts: int = 0
     expert_intermediate: int = 0
     dense_layers: int = 0
-    """Leading layers with a dense FFN in an MoE model (DeepSeek-V3: 3)."""
+    """Layers with a dense FFN in an MoE model (DeepSeek-V3: its first 3; Qwen-MoE's
+    ``mlp_only_layers`` and the layers ``decoder_sparse_step`` skips)."""
     q_lora_rank: int = 0
     """Multi-head latent attention (DeepSeek-V2/V3, arXiv 2405.04434): 0 for standard attention."""
     kv_lora_rank: int = 0
@@ -209,7 +210,8 @@ def _with_experts(config: dict, shape: ModelShape) -> ModelShape:
     """``shape`` with the mixture of experts of ``config``, if any: DeepSeek's
     ``n_routed_experts``, Qwen's ``num_experts`` (its one wide shared expert counted as
     ``shared_expert_intermediate_size / moe_intermediate_size`` experts), Mixtral's
-    ``num_local_experts`` (experts ``intermediate_size`` wide)."""
+    ``num_local_experts`` (experts ``intermediate_size`` wide); the layers with a dense FFN
+    from :func:`_dense_layers`."""
     name = shape.name
     routed = (config.get("n_routed_experts") or config.get("num_experts")
               or config.get("num_local_experts") or 0)  # fmt: skip
@@ -232,8 +234,32 @@ def _with_experts(config: dict, shape: ModelShape) -> ModelShape:
         experts_active=config["num_experts_per_tok"],
         shared_experts=shared,
         expert_intermediate=width,
-        dense_layers=config.get("first_k_dense_replace", 0),
+        dense_layers=_dense_layers(config, shape),
     )
+
+
+def _dense_layers(config: dict, shape: ModelShape) -> int:
+    """How many of ``shape``'s layers keep a dense FFN, as transformers builds them: layer i
+    has experts where i >= ``first_k_dense_replace`` and i % ``moe_layer_freq`` == 0
+    (DeepSeek-V2/V3), and where (i + 1) % ``decoder_sparse_step`` == 0 and i is not in
+    ``mlp_only_layers`` (Qwen2/3-MoE). Raises UserError for a value of those keys that is not
+    an integer of the range its meaning allows, naming it."""
+    layers = shape.layers
+    first = 0 if config.get("first_k_dense_replace") is None else config["first_k_dense_replace"]
+    if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first <= layers:
+        raise UserError(f"{shape.name}: config.json's first_k_dense_replace is {first!r}; "
+                        f"an integer 0..{layers}")  # fmt: skip
+    every = {k: _positive(shape.name, k, 1 if config.get(k) is None else config[k])
+             for k in ("moe_layer_freq", "decoder_sparse_step")}  # fmt: skip
+    only = [] if config.get("mlp_only_layers") is None else config["mlp_only_layers"]
+    if not isinstance(only, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in only
+    ):
+        raise UserError(f"{shape.name}: config.json's mlp_only_layers is {only!r}; a list of "
+                        f"layer indices 0..{layers - 1}")  # fmt: skip
+    sparse = [i for i in range(first, layers) if i % every["moe_layer_freq"] == 0
+              and (i + 1) % every["decoder_sparse_step"] == 0 and i not in only]  # fmt: skip
+    return layers - len(sparse)
 
 
 def resolve(model: str) -> ModelShape:
