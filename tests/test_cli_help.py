@@ -139,6 +139,37 @@ def test_a_ctrl_c_while_torch_imports_is_one_line_exit_130(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["torch.py"]
 
 
+def test_a_ctrl_c_while_the_cli_itself_imports_is_one_line_exit_130(tmp_path):
+    # the console script's first import is treadle._entry, which imports nothing; a Ctrl-C
+    # while treadle.cli's own modules import (an `argparse` that stops as a Ctrl-C would)
+    # is one line and 130, where it was a traceback
+    (tmp_path / "argparse.py").write_text("raise KeyboardInterrupt\n")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{root}",
+           "PYTHONDONTWRITEBYTECODE": "1"}  # fmt: skip
+    script = "import sys; from treadle._entry import main; sys.exit(main())"  # as pip writes it
+    done = subprocess.run([sys.executable, "-c", script, "plan", "qwen2.5-7b"], env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert (done.returncode, done.stderr) == (
+        130, "treadle: interrupted while starting; nothing was written\n")  # fmt: skip
+    assert done.stdout == "" and sorted(p.name for p in tmp_path.iterdir()) == ["argparse.py"]
+
+
+def test_the_console_script_runs_the_cli():
+    import tomllib
+
+    from treadle._entry import main
+
+    root = Path(__file__).resolve().parents[1]
+    scripts = tomllib.loads((root / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["treadle"] == "treadle._entry:main"
+    assert main.__module__ == "treadle._entry"
+    done = subprocess.run([sys.executable, "-c", "import sys; from treadle._entry import main; "
+                           "sys.exit(main())", "config", "algorithm.kl.coef"],
+                          capture_output=True, text=True, timeout=120, cwd=root)  # fmt: skip
+    assert done.returncode == 0 and "kl" in done.stdout, done.stderr
+
+
 def test_every_commands_help_formats():
     # argparse formats a help string with %: a bare "1%" in one option's help made
     # `treadle simulate --help` raise ValueError (2026-12-06)
