@@ -134,31 +134,34 @@ RUN_ARGV = ["simulate", "qwen2.5-0.5b", "--gpus", "2", "--prompts", "4", "--samp
          ("policy", "reference", "engine"), 2),
         (["algorithm.advantage=gae"], False, ("policy", "critic", "engine"), 1),
         ([], True, ("policy", "reward", "engine"), 1),
+        (["algorithm.advantage=remax"], False, ("policy", "engine"), 0),
     ],
 )  # fmt: skip
 def test_lengths_from_a_run_take_its_roles_and_forwards(tmp_path, capsys, overrides, reward_model,
                                                          roles, forwards):  # fmt: skip
     # the run's config.yaml: a reference where kl.coef > 0, a critic for gae (its values'
     # forward), a reward model's scores, the old policy's forward unless importance_sampling
-    # is none
+    # is none; ReMax's greedy response a prompt
     from treadle.cli import _parse
     from treadle.jobs.scale_job import _roles_and_forwards
     from treadle.jobs.scale_runs import run_roles
 
     run = _run_dir(tmp_path, overrides, reward_model)
-    assert run_roles(run) == (roles, forwards)
+    remax = "algorithm.advantage=remax" in overrides
+    assert run_roles(run) == (roles, forwards, remax)
     assert main([*RUN_ARGV, str(run)]) == 0
     (said,) = capsys.readouterr().err.splitlines()  # one line, not wrapped
+    greedy = "; a greedy response a prompt (ReMax), not trained" if remax else ""
     assert said == (f"roles from {run / 'config.yaml'}: {', '.join(roles)}; forwards besides "
-                    f"the update's: {forwards}")  # fmt: skip
+                    f"the update's: {forwards}{greedy}")  # fmt: skip
     # --extra-forwards replaces the run's, and the line says so
     assert main([*RUN_ARGV, str(run), "--extra-forwards", "3"]) == 0
     assert capsys.readouterr().err.endswith(
-        f"forwards besides the update's: 3 (--extra-forwards; the run's: {forwards})\n"
+        f"forwards besides the update's: 3 (--extra-forwards; the run's: {forwards}){greedy}\n"
     )
     # --roles given wins, with the forwards its roles run
     args = _parse([*RUN_ARGV, str(run), "--roles", "policy,engine"])
-    assert _roles_and_forwards(args) == (("policy", "engine"), None, "")
+    assert _roles_and_forwards(args) == (("policy", "engine"), None, "", False)
 
 
 def test_lengths_from_a_buffer_without_a_config_uses_the_default_roles(tmp_path, capsys):
@@ -200,7 +203,7 @@ def test_lengths_from_an_older_runs_config_reads_only_the_keys_it_needs(tmp_path
     cfg = yaml.safe_load((run / "config.yaml").read_text())
     cfg["rollout"]["a_removed_key"] = 3
     (run / "config.yaml").write_text(yaml.safe_dump(cfg))
-    assert run_roles(run) == (("policy", "reference", "engine"), 1)
+    assert run_roles(run) == (("policy", "reference", "engine"), 1, False)
 
 
 def test_lengths_from_a_buffer_without_groups_draws_each_rollout_alone(tmp_path):

@@ -99,6 +99,10 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                         "--extra-forwards, and a critic is trained beside the policy) "
                         f"(default {','.join(DEFAULT_ROLES)}; with --lengths-from, the run's "
                         "own, and its forwards, from its config.yaml)")  # fmt: skip
+    parser.add_argument("--greedy-baseline", action="store_true",
+                        help="ReMax: one greedy response a prompt besides the samples, generated "
+                        "and scored, not trained (with --lengths-from, the run's "
+                        "algorithm.advantage=remax sets it)")  # fmt: skip
     parser.add_argument("--recompute", choices=("none", "selective", "full"),
                         default="selective",
                         help="activation checkpointing of the trained roles: full recomputes "
@@ -269,16 +273,20 @@ def _roles(text: str | None, command: str) -> tuple[str, ...]:
     return roles
 
 
-def _roles_and_forwards(args: argparse.Namespace) -> tuple[tuple[str, ...], int | None, str]:
+def _roles_and_forwards(args: argparse.Namespace) -> tuple[tuple[str, ...], int | None, str,
+                                                          bool]:  # fmt: skip
     """``--roles`` (or, with ``--lengths-from`` and no ``--roles``, the run's own roles), the
-    forwards they fix (None: ``--extra-forwards`` or what the roles run) and where the roles
-    came from, for a line on stderr ("" for ``--roles`` or the default)."""
+    forwards they fix (None: ``--extra-forwards`` or what the roles run), where the roles
+    came from, for a line on stderr ("" for ``--roles`` or the default), and whether the run
+    generates ReMax's greedy baseline."""
     if args.roles is not None or args.lengths_from is None:
-        return _roles(args.roles, args.command), None, ""
+        return _roles(args.roles, args.command), None, "", False
     run = run_roles(args.lengths_from)
     if run is None:
-        return DEFAULT_ROLES, None, f"{args.lengths_from} has no config.yaml: the default roles"
-    return run[0], run[1], f"roles from {args.lengths_from / 'config.yaml'}"
+        return (DEFAULT_ROLES, None, f"{args.lengths_from} has no config.yaml: the default roles",
+                False)  # fmt: skip
+    return run.roles, run.forwards, f"roles from {args.lengths_from / 'config.yaml'}", (
+        run.greedy_baseline)  # fmt: skip
 
 
 def _role_note(source: str, roles: tuple[str, ...], work: Workload, run_forwards: int | None,
@@ -288,14 +296,17 @@ def _role_note(source: str, roles: tuple[str, ...], work: Workload, run_forwards
     note = f"{source}: {', '.join(roles)}; forwards besides the update's: {work.extra_forwards}"
     if args.extra_forwards is not None and run_forwards is not None:
         note += f" (--extra-forwards; the run's: {run_forwards})"
+    if work.greedy_baseline:
+        note += "; a greedy response a prompt (ReMax), not trained"
     return note
 
 
-def _workload(args: argparse.Namespace, roles: tuple[str, ...],
-              forwards: int | None = None) -> Workload:  # fmt: skip
+def _workload(args: argparse.Namespace, roles: tuple[str, ...], forwards: int | None = None,
+              greedy_baseline: bool = False) -> Workload:  # fmt: skip
     """The step's work from the options; ``--extra-forwards`` defaults to ``forwards``, else to
-    what ``roles`` run (:func:`~treadle.scale.plan.extra_forwards`), and a critic among them is
-    trained."""
+    what ``roles`` run (:func:`~treadle.scale.plan.extra_forwards`), a critic among them is
+    trained, and ReMax's greedy baseline is generated with ``--greedy-baseline`` or
+    ``greedy_baseline`` (the run's)."""
     prompt = 512 if args.prompt_tokens is None else args.prompt_tokens
     if args.lengths_from is not None:
         groups, prompts = run_lengths(args.lengths_from)
@@ -316,7 +327,8 @@ def _workload(args: argparse.Namespace, roles: tuple[str, ...],
         forwards = extra_forwards(roles)
     return Workload(args.prompts, args.samples, prompt, lengths, args.reward_seconds, forwards,
                     args.minibatches, critic="critic" in roles, pack_tokens=pack,
-                    recompute=args.recompute)  # fmt: skip
+                    recompute=args.recompute,
+                    greedy_baseline=args.greedy_baseline or greedy_baseline)  # fmt: skip
 
 
 def _save(draw, path: Path, console) -> None:
@@ -345,9 +357,9 @@ def run(args: argparse.Namespace, console, out=None) -> int:
 
     out = out or Console()
     _check(args)
-    roles, forwards, source = _roles_and_forwards(args)
+    roles, forwards, source, greedy = _roles_and_forwards(args)
     shape, g = resolve(args.model), gpu(args.gpu.lower())
-    work = _workload(args, roles, forwards)  # the run's buffer read: a note only for a good one
+    work = _workload(args, roles, forwards, greedy)  # the run's buffer read: then the note
     if source:
         console.print(_role_note(source, roles, work, forwards, args), markup=False,
                       soft_wrap=True)  # fmt: skip
@@ -451,7 +463,8 @@ def simulate_argv(shape: str, work: Workload, setup: Setup,
         argv += ["--mode", s.mode]
     if s.mode == "async":
         argv += ["--staleness", _number(s.staleness)]
-    flags = {"--partial": s.partial, "--drop-stale": s.drop_stale, "--offload": s.offload}
+    flags = {"--partial": s.partial, "--drop-stale": s.drop_stale, "--offload": s.offload,
+             "--greedy-baseline": w.greedy_baseline}  # fmt: skip
     argv += [k for k, on in flags.items() if on]
     if s.sync_seconds is not None:
         argv += ["--sync-seconds", _number(s.sync_seconds)]

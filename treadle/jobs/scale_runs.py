@@ -5,8 +5,19 @@ config.yaml. Read only."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 from treadle.core.errors import UserError
+
+
+class RunRoles(NamedTuple):
+    """What a treadle run's config.yaml makes of a step (:func:`run_roles`)."""
+
+    roles: tuple[str, ...]
+    forwards: int
+    """Forward passes besides the update's."""
+    greedy_baseline: bool = False
+    """ReMax (``algorithm.advantage=remax``): a greedy response a prompt, not trained."""
 
 
 def run_lengths(run_dir: Path) -> tuple[list[tuple[int, ...]], list[int]]:
@@ -56,14 +67,15 @@ def run_lengths(run_dir: Path) -> tuple[list[tuple[int, ...]], list[int]]:
     return [tuple(g) for g in groups.values()], prompts
 
 
-def run_roles(run_dir: Path) -> tuple[tuple[str, ...], int] | None:
-    """The roles and the forwards besides the update's of the treadle run in ``run_dir``, as
-    its ``config.yaml`` sets them: a policy and an engine, a reference where
-    ``algorithm.kl.coef`` > 0, a critic for ``algorithm.advantage=gae`` and a reward model where
-    a ``reward.functions`` entry is ``reward_model``; forwards: the old policy's logprobs unless
-    ``algorithm.importance_sampling`` is none, and one for each of the others. Only those keys
-    are read (a run saved by another treadle version still answers). None where the run has no
-    config.yaml (a buffer copied alone).
+def run_roles(run_dir: Path) -> RunRoles | None:
+    """The roles, the forwards besides the update's and ReMax's greedy baseline of the treadle
+    run in ``run_dir``, as its ``config.yaml`` sets them: a policy and an engine, a reference
+    where ``algorithm.kl.coef`` > 0, a critic for ``algorithm.advantage=gae`` and a reward model
+    where a ``reward.functions`` entry is ``reward_model``; forwards: the old policy's logprobs
+    unless ``algorithm.importance_sampling`` is none, and one for each of the others; a greedy
+    response a prompt for ``algorithm.advantage=remax``. Only those keys are read (a run saved
+    by another treadle version still answers). None where the run has no config.yaml (a buffer
+    copied alone).
 
     Raises:
         UserError: a config.yaml that cannot be read, is empty or not a mapping, or holds a bad
@@ -89,7 +101,8 @@ def run_roles(run_dir: Path) -> tuple[tuple[str, ...], int] | None:
     roles = ("policy", *(["reference"] if cfg.algorithm.kl.coef > 0 else []),
              *(["critic"] if cfg.algorithm.advantage == "gae" else []),
              *(["reward"] if rewarded else []), "engine")  # fmt: skip
-    return roles, extra_forwards(roles, old_logprobs=cfg.algorithm.importance_sampling != "none")
+    forwards = extra_forwards(roles, old_logprobs=cfg.algorithm.importance_sampling != "none")
+    return RunRoles(roles, forwards, cfg.algorithm.advantage == "remax")
 
 
 def _run_config(path: Path, fix: str) -> dict:

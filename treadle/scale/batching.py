@@ -41,6 +41,8 @@ class Request:
     """Decode steps done when it was last preempted."""
     admitted: int = 0
     """Times it has been admitted: the key of its live entry in its engine's heap."""
+    baseline: bool = False
+    """ReMax's greedy response of its prompt: generated and scored, not trained."""
 
     def __post_init__(self) -> None:
         self.steps = self.steps or self.length

@@ -83,6 +83,10 @@ class Workload:
     critic: bool = False
     """A critic of the policy's shape is trained beside it (PPO's value model, verl's critic
     worker): its update adds :func:`train_flops`' update passes without the vocabulary head."""
+    greedy_baseline: bool = False
+    """ReMax (Li et al. 2023, arXiv 2310.10505, Algorithm 1): each prompt also gets one greedy
+    response, whose reward is its samples' baseline: generated and scored with them, not
+    trained (its length drawn as theirs)."""
     recompute: Recompute = "selective"
     """Activation checkpointing of the trained models (Korthikanti et al. 2022, arXiv
     2205.05198): ``full`` recomputes each layer's forward in the backward pass, one more

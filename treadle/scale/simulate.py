@@ -150,19 +150,26 @@ class _Simulation:
 
     def draw(self, batches: int) -> None:
         """Queue the requests of ``batches`` more RL steps: each step's prompts, over-sampled,
-        times their samples, numbered in admission order (more are drawn where groups dropped
-        as stale leave the queue short)."""
+        times their samples (and ReMax's greedy response last), numbered in admission order
+        (more are drawn where groups dropped as stale leave the queue short)."""
         n, tau = self.work.samples_per_prompt, self.tokens_per_step
+        size = n + self.work.greedy_baseline
         groups = math.ceil(self.work.prompts * (1 + self.setup.oversample))
-        self.per_batch = groups * n
+        self.per_batch = groups * size
         for j in range(self.batches_drawn, self.batches_drawn + batches):
-            lengths = self.work.lengths.draw(self.rng, groups, n)
+            lengths = self.work.lengths.draw(self.rng, groups, size)
             first = j * self.per_batch
             for k in range(groups):
-                group = Group(j, n)
+                group = Group(j, size)
                 group.members = [
-                    Request(first + k * n + i, group, length, steps=math.ceil(length / tau))
-                    for i, length in enumerate(lengths[k * n : (k + 1) * n])
+                    Request(
+                        first + k * size + i,
+                        group,
+                        length,
+                        steps=math.ceil(length / tau),
+                        baseline=i == n,
+                    )
+                    for i, length in enumerate(lengths[k * size : (k + 1) * size])
                 ]
                 self.queue.extend(group.members)
         self.batches_drawn += batches
@@ -386,7 +393,7 @@ class _Simulation:
         if not self.trainer_free or len(self.ready) < need:
             return
         groups, self.ready = self.ready[:need], self.ready[need:]
-        batch = [r for g in groups for r in g.members]
+        batch = [r for g in groups for r in g.members if not r.baseline]
         self.staleness += [self.version - r.version for r in batch]
         self.trained_tokens.append(sum(self.work.prompt_tokens + r.length for r in batch))
         lengths = [r.length for r in batch]
