@@ -2,6 +2,7 @@
 ZeRO, tied embeddings, refusals whose suggested layout runs when passed back, and a colocated
 trainer's states offloaded to host memory."""
 
+import json
 import re
 from dataclasses import replace
 
@@ -9,7 +10,7 @@ import pytest
 
 from treadle.cli import main
 from treadle.core.errors import UserError
-from treadle.scale.costs import kv_capacity, offload_s
+from treadle.scale.costs import kv_capacity, offload_s, train_flops
 from treadle.scale.hardware import GIB, gpu
 from treadle.scale.memory import Layout, trainer
 from treadle.scale.plan import Question, check_fits
@@ -74,6 +75,9 @@ def test_offloading_moves_the_trainers_states_to_host_and_back_each_step():
     setup = Setup(h100, 4, 4, colocated=True, offload=True)
     assert offload_s(shape, setup) == pytest.approx(2 * 18 * 7_615_616_512 / 4 / 25e9)
     assert offload_s(shape, replace(setup, offload=False)) == 0.0
+    # with LoRA rank 16: the frozen bf16 shards, 2 x 7,615,616,512 / 4, and the adapters' 4 +
+    # 4 + 8 bytes of 40,370,176 / 4 (the reference is the same weights): 3,969,288,960 bytes
+    assert offload_s(shape, setup, 16) == pytest.approx(2 * 3_969_288_960 / 25e9)
     # every update carries it, and nothing else changes
     work = Workload(16, 4, 256, Lengths(500, 1024))
     on = simulate(shape, work, setup, steps=3)
@@ -90,3 +94,34 @@ def test_an_offloaded_trainer_leaves_the_colocated_engine_the_gpus():
     with pytest.raises(UserError, match="--offload the trainer's states"):
         check_fits(q, setup)
     assert check_fits(replace(q, offload=True), replace(setup, offload=True)).fits
+
+
+def test_lora_trains_adapters_beside_frozen_bf16_weights_and_no_reference_copy(capsys):
+    # Qwen2.5-7B, rank 16 on q, k, v, o, gate, up, down: 16 x ((3,584 + 3,584) x 2 + (3,584 +
+    # 512) x 2 + (3,584 + 18,944) x 3) = 1,441,792 a layer, x 28 = 40,370,176 (PEFT's count)
+    shape = NAMED["qwen2.5-7b"]
+    adapters = 40_370_176
+    assert shape.lora_params(16) == adapters
+    # on 8 GPUs at ZeRO-3: the frozen weights as a forward-only role's bf16 shards, the
+    # adapters' fp32 weights, gradients and Adam moments sharded 8 ways: 4, 4 and 8 bytes
+    layout = Layout(dp=8)
+    lora = trainer(shape, layout, 1, 1024, lora_rank=16)
+    frozen = trainer(shape, layout, 1, 1024, role="reference", trainable=False)
+    full = trainer(shape, layout, 1, 1024)
+    assert lora.parameters == pytest.approx(frozen.parameters + 4 * adapters / 8)
+    assert (lora.gradients, lora.optimizer) == (4 * adapters / 8, 8 * adapters / 8)
+    assert (lora.activations, lora.logits) == (full.activations, full.logits)
+    # the update FLOPs lose the frozen linears' weight gradients: one 2N pass of 600 tokens,
+    # 2 x 7,070,619,136 x 600 = 8,484,742,963,200 of the 34,227,985,612,800 (4 passes)
+    work = Workload(1, 1, 100, Lengths(500, 1000))
+    assert train_flops(shape, replace(work, lora_rank=16), [500]) == pytest.approx(
+        34_227_985_612_800 - 8_484_742_963_200, rel=1e-12
+    )
+    # Llama 3.1 70B on 8 H100s: no placement fits every weight trained; rank 64 fits, the
+    # reference (its adapters disabled) holding nothing
+    assert main(["plan", "llama3.1-70b", "--gpus", "8", "--steps", "2"]) == 2
+    capsys.readouterr()
+    assert main(["plan", "llama3.1-70b", "--gpus", "8", "--lora-rank", "64", "--steps", "2",
+                 "--json"]) == 0  # fmt: skip
+    rows = json.loads(capsys.readouterr().out)
+    assert rows and all(set(r["memory_gib"]) == {"policy", "engine"} for r in rows)

@@ -135,6 +135,8 @@ RUN_ARGV = ["simulate", "qwen2.5-0.5b", "--gpus", "2", "--prompts", "4", "--samp
         (["algorithm.advantage=gae"], False, ("policy", "critic", "engine"), 1),
         ([], True, ("policy", "reward", "engine"), 1),
         (["algorithm.advantage=remax"], False, ("policy", "engine"), 0),
+        (["model.lora.r=16", "algorithm.kl.coef=0.05"], False, ("policy", "reference", "engine"),
+         1),
     ],
 )  # fmt: skip
 def test_lengths_from_a_run_take_its_roles_and_forwards(tmp_path, capsys, overrides, reward_model,
@@ -147,11 +149,12 @@ def test_lengths_from_a_run_take_its_roles_and_forwards(tmp_path, capsys, overri
     from treadle.jobs.scale_runs import run_roles
 
     run = _run_dir(tmp_path, overrides, reward_model)
-    remax = "algorithm.advantage=remax" in overrides
-    assert run_roles(run) == (roles, forwards, remax)
+    remax, lora = "algorithm.advantage=remax" in overrides, 16 * ("model.lora.r=16" in overrides)
+    assert run_roles(run) == (roles, forwards, remax, lora)
     assert main([*RUN_ARGV, str(run)]) == 0
     (said,) = capsys.readouterr().err.splitlines()  # one line, not wrapped
     greedy = "; a greedy response a prompt (ReMax), not trained" if remax else ""
+    greedy += "; LoRA rank 16" if lora else ""
     assert said == (f"roles from {run / 'config.yaml'}: {', '.join(roles)}; forwards besides "
                     f"the update's: {forwards}{greedy}")  # fmt: skip
     # --extra-forwards replaces the run's, and the line says so
@@ -161,7 +164,7 @@ def test_lengths_from_a_run_take_its_roles_and_forwards(tmp_path, capsys, overri
     )
     # --roles given wins, with the forwards its roles run
     args = _parse([*RUN_ARGV, str(run), "--roles", "policy,engine"])
-    assert _roles_and_forwards(args) == (("policy", "engine"), None, "", False)
+    assert _roles_and_forwards(args) == ((("policy", "engine"), 1, False, 0), False, "")
 
 
 def test_lengths_from_a_buffer_without_a_config_uses_the_default_roles(tmp_path, capsys):
@@ -203,7 +206,7 @@ def test_lengths_from_an_older_runs_config_reads_only_the_keys_it_needs(tmp_path
     cfg = yaml.safe_load((run / "config.yaml").read_text())
     cfg["rollout"]["a_removed_key"] = 3
     (run / "config.yaml").write_text(yaml.safe_dump(cfg))
-    assert run_roles(run) == (("policy", "reference", "engine"), 1, False)
+    assert run_roles(run) == (("policy", "reference", "engine"), 1, False, 0)
 
 
 def test_lengths_from_a_buffer_without_groups_draws_each_rollout_alone(tmp_path):

@@ -10,7 +10,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from treadle.core.errors import UserError
-from treadle.jobs.scale_runs import run_lengths, run_roles
+from treadle.jobs.scale_runs import RunRoles, run_lengths, run_roles
 from treadle.scale.checks import MAX_SPEC_TOKENS, check
 from treadle.scale.costs import SYNC_METHODS
 from treadle.scale.hardware import GIB, GPUS, Gpu, gpu
@@ -103,6 +103,11 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                         help="ReMax: one greedy response a prompt besides the samples, generated "
                         "and scored, not trained (with --lengths-from, the run's "
                         "algorithm.advantage=remax sets it)")  # fmt: skip
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="train the policy's LoRA adapters of this rank, its weights frozen "
+                        "in bf16 (a reference is the policy with its adapters disabled: no "
+                        "memory, one forward) (0: every weight; with --lengths-from, the run's "
+                        "model.lora.r)")  # fmt: skip
     parser.add_argument("--recompute", choices=("none", "selective", "full"),
                         default="selective",
                         help="activation checkpointing of the trained roles: full recomputes "
@@ -198,7 +203,8 @@ def _simulate_arguments(parser: argparse.ArgumentParser) -> None:
 def _check(args: argparse.Namespace) -> None:
     """Raises UserError for options out of range, naming the option and its range."""
     bounds = [("--gpus", args.gpus, 1, MAX_GPUS), ("--minibatches", args.minibatches, 1, 4096),
-              ("--reward-seconds", args.reward_seconds, 0, 3600)]  # fmt: skip
+              ("--reward-seconds", args.reward_seconds, 0, 3600),
+              ("--lora-rank", args.lora_rank, 0, 4096)]  # fmt: skip
     if args.extra_forwards is not None:
         bounds += [("--extra-forwards", args.extra_forwards, 0, 8)]
     if args.length_sigma is not None:
@@ -273,40 +279,43 @@ def _roles(text: str | None, command: str) -> tuple[str, ...]:
     return roles
 
 
-def _roles_and_forwards(args: argparse.Namespace) -> tuple[tuple[str, ...], int | None, str,
-                                                          bool]:  # fmt: skip
-    """``--roles`` (or, with ``--lengths-from`` and no ``--roles``, the run's own roles), the
-    forwards they fix (None: ``--extra-forwards`` or what the roles run), where the roles
-    came from, for a line on stderr ("" for ``--roles`` or the default), and whether the run
-    generates ReMax's greedy baseline."""
+def _roles_and_forwards(args: argparse.Namespace) -> tuple[RunRoles, bool, str]:
+    """``--roles`` (or, with ``--lengths-from`` and no ``--roles``, the run's own roles, its
+    forwards, ReMax baseline and LoRA rank), whether those are the run's (then the forwards
+    stand unless ``--extra-forwards`` is given; else they are what the roles run), and where
+    the roles came from, for a line on stderr ("" for ``--roles`` or the default)."""
     if args.roles is not None or args.lengths_from is None:
-        return _roles(args.roles, args.command), None, "", False
+        roles = _roles(args.roles, args.command)
+        return RunRoles(roles, extra_forwards(roles)), False, ""
     run = run_roles(args.lengths_from)
     if run is None:
-        return (DEFAULT_ROLES, None, f"{args.lengths_from} has no config.yaml: the default roles",
-                False)  # fmt: skip
-    return run.roles, run.forwards, f"roles from {args.lengths_from / 'config.yaml'}", (
-        run.greedy_baseline)  # fmt: skip
+        where = f"{args.lengths_from} has no config.yaml: the default roles"
+        return RunRoles(DEFAULT_ROLES, extra_forwards(DEFAULT_ROLES)), False, where
+    return run, True, f"roles from {args.lengths_from / 'config.yaml'}"
 
 
-def _role_note(source: str, roles: tuple[str, ...], work: Workload, run_forwards: int | None,
+def _role_note(source: str, run: RunRoles, from_run: bool, work: Workload,
                args: argparse.Namespace) -> str:  # fmt: skip
-    """The line saying where ``roles`` came from and the forwards used (``--extra-forwards``
-    named where it replaced the run's)."""
-    note = f"{source}: {', '.join(roles)}; forwards besides the update's: {work.extra_forwards}"
-    if args.extra_forwards is not None and run_forwards is not None:
-        note += f" (--extra-forwards; the run's: {run_forwards})"
+    """The line saying where the roles came from and the forwards used (``--extra-forwards``
+    named where it replaced the run's), with ReMax's baseline and LoRA where the step has
+    them."""
+    note = (f"{source}: {', '.join(run.roles)}; forwards besides the update's: "
+            f"{work.extra_forwards}")  # fmt: skip
+    if args.extra_forwards is not None and from_run:
+        note += f" (--extra-forwards; the run's: {run.forwards})"
     if work.greedy_baseline:
         note += "; a greedy response a prompt (ReMax), not trained"
+    if work.lora_rank:
+        note += f"; LoRA rank {work.lora_rank}"
     return note
 
 
-def _workload(args: argparse.Namespace, roles: tuple[str, ...], forwards: int | None = None,
-              greedy_baseline: bool = False) -> Workload:  # fmt: skip
-    """The step's work from the options; ``--extra-forwards`` defaults to ``forwards``, else to
-    what ``roles`` run (:func:`~treadle.scale.plan.extra_forwards`), a critic among them is
-    trained, and ReMax's greedy baseline is generated with ``--greedy-baseline`` or
-    ``greedy_baseline`` (the run's)."""
+def _workload(args: argparse.Namespace, roles: tuple[str, ...],
+              run: RunRoles | None = None) -> Workload:  # fmt: skip
+    """The step's work from the options; ``--extra-forwards`` defaults to ``run``'s forwards
+    (a run's config), else to what ``roles`` run (:func:`~treadle.scale.plan.extra_forwards`),
+    a critic among them is trained, ReMax's greedy baseline is generated with
+    ``--greedy-baseline`` or ``run``'s, and the LoRA rank is ``--lora-rank`` or ``run``'s."""
     prompt = 512 if args.prompt_tokens is None else args.prompt_tokens
     if args.lengths_from is not None:
         groups, prompts = run_lengths(args.lengths_from)
@@ -321,14 +330,13 @@ def _workload(args: argparse.Namespace, roles: tuple[str, ...], forwards: int | 
         sigma = 0.8 if args.length_sigma is None else args.length_sigma
         lengths = Lengths(mean, longest, sigma)
     pack = getattr(args, "pack_tokens", 0)  # simulate's: plan's memory takes --micro-batch
-    if args.extra_forwards is not None:
-        forwards = args.extra_forwards
-    elif forwards is None:
-        forwards = extra_forwards(roles)
+    run = run or RunRoles(roles, extra_forwards(roles))
+    forwards = run.forwards if args.extra_forwards is None else args.extra_forwards
     return Workload(args.prompts, args.samples, prompt, lengths, args.reward_seconds, forwards,
                     args.minibatches, critic="critic" in roles, pack_tokens=pack,
                     recompute=args.recompute,
-                    greedy_baseline=args.greedy_baseline or greedy_baseline)  # fmt: skip
+                    greedy_baseline=args.greedy_baseline or run.greedy_baseline,
+                    lora_rank=args.lora_rank or run.lora_rank)  # fmt: skip
 
 
 def _save(draw, path: Path, console) -> None:
@@ -357,11 +365,12 @@ def run(args: argparse.Namespace, console, out=None) -> int:
 
     out = out or Console()
     _check(args)
-    roles, forwards, source, greedy = _roles_and_forwards(args)
+    run, from_run, source = _roles_and_forwards(args)
+    roles = run.roles
     shape, g = resolve(args.model), gpu(args.gpu.lower())
-    work = _workload(args, roles, forwards, greedy)  # the run's buffer read: then the note
+    work = _workload(args, roles, run)  # the run's buffer read: then the note
     if source:
-        console.print(_role_note(source, roles, work, forwards, args), markup=False,
+        console.print(_role_note(source, run, from_run, work, args), markup=False,
                       soft_wrap=True)  # fmt: skip
     if args.command == "plan":
         q = Question(shape, g, args.gpus, work, args.micro_batch, roles, args.recompute,
@@ -377,6 +386,9 @@ def run(args: argparse.Namespace, console, out=None) -> int:
             print(json.dumps([_placement_row(p) for p in placements], indent=1))
         else:
             _print_plan(out, placements, g.memory_gib)
+            if work.lora_rank and "reference" in roles:
+                out.print(f"LoRA rank {work.lora_rank}: the reference is the policy with its "
+                          "adapters disabled, no memory of its own", markup=False)  # fmt: skip
         return 0
     setup = _setup(args, g)
     check(shape, work, setup)  # the setup's own errors (an engine's KV cache) first
@@ -450,7 +462,8 @@ def simulate_argv(shape: str, work: Workload, setup: Setup,
                "--engine-tp": s.engine_tp, "--train-tp": s.train_tp, "--train-pp": s.train_pp,
                "--train-sp": s.train_sp, "--oversample": s.oversample,
                "--updates-per-sync": s.updates_per_sync,
-               "--spec-tokens": s.spec_tokens, "--recompute": w.recompute}  # fmt: skip
+               "--spec-tokens": s.spec_tokens, "--recompute": w.recompute,
+               "--lora-rank": w.lora_rank}  # fmt: skip
     parser = argparse.ArgumentParser()
     add_arguments(parser, "simulate")  # the options' defaults, left out
     default = lambda option: parser.get_default(option[2:].replace("-", "_"))  # noqa: E731

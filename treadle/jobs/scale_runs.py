@@ -18,6 +18,8 @@ class RunRoles(NamedTuple):
     """Forward passes besides the update's."""
     greedy_baseline: bool = False
     """ReMax (``algorithm.advantage=remax``): a greedy response a prompt, not trained."""
+    lora_rank: int = 0
+    """``model.lora.r``: LoRA adapters of this rank train the policy; 0: every weight."""
 
 
 def run_lengths(run_dir: Path) -> tuple[list[tuple[int, ...]], list[int]]:
@@ -73,7 +75,8 @@ def run_roles(run_dir: Path) -> RunRoles | None:
     where ``algorithm.kl.coef`` > 0, a critic for ``algorithm.advantage=gae`` and a reward model
     where a ``reward.functions`` entry is ``reward_model``; forwards: the old policy's logprobs
     unless ``algorithm.importance_sampling`` is none, and one for each of the others; a greedy
-    response a prompt for ``algorithm.advantage=remax``. Only those keys are read (a run saved
+    response a prompt for ``algorithm.advantage=remax``; ``model.lora.r``. Only those keys are
+    read (a run saved
     by another treadle version still answers). None where the run has no config.yaml (a buffer
     copied alone).
 
@@ -90,10 +93,12 @@ def run_roles(run_dir: Path) -> RunRoles | None:
     fix = "pass --roles (and --extra-forwards) to give the run's roles instead"
     raw = _run_config(path, fix)
     algo, reward = _section(raw, "algorithm"), _section(raw, "reward")
-    picked = {"kl.coef": _section(algo, "kl").get("coef"), "advantage": algo.get("advantage"),
-              "importance_sampling": algo.get("importance_sampling")}  # fmt: skip
+    picked = {"algorithm.kl.coef": _section(algo, "kl").get("coef"),
+              "algorithm.advantage": algo.get("advantage"),
+              "algorithm.importance_sampling": algo.get("importance_sampling"),
+              "model.lora.r": _section(_section(raw, "model"), "lora").get("r")}  # fmt: skip
     try:
-        cfg = load_config(None, [f"algorithm.{k}={v}" for k, v in picked.items() if v is not None])
+        cfg = load_config(None, [f"{k}={v}" for k, v in picked.items() if v is not None])
     except UserError as e:
         raise UserError(f"--lengths-from: {path}: {e}; {fix}") from None
     functions = reward.get("functions") if isinstance(reward.get("functions"), list) else []
@@ -102,7 +107,7 @@ def run_roles(run_dir: Path) -> RunRoles | None:
              *(["critic"] if cfg.algorithm.advantage == "gae" else []),
              *(["reward"] if rewarded else []), "engine")  # fmt: skip
     forwards = extra_forwards(roles, old_logprobs=cfg.algorithm.importance_sampling != "none")
-    return RunRoles(roles, forwards, cfg.algorithm.advantage == "remax")
+    return RunRoles(roles, forwards, cfg.algorithm.advantage == "remax", cfg.model.lora.r)
 
 
 def _run_config(path: Path, fix: str) -> dict:

@@ -33,6 +33,8 @@ def check(shape: ModelShape, work: Workload, setup: Setup) -> None:
             f"--mean-response {work.lengths.mean:g} must be above 0 and at most --max-response "
             f"{work.lengths.max}"
         )
+    if work.lora_rank < 0:
+        raise UserError(f"--lora-rank {work.lora_rank} must be 0 (no LoRA) or more")
     if setup.engine_tp < 1:
         raise UserError(f"--engine-tp {setup.engine_tp} must be at least 1")
     if setup.rollout_gpus < 1 or setup.train_gpus < 1:

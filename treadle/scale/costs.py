@@ -83,6 +83,12 @@ class Workload:
     critic: bool = False
     """A critic of the policy's shape is trained beside it (PPO's value model, verl's critic
     worker): its update adds :func:`train_flops`' update passes without the vocabulary head."""
+    lora_rank: int = 0
+    """LoRA adapters of this rank train the policy (Hu et al. 2021, arXiv 2106.09685); 0: every
+    weight. Its frozen weights need no weight gradients: the update's backward computes the
+    input gradients alone, a forward's FLOPs for the linear layers, not two
+    (:func:`train_flops`); a KL reference is the policy with its adapters disabled, which
+    holds no memory (treadle's, TRL's with PEFT) but runs its forward."""
     greedy_baseline: bool = False
     """ReMax (Li et al. 2023, arXiv 2310.10505, Algorithm 1): each prompt also gets one greedy
     response, whose reward is its samples' baseline: generated and scored with them, not
@@ -281,14 +287,19 @@ def train_flops(shape: ModelShape, work: Workload, lengths: list[int]) -> float:
     per token plus causal attention, 2 L q s^2 per sequence) times :func:`update_passes` (3,
     or 4 recomputing each layer) for the update and once per extra forward; with
     ``work.critic`` as many update passes of the critic's, the forward without its
-    2 x vocab x hidden FLOPs a token of vocabulary head (a value head has one output)."""
-    fwd = head = 0.0
+    2 x vocab x hidden FLOPs a token of vocabulary head (a value head has one output). With
+    ``work.lora_rank`` the policy's linear layers skip their weight gradients: one pass fewer
+    of the 2N part (the attention scores' backward stays), the adapters' own FLOPs, 2 x rank
+    x (in + out) a token and linear, left out (under 1% at rank 64 on a 7B model)."""
+    fwd = head = linear = 0.0
     for response in lengths:
         s = work.prompt_tokens + response
+        linear += 2.0 * shape.active_params() * s
         fwd += 2.0 * shape.active_params() * s + shape.attention_flops_per_token(s / 2) * s
         head += 2.0 * shape.vocab * shape.hidden * s
     update = update_passes(work)
-    return fwd * (update + work.extra_forwards) + (update * (fwd - head) if work.critic else 0.0)
+    policy = fwd * (update + work.extra_forwards) - (linear if work.lora_rank else 0.0)
+    return policy + (update * (fwd - head) if work.critic else 0.0)
 
 
 def train_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, lengths: list[int],
@@ -420,17 +431,22 @@ def sync_s(shape: ModelShape, setup: Setup) -> float:
     return e.sync_overhead_s + weights / (gbps * 1e9 * e.interconnect)
 
 
-def offload_s(shape: ModelShape, setup: Setup) -> float:
+def offload_s(shape: ModelShape, setup: Setup, lora_rank: int = 0) -> float:
     """Seconds a step spends moving a colocated trainer's resident states to host memory and
     back (``setup.offload``; 0 without): the policy's parameter shards, gradients and
-    optimizer states and the reference's bf16 shards, per GPU, twice over PCIe."""
+    optimizer states and the reference's bf16 shards, per GPU, twice over PCIe; with LoRA
+    adapters of ``lora_rank``, the frozen bf16 shards and the adapters' states (the reference
+    is the same weights)."""
     if not setup.offload:
         return 0.0
     layout = memory.trainer_layout(shape, setup.train_gpus, setup.train_tp, setup.train_pp,
                                    setup.train_sp)  # fmt: skip
-    params, grads, optimizer, gathered = memory.model_states(shape, layout, trainable=True)
-    reference, _, _, ref_gathered = memory.model_states(shape, layout, trainable=False)
-    states = params - gathered + grads + optimizer + reference - ref_gathered
+    frozen, _, _, frozen_gathered = memory.model_states(shape, layout, trainable=False)
+    if lora_rank:
+        states = frozen - frozen_gathered + sum(memory.lora_states(shape, layout, lora_rank))
+    else:
+        params, grads, optimizer, gathered = memory.model_states(shape, layout, trainable=True)
+        states = params - gathered + grads + optimizer + frozen - frozen_gathered
     return 2 * states / (setup.gpu.efficiency.pcie_gbps * 1e9)
 
 

@@ -149,9 +149,14 @@ def trainer(
     recompute: Recompute = "selective",
     role: str = "policy",
     trainable: bool = True,
+    lora_rank: int = 0,
 ) -> Breakdown:
     """Bytes per GPU of a trained (policy, critic) or forward-only (reference, reward model)
-    role holding ``micro_batch`` sequences of ``seq`` tokens per pass.
+    role holding ``micro_batch`` sequences of ``seq`` tokens per pass; trained with LoRA
+    adapters of ``lora_rank`` (> 0), its frozen weights are held as a forward-only role's and
+    only the adapters (:meth:`~treadle.scale.shapes.ModelShape.lora_params`) have fp32
+    weights, gradients and Adam moments, sharded like the dense weights; its activations and
+    logits are a trained role's (the backward passes every layer to reach the adapters).
 
     Model states are divided by tp x pp, then per ZeRO stage by dp x sp; each expert's by ep,
     then per ZeRO stage by the dp x sp / ep ranks that hold it (Megatron's expert data
@@ -167,7 +172,10 @@ def trainer(
     check_layout(shape, layout)
     tokens = micro_batch * seq / layout.sp
     vocab = 1 if role in ("critic", "reward") else shape.vocab
-    params, grads, optimizer, gathered = model_states(shape, layout, trainable)
+    params, grads, optimizer, gathered = model_states(shape, layout, trainable and not lora_rank)
+    if trainable and lora_rank:
+        adapters = lora_states(shape, layout, lora_rank)
+        params, grads, optimizer = params + adapters[0], adapters[1], adapters[2]
     if not trainable:
         activations = 4 * tokens * shape.hidden / layout.tp
         logits = tokens * vocab * (2 + 4) / layout.tp  # bf16 logits, fp32 log-softmax
@@ -218,6 +226,20 @@ def model_states(shape: ModelShape, layout: Layout, trainable: bool = True) -> t
         return states(2, 3), states(2, 2), states(12, 1), 0.0
     gathered = gathered if z >= 3 else 0.0
     return states(4, 3) + gathered, states(4, 2), states(8, 1), gathered
+
+
+def lora_states(shape: ModelShape, layout: Layout, rank: int) -> tuple[float, float, float]:
+    """Bytes per GPU of LoRA adapters' (fp32 weights, gradients, Adam moments): 4 + 4 + 8
+    bytes a parameter of :meth:`~treadle.scale.shapes.ModelShape.lora_params`, divided by
+    tp x pp and, from each ZeRO stage on, by the dp x sp ranks (the experts' adapters are a
+    small part: sharded as the dense ones)."""
+    per_gpu = shape.lora_params(rank) / (layout.tp * layout.pp)
+    dp = layout.dp * layout.sp
+
+    def sharded(bytes_per_param: float, stage: int) -> float:
+        return bytes_per_param * per_gpu / (dp if layout.zero >= stage else 1)
+
+    return sharded(4, 3), sharded(4, 2), sharded(8, 1)
 
 
 def engine(

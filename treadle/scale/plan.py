@@ -133,11 +133,13 @@ def layout_options(lay: Layout) -> str:
 
 def measure(q: Question, p: Placement) -> Placement:
     """Fill in ``p``'s memory per role and whether it fits ``q.gpu``."""
-    roles = [r for r in q.roles if r != "engine"]
+    lora = q.work.lora_rank
+    # the engine's own below; a LoRA policy's reference is its weights, adapters disabled
+    roles = [r for r in q.roles if r != "engine" and not (lora and r == "reference")]
     seq = q.seq
+    size = partial(trainer, q.shape, p.layout, q.micro_batch, seq, q.recompute)
     p.memory = [
-        trainer(q.shape, p.layout, q.micro_batch, seq, q.recompute, r, trainable=r in TRAINED)
-        for r in roles
+        size(r, trainable=r in TRAINED, lora_rank=lora if r == "policy" else 0) for r in roles
     ]
     states = sum(b.resident for b in p.memory)
     update = update_phase(p.memory).total

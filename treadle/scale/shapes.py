@@ -107,6 +107,27 @@ class ModelShape:
         ``dp / ep`` ranks, its expert data parallelism); 1 for a dense model."""
         return math.gcd(dp, self.experts) if self.experts else 1
 
+    def lora_params(self, rank: int) -> int:
+        """Parameters of rank-``rank`` LoRA adapters (Hu et al. 2021, arXiv 2106.09685) on every
+        attention and FFN projection, experts' included (treadle's default targets, q/k/v/o
+        and gate/up/down, or MLA's projections; not the router nor the output layer): ``rank
+        x (in + out)`` a linear, ``A [r, in]`` and ``B [out, r]``."""
+        h = self.hidden
+        if self.mla:
+            qk = self.head_dim + self.rope_head_dim
+            attention = ((h + self.q_lora_rank) + (self.q_lora_rank + self.heads * qk)
+                         + (h + self.kv_lora_rank + self.rope_head_dim)
+                         + (self.kv_lora_rank + self.heads * (self.head_dim + self.v_head_dim))
+                         + (self.heads * self.v_head_dim + h))  # fmt: skip
+        else:
+            attention = 2 * (h + self.q_dim) + 2 * (h + self.kv_dim)  # q, o; k, v
+        per_ffn = (3 if self.gated_mlp else 2) * h  # and as many of the width:
+        dense = per_ffn + (3 if self.gated_mlp else 2) * self.intermediate
+        expert = per_ffn + (3 if self.gated_mlp else 2) * self.expert_intermediate
+        moe = (self.experts + self.shared_experts) * expert
+        per_layers = self.layers * attention + (self.layers - self.moe_layers) * dense
+        return rank * (per_layers + self.moe_layers * moe)
+
     def expert_params(self) -> int:
         """Parameters of all routed experts (what expert parallelism shards)."""
         return self.moe_layers * self.experts * self.ffn_params(self.expert_intermediate)

@@ -109,7 +109,8 @@ class _Simulation:
             setup.engine_tp * g.bf16_tflops * 1e12 * g.efficiency.prefill_mfu
         )
         self.sync = sync_s(shape, setup)
-        self.offload = offload_s(shape, setup)  # colocated: the states out to host and back
+        # colocated: the states out to host and back
+        self.offload = offload_s(shape, setup, work.lora_rank)
         self.per_update = work.prompts // setup.updates_per_sync  # groups an update trains
         self.update_work = replace(
             work, minibatches=max(1, work.minibatches // setup.updates_per_sync)
