@@ -370,6 +370,9 @@ def test_recomputing_each_layer_adds_a_forward_to_every_update(capsys):
     plain = {p.label: p.result.train_s for p in plan(q, steps=3)}
     full = {p.label: p.result.train_s for p in plan(replace(q, recompute="full"), steps=3)}
     assert plain.keys() == full.keys()
+    # a Question without its own recompute takes its work's
+    from_work = Question(NAMED["qwen2.5-0.5b"], gpu("h100"), 8, replace(work, recompute="full"))
+    assert {p.label: p.result.train_s for p in plan(from_work, steps=3)} == full
     for label, seconds in plain.items():  # asynchronous: other groups train when times change
         if label.startswith("colocated"):
             assert full[label] == pytest.approx(seconds * 6 / 5, rel=1e-9)

@@ -60,10 +60,10 @@ class Question:
     roles: tuple[str, ...] = DEFAULT_ROLES
     """The roles that hold memory; a critic among them is also trained in the simulated steps
     (``Workload.critic``), whatever ``work`` says."""
-    recompute: Recompute = "selective"
+    recompute: Recompute | None = None
     """Activation checkpointing of the trained roles: their activations, and in the simulated
-    steps the forward that ``full`` recomputes (``Workload.recompute``), whatever ``work``
-    says."""
+    steps the forward that ``full`` recomputes; None: ``work.recompute``'s (given, it replaces
+    that)."""
     tp: int | None = None
     """Training tensor-parallel degree; None: the smallest that fits."""
     pp: int | None = None
@@ -74,6 +74,11 @@ class Question:
     offload: bool = False
     """Colocated: the trainer's resident states go to host memory while the engine generates
     (``Setup.offload``), so the engine has the GPUs to itself."""
+
+    @property
+    def checkpointing(self) -> Recompute:
+        """The recompute that holds: ``recompute``, or the work's."""
+        return self.recompute or self.work.recompute
 
     @property
     def seq(self) -> int:
@@ -137,7 +142,7 @@ def measure(q: Question, p: Placement) -> Placement:
     # the engine's own below; a LoRA policy's reference is its weights, adapters disabled
     roles = [r for r in q.roles if r != "engine" and not (lora and r == "reference")]
     seq = q.seq
-    size = partial(trainer, q.shape, p.layout, q.micro_batch, seq, q.recompute)
+    size = partial(trainer, q.shape, p.layout, q.micro_batch, seq, q.checkpointing)
     p.memory = [
         size(r, trainable=r in TRAINED, lora_rank=lora if r == "policy" else 0) for r in roles
     ]
@@ -241,7 +246,7 @@ def plan(q: Question, steps: int | None = 3, progress=None) -> list[Placement]:
     fits = [p for p in candidates(q) if p.fits]
     if not fits:
         raise UserError(_nothing_fits(q))
-    work = replace(q.work, critic="critic" in q.roles, recompute=q.recompute)
+    work = replace(q.work, critic="critic" in q.roles, recompute=q.checkpointing)
     for p in fits:
         setup = Setup(
             q.gpu, p.rollout_gpus, p.train_gpus, colocated=p.kind == "colocated",
@@ -314,7 +319,7 @@ def _what_fits(q: Question, setup: Setup, kind: str) -> str:
     # the trainer's states in host memory while the engine generates; each layer recomputed
     if kind == "colocated" and not q.offload and as_given(replace(q, offload=True)):
         fixes.append("--offload")
-    if q.recompute != "full" and as_given(replace(q, recompute="full")):
+    if q.checkpointing != "full" and as_given(replace(q, recompute="full")):
         fixes.append("--recompute full")
     text = (f"{fixes[0]} fits" + "".join(f", or {f}" for f in fixes[1:]) if fixes else
             f"`treadle plan {q.shape.name} --gpus N` lists the placements that fit")  # fmt: skip
@@ -353,8 +358,9 @@ def _nothing_fits(q: Question) -> str:
     roles = ", ".join(q.roles)
     where = (f"it fits {fits} GPUs" if fits else
              f"no placement fits up to {MAX_GPUS:,} GPUs either")  # fmt: skip
+    full = "" if q.checkpointing == "full" else ", or use --recompute full"
     return (
         f"{q.shape.name} with {roles} at {q.seq:,} tokens per sequence does not fit "
         f"{q.gpus} x {q.gpu.name} ({q.gpu.memory_gib:.1f} GiB) in any placement{need}: {where}; "
-        "or lower the sequence length or --micro-batch, or use --recompute full"
+        f"or lower the sequence length or --micro-batch{full}"
     )
