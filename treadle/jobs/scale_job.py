@@ -594,9 +594,11 @@ def _print_plan(console, placements: list[Placement], memory_gib: float) -> None
     results = [p.result for p in placements if p.result is not None]
     if results:
         worst = max(r.step_error for r in results)
+        low, high = min(r.steps for r in results), max(r.steps for r in results)
+        steps = f"{low}" if low == high else f"{low}-{high}"
         console.print(
-            f"each simulated {min(r.steps for r in results)}-{max(r.steps for r in results)} "
-            f"steps, the warm-up dropped; step time's error at most {_error_text(worst)}",
+            f"each simulated {steps} steps, the warm-up dropped; step time's error at most "
+            f"{_error_text(worst)}",
             markup=False,
         )
     roles = _table(f"#1: GiB per GPU by role (GPUs of {memory_gib:.1f} GiB)",
