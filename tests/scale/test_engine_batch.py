@@ -3,10 +3,12 @@
 reports where no batch completed."""
 
 import json
+import random
 
 import pytest
 
 from treadle.cli import main
+from treadle.core.errors import UserError
 from treadle.scale import simulate as simulate_module
 from treadle.scale.batching import EngineBatch, Group, Request
 from treadle.scale.costs import decode_rate, kv_capacity, tp_allreduce, weight_read_s
@@ -234,10 +236,11 @@ def test_a_speculative_step_holds_a_slot_for_every_token_it_verifies(monkeypatch
 
 def test_remax_generates_a_greedy_response_a_prompt_and_trains_only_the_samples():
     # 4 prompts x 3 samples of 200 tokens (sigma 0: every length the mean) on one engine
-    # whose decode step costs 1 ms a request (token_overhead_s) plus 24 layers x 40 us: 12 x
-    # 1 + 0.96 = 12.96 ms a step; ReMax adds a greedy response a prompt, 16 requests: 16.96 ms,
-    # 1.3086x the generation. Trained: 4 x 3 x (100 + 200) = 3,600 tokens a step either way,
-    # in the same update time
+    # whose decode step costs 1 ms a request (token_overhead_s) plus 24 layers x 40 us: the
+    # samples take 200 steps of 12 x 1 + 0.96 = 12.96 ms. ReMax's greedy responses come after
+    # them, as treadle's loop generates them: 200 more steps of 4 x 1 + 0.96 = 4.96 ms, 0.992 s
+    # (and 4 prompts' prefill, under 1%). Trained: 4 x 3 x (100 + 200) = 3,600 tokens a step
+    # either way, in the same update time
     from dataclasses import replace
 
     shape = NAMED["qwen2.5-0.5b"]
@@ -245,7 +248,15 @@ def test_remax_generates_a_greedy_response_a_prompt_and_trains_only_the_samples(
     setup = Setup(gpu("h100", token_overhead_s=1e-3), 1, 1, mode="sync")
     plain = simulate(shape, work, setup, steps=3)
     remax = simulate(shape, replace(work, greedy_baseline=True), setup, steps=3)
-    assert remax.generate_s / plain.generate_s == pytest.approx(16.96 / 12.96, rel=1e-3)
+    assert plain.generate_s == pytest.approx(200 * 12.96e-3, rel=0.01)
+    assert remax.generate_s - plain.generate_s == pytest.approx(200 * 4.96e-3, rel=0.01)
     for r in (plain, remax):
         assert r.tokens_per_s * r.step_s == pytest.approx(3600)
     assert remax.train_s == plain.train_s
+    # only synchronous steps: the greedy pass uses the batch's policy
+    with pytest.raises(UserError, match="use --mode sync without --oversample"):
+        simulate(shape, replace(work, greedy_baseline=True), replace(setup, mode="one_step"))
+    # a measured prompt's greedy length is drawn from its own: groups of 10s and of 300s
+    lengths = Lengths(100, 300, measured=((10, 10, 10), (300, 300, 300)))
+    drawn = lengths.draw(random.Random(0), 40, 3, 1)
+    assert {tuple(drawn[k : k + 4]) for k in range(0, 160, 4)} == {(10,) * 4, (300,) * 4}

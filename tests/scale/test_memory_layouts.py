@@ -50,12 +50,18 @@ def test_a_tied_output_layer_is_counted_once_in_the_gathered_layers():
         ["simulate", "qwen2.5-32b", "--gpus", "32"],  # fits only with a wider engine
         ["simulate", "qwen2.5-32b", "--gpus", "16"],  # a wider engine, or --offload
         ["simulate", "llama3.1-70b", "--gpus", "32", "--engine-tp", "8"],
+        # packed micro-batches grow as the data-parallel ranks shrink: each layout is measured
+        # with its own (the suggestion once named --train-sp 2, which then asked for 4)
+        ["simulate", "qwen2.5-7b", "--gpus", "8", "--prompts", "8", "--samples", "4",
+         "--max-response", "16384", "--pack-tokens", "40000"],
     ],
-)
+)  # fmt: skip
 def test_a_refusals_suggested_layout_runs_when_passed_back(argv, capsys):
     assert main([*argv, "--steps", "2"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
-    suggested = re.search(r": ((?:--[a-z-]+ \d+ ?)+) fits((?:, or --[a-z]+(?: full)?)*)$", line)
+    pack = r"(?:, or pack fewer tokens a micro-batch \(--pack-tokens\))?"
+    suggested = re.search(rf": ((?:--[a-z-]+ \d+ ?)+) fits((?:, or --[a-z]+(?: full)?)*){pack}$",
+                          line)  # fmt: skip
     assert suggested, line
     # the layout, and each alternative the line names (--offload, --recompute full) alone
     fixes = [suggested.group(1), *suggested.group(2).split(", or ")[1:]]
@@ -111,11 +117,12 @@ def test_lora_trains_adapters_beside_frozen_bf16_weights_and_no_reference_copy(c
     assert lora.parameters == pytest.approx(frozen.parameters + 4 * adapters / 8)
     assert (lora.gradients, lora.optimizer) == (4 * adapters / 8, 8 * adapters / 8)
     assert (lora.activations, lora.logits) == (full.activations, full.logits)
-    # the update FLOPs lose the frozen linears' weight gradients: one 2N pass of 600 tokens,
-    # 2 x 7,070,619,136 x 600 = 8,484,742,963,200 of the 34,227,985,612,800 (4 passes)
+    # the update FLOPs lose the frozen linears' weight gradients, one 2N pass of 600 tokens,
+    # 2 x 7,070,619,136 x 600 = 8,484,742,963,200 of the 34,227,985,612,800 (4 passes), and
+    # gain the adapters' in the update's 3 passes, 3 x 2 x 40,370,176 x 600 = 145,332,633,600
     work = Workload(1, 1, 100, Lengths(500, 1000))
     assert train_flops(shape, replace(work, lora_rank=16), [500]) == pytest.approx(
-        34_227_985_612_800 - 8_484_742_963_200, rel=1e-12
+        34_227_985_612_800 - 8_484_742_963_200 + 145_332_633_600, rel=1e-12
     )
     # Llama 3.1 70B on 8 H100s: no placement fits every weight trained; rank 64 fits, the
     # reference (its adapters disabled) holding nothing
@@ -125,3 +132,27 @@ def test_lora_trains_adapters_beside_frozen_bf16_weights_and_no_reference_copy(c
                  "--json"]) == 0  # fmt: skip
     rows = json.loads(capsys.readouterr().out)
     assert rows and all(set(r["memory_gib"]) == {"policy", "engine"} for r in rows)
+
+
+def test_lora_adapts_what_peft_finds_in_transformers_moe_and_mla_modules():
+    from treadle.scale.shapes import from_hf_config
+
+    # Qwen1.5-MoE-A2.7B at rank 16: PEFT adapts q, k, v, o (16 heads of 128: 2,048 wide) and
+    # the shared expert's gate, up and down (5,632 wide), not the 60 routed experts (fused 3-D
+    # weights in transformers): 2 x (2,048 + 2,048) x 2 + 3 x (2,048 + 5,632) = 39,424 a
+    # layer, x 24 x 16 = 15,138,816 (PEFT's count on transformers' model)
+    qwen = from_hf_config({
+        "num_attention_heads": 16, "hidden_size": 2048, "num_hidden_layers": 24,
+        "intermediate_size": 5632, "vocab_size": 151936, "num_experts": 60,
+        "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632}, "qwen-moe")  # fmt: skip
+    assert qwen.lora_params(16) == 15_138_816
+    # multi-head latent attention without a query latent (DeepSeek-V2-Lite's q_proj): hidden
+    # 256, 4 heads of 32 + 16 (RoPE) query dims, KV latent 64, values 32: q_proj 256 x 4 x 48
+    # = 49,152, kv_a 256 x (64 + 16) = 20,480, kv_b 64 x 4 x (32 + 32) = 16,384, o 4 x 32 x
+    # 256 = 32,768 and the norm's 256: 119,040
+    mla = from_hf_config({
+        "num_attention_heads": 4, "hidden_size": 256, "num_hidden_layers": 2,
+        "intermediate_size": 512, "vocab_size": 1000, "kv_lora_rank": 64, "q_lora_rank": None,
+        "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32}, "v2-lite")  # fmt: skip
+    assert mla.attention_params() == 119_040

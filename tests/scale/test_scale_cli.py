@@ -145,7 +145,7 @@ def test_lengths_from_a_run_take_its_roles_and_forwards(tmp_path, capsys, overri
     # forward), a reward model's scores, the old policy's forward unless importance_sampling
     # is none; ReMax's greedy response a prompt
     from treadle.cli import _parse
-    from treadle.jobs.scale_job import _roles_and_forwards
+    from treadle.jobs.scale_job import _roles_and_forwards, _workload
     from treadle.jobs.scale_runs import run_roles
 
     run = _run_dir(tmp_path, overrides, reward_model)
@@ -162,9 +162,14 @@ def test_lengths_from_a_run_take_its_roles_and_forwards(tmp_path, capsys, overri
     assert capsys.readouterr().err.endswith(
         f"forwards besides the update's: 3 (--extra-forwards; the run's: {forwards}){greedy}\n"
     )
-    # --roles given wins, with the forwards its roles run
+    # --roles given wins, with the forwards its roles run; the run's LoRA and ReMax hold
     args = _parse([*RUN_ARGV, str(run), "--roles", "policy,engine"])
-    assert _roles_and_forwards(args) == ((("policy", "engine"), 1, False, 0), False, "")
+    source = f"--roles, with {run / 'config.yaml'}'s" if remax or lora else ""
+    assert _roles_and_forwards(args) == ((("policy", "engine"), 1, remax, lora), False, source)
+    # and the options given replace them: --lora-rank 0 trains every weight
+    args = _parse([*RUN_ARGV, str(run), "--lora-rank", "0", "--no-greedy-baseline"])
+    work = _workload(args, roles, run_roles(run))
+    assert (work.lora_rank, work.greedy_baseline) == (0, False)
 
 
 def test_lengths_from_a_buffer_without_a_config_uses_the_default_roles(tmp_path, capsys):
@@ -387,6 +392,14 @@ BAD_MOE_LAYERS = (
     ({"mlp_only_layers": "0"}, "mlp_only_layers is '0'; a list"),
     ({"decoder_sparse_step": 0}, "decoder_sparse_step is 0; a positive integer"),
     ({"first_k_dense_replace": 3}, "first_k_dense_replace is 3; an integer 0..2"),
+    (
+        {"shared_expert_intermediate_size": "64"},
+        "shared_expert_intermediate_size is '64'; an integer of 0 or more",
+    ),
+    ({"n_shared_experts": -1}, "n_shared_experts is -1; an integer of 0 or more"),
+    ({"num_experts": "8"}, "num_experts is '8'; a positive integer"),
+    ({"kv_lora_rank": "128"}, "kv_lora_rank is '128'; an integer of 0 or more"),
+    ({"kv_lora_rank": 32, "q_lora_rank": "16"}, "q_lora_rank is '16'; an integer of 0 or more"),
 )
 """Which layers hold experts, given badly (the layers are 0 and 1)."""
 

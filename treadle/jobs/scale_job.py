@@ -11,10 +11,10 @@ from pathlib import Path
 
 from treadle.core.errors import UserError
 from treadle.jobs.scale_runs import RunRoles, run_lengths, run_roles
-from treadle.scale.checks import MAX_SPEC_TOKENS, check
+from treadle.scale.checks import MAX_LORA_RANK, MAX_SPEC_TOKENS, check
 from treadle.scale.costs import SYNC_METHODS
 from treadle.scale.hardware import GIB, GPUS, Gpu, gpu
-from treadle.scale.memory import Breakdown, trainer_layout
+from treadle.scale.memory import Breakdown
 from treadle.scale.plan import (
     DEFAULT_ROLES,
     MAX_GPUS,
@@ -26,7 +26,7 @@ from treadle.scale.plan import (
     layout_name,
     plan,
 )
-from treadle.scale.shapes import ModelShape, resolve
+from treadle.scale.shapes import resolve
 from treadle.scale.simulate import (
     AUTO_TOLERANCE,
     MAX_STEPS,
@@ -99,15 +99,15 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                         "--extra-forwards, and a critic is trained beside the policy) "
                         f"(default {','.join(DEFAULT_ROLES)}; with --lengths-from, the run's "
                         "own, and its forwards, from its config.yaml)")  # fmt: skip
-    parser.add_argument("--greedy-baseline", action="store_true",
-                        help="ReMax: one greedy response a prompt besides the samples, generated "
-                        "and scored, not trained (with --lengths-from, the run's "
-                        "algorithm.advantage=remax sets it)")  # fmt: skip
-    parser.add_argument("--lora-rank", type=int, default=0,
+    parser.add_argument("--greedy-baseline", action=argparse.BooleanOptionalAction,
+                        help="ReMax: one greedy response a prompt, generated after the "
+                        "samples, scored, not trained; synchronous steps only (default: off, "
+                        "or with --lengths-from the run's algorithm.advantage=remax)")  # fmt: skip
+    parser.add_argument("--lora-rank", type=int,
                         help="train the policy's LoRA adapters of this rank, its weights frozen "
                         "in bf16 (a reference is the policy with its adapters disabled: no "
-                        "memory, one forward) (0: every weight; with --lengths-from, the run's "
-                        "model.lora.r)")  # fmt: skip
+                        "memory, one forward); 0: every weight (default 0, or with "
+                        "--lengths-from the run's model.lora.r)")  # fmt: skip
     parser.add_argument("--recompute", choices=("none", "selective", "full"),
                         default="selective",
                         help="activation checkpointing of the trained roles: full recomputes "
@@ -203,8 +203,9 @@ def _simulate_arguments(parser: argparse.ArgumentParser) -> None:
 def _check(args: argparse.Namespace) -> None:
     """Raises UserError for options out of range, naming the option and its range."""
     bounds = [("--gpus", args.gpus, 1, MAX_GPUS), ("--minibatches", args.minibatches, 1, 4096),
-              ("--reward-seconds", args.reward_seconds, 0, 3600),
-              ("--lora-rank", args.lora_rank, 0, 4096)]  # fmt: skip
+              ("--reward-seconds", args.reward_seconds, 0, 3600)]  # fmt: skip
+    if args.lora_rank is not None:
+        bounds += [("--lora-rank", args.lora_rank, 0, MAX_LORA_RANK)]
     if args.extra_forwards is not None:
         bounds += [("--extra-forwards", args.extra_forwards, 0, 8)]
     if args.length_sigma is not None:
@@ -284,9 +285,16 @@ def _roles_and_forwards(args: argparse.Namespace) -> tuple[RunRoles, bool, str]:
     forwards, ReMax baseline and LoRA rank), whether those are the run's (then the forwards
     stand unless ``--extra-forwards`` is given; else they are what the roles run), and where
     the roles came from, for a line on stderr ("" for ``--roles`` or the default)."""
-    if args.roles is not None or args.lengths_from is None:
+    if args.lengths_from is None:
         roles = _roles(args.roles, args.command)
         return RunRoles(roles, extra_forwards(roles)), False, ""
+    if args.roles is not None:  # the run's LoRA and ReMax still hold, unless given
+        roles = _roles(args.roles, args.command)
+        run = run_roles(args.lengths_from, fix="with --roles it is still read, for the run's "
+                        "LoRA rank and ReMax baseline")  # fmt: skip
+        keep = (run.greedy_baseline, run.lora_rank) if run else (False, 0)
+        source = f"--roles, with {args.lengths_from / 'config.yaml'}'s" if any(keep) else ""
+        return RunRoles(roles, extra_forwards(roles), *keep), False, source
     run = run_roles(args.lengths_from)
     if run is None:
         where = f"{args.lengths_from} has no config.yaml: the default roles"
@@ -335,8 +343,13 @@ def _workload(args: argparse.Namespace, roles: tuple[str, ...],
     return Workload(args.prompts, args.samples, prompt, lengths, args.reward_seconds, forwards,
                     args.minibatches, critic="critic" in roles, pack_tokens=pack,
                     recompute=args.recompute,
-                    greedy_baseline=args.greedy_baseline or run.greedy_baseline,
-                    lora_rank=args.lora_rank or run.lora_rank)  # fmt: skip
+                    greedy_baseline=_given(args.greedy_baseline, run.greedy_baseline),
+                    lora_rank=_given(args.lora_rank, run.lora_rank))  # fmt: skip
+
+
+def _given(option, default):
+    """``option`` as given on the command line, else ``default`` (the run's, or the usual)."""
+    return default if option is None else option
 
 
 def _save(draw, path: Path, console) -> None:
@@ -392,8 +405,7 @@ def run(args: argparse.Namespace, console, out=None) -> int:
         return 0
     setup = _setup(args, g)
     check(shape, work, setup)  # the setup's own errors (an engine's KV cache) first
-    micro = _micro_batch(shape, work, setup)
-    check_fits(Question(shape, g, args.gpus, work, micro, roles, args.recompute,
+    check_fits(Question(shape, g, args.gpus, work, 1, roles, args.recompute,
                         offload=setup.offload), setup)  # fmt: skip
     with console.status("simulating") as status:
         r = simulate(shape, work, setup, steps=args.steps, progress=_progress(status))
@@ -407,15 +419,6 @@ def run(args: argparse.Namespace, console, out=None) -> int:
     else:
         _print_result(out, r)
     return 0
-
-
-def _micro_batch(shape: ModelShape, work: Workload, setup: Setup) -> float:
-    """Longest sequences' worth of tokens in a training micro-batch (fractional): one, or a
-    packed micro-batch's tokens, at most a data-parallel rank's share of an optimizer step."""
-    ranks = trainer_layout(shape, setup.train_gpus, setup.train_tp, setup.train_pp,
-                           setup.train_sp).dp  # fmt: skip
-    share = work.batch * (work.prompt_tokens + work.lengths.mean) / (work.minibatches * ranks)
-    return max(1.0, min(work.pack_tokens, share) / (work.prompt_tokens + work.lengths.max))
 
 
 def _setup(args: argparse.Namespace, g: Gpu) -> Setup:
@@ -462,12 +465,13 @@ def simulate_argv(shape: str, work: Workload, setup: Setup,
                "--engine-tp": s.engine_tp, "--train-tp": s.train_tp, "--train-pp": s.train_pp,
                "--train-sp": s.train_sp, "--oversample": s.oversample,
                "--updates-per-sync": s.updates_per_sync,
-               "--spec-tokens": s.spec_tokens, "--recompute": w.recompute,
-               "--lora-rank": w.lora_rank}  # fmt: skip
+               "--spec-tokens": s.spec_tokens, "--recompute": w.recompute}  # fmt: skip
     parser = argparse.ArgumentParser()
     add_arguments(parser, "simulate")  # the options' defaults, left out
     default = lambda option: parser.get_default(option[2:].replace("-", "_"))  # noqa: E731
     argv += [a for k, v in options.items() if v != default(k) for a in (k, _number(v))]
+    if w.lora_rank:
+        argv += ["--lora-rank", str(w.lora_rank)]
     if w.extra_forwards != extra_forwards(roles):  # --extra-forwards' default
         argv += ["--extra-forwards", str(w.extra_forwards)]
     if s.spec_tokens:

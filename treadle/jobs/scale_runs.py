@@ -69,7 +69,8 @@ def run_lengths(run_dir: Path) -> tuple[list[tuple[int, ...]], list[int]]:
     return [tuple(g) for g in groups.values()], prompts
 
 
-def run_roles(run_dir: Path) -> RunRoles | None:
+def run_roles(run_dir: Path, fix: str = "pass --roles (and --extra-forwards) to give the run's "
+              "roles instead") -> RunRoles | None:  # fmt: skip
     """The roles, the forwards besides the update's and ReMax's greedy baseline of the treadle
     run in ``run_dir``, as its ``config.yaml`` sets them: a policy and an engine, a reference
     where ``algorithm.kl.coef`` > 0, a critic for ``algorithm.advantage=gae`` and a reward model
@@ -82,7 +83,7 @@ def run_roles(run_dir: Path) -> RunRoles | None:
 
     Raises:
         UserError: a config.yaml that cannot be read, is empty or not a mapping, or holds a bad
-            value for one of those keys; the message names the file and ``--roles``.
+            value for one of those keys; the message names the file and ends with ``fix``.
     """
     from treadle.config import load_config
     from treadle.scale.plan import extra_forwards
@@ -90,7 +91,6 @@ def run_roles(run_dir: Path) -> RunRoles | None:
     path = run_dir / "config.yaml"
     if not path.is_file():
         return None
-    fix = "pass --roles (and --extra-forwards) to give the run's roles instead"
     raw = _run_config(path, fix)
     algo, reward = _section(raw, "algorithm"), _section(raw, "reward")
     picked = {"algorithm.kl.coef": _section(algo, "kl").get("coef"),

@@ -15,6 +15,8 @@ MAX_SPEC_TOKENS = 16
 MAX_UPDATES_PER_SYNC = 256
 """Most updates a weight sync :func:`check` takes (verl's trigger_parameter_sync_step is 4 in
 its recipes): each update is at least one optimizer step and an event of its own."""
+MAX_LORA_RANK = 4096
+"""Largest LoRA rank :func:`check` takes (a rank near the model's width is no longer low)."""
 MAX_BATCH = 65536
 """Most samples per step :func:`check` takes, for the same reason as :data:`MAX_STALENESS`."""
 
@@ -33,8 +35,15 @@ def check(shape: ModelShape, work: Workload, setup: Setup) -> None:
             f"--mean-response {work.lengths.mean:g} must be above 0 and at most --max-response "
             f"{work.lengths.max}"
         )
-    if work.lora_rank < 0:
-        raise UserError(f"--lora-rank {work.lora_rank} must be 0 (no LoRA) or more")
+    if not 0 <= work.lora_rank <= MAX_LORA_RANK:
+        raise UserError(f"LoRA rank {work.lora_rank} (--lora-rank, or the run's model.lora.r): "
+                        f"must be 0..{MAX_LORA_RANK:,}")  # fmt: skip
+    if work.greedy_baseline and (setup.mode != "sync" or setup.oversample):
+        raise UserError(
+            "--greedy-baseline (ReMax): the greedy responses are generated after the batch's "
+            "samples, with its policy: use --mode sync without --oversample (treadle's "
+            "algorithm.advantage=remax takes rollout.mode=sync)"
+        )
     if setup.engine_tp < 1:
         raise UserError(f"--engine-tp {setup.engine_tp} must be at least 1")
     if setup.rollout_gpus < 1 or setup.train_gpus < 1:

@@ -43,19 +43,28 @@ class Lengths:
     length (in treadle's chain-sum runs 98% of the lengths' variance lies between prompts),
     which decides when a group completes and how stale it is when trained."""
 
-    def draw(self, rng: random.Random, groups: int, size: int) -> list[int]:
-        """``groups`` x ``size`` lengths, each in [1, max], one group's ``size`` after another:
-        a measured prompt's own lengths (drawn with replacement from them where it holds
-        other than ``size``), or independent lognormal lengths."""
+    def draw(self, rng: random.Random, groups: int, size: int, extra: int = 0) -> list[int]:
+        """``groups`` x (``size`` + ``extra``) lengths, each in [1, max], one group's after
+        another: a measured prompt's own lengths (drawn with replacement from them where it
+        holds other than ``size``), then ``extra`` more drawn from the same prompt's (ReMax's
+        greedy response); or independent lognormal lengths."""
         if not self.measured:
             mu = math.log(self.mean) - self.sigma**2 / 2
-            n = groups * size
-            return [min(self.max, max(1, round(rng.lognormvariate(mu, self.sigma))))
-                    for _ in range(n)]  # fmt: skip
+            drawn = [min(self.max, max(1, round(rng.lognormvariate(mu, self.sigma))))
+                     for _ in range(groups * size)]  # fmt: skip
+            if not extra:
+                return drawn
+            more = [min(self.max, max(1, round(rng.lognormvariate(mu, self.sigma))))
+                    for _ in range(groups * extra)]  # fmt: skip
+            out = []
+            for k in range(groups):
+                out += drawn[k * size : (k + 1) * size] + more[k * extra : (k + 1) * extra]
+            return out
         out = []
         for _ in range(groups):
             group = rng.choice(self.measured)
             picked = group if len(group) == size else [rng.choice(group) for _ in range(size)]
+            picked = [*picked, *(rng.choice(group) for _ in range(extra))]
             out += [min(self.max, max(1, n)) for n in picked]
         return out
 
@@ -91,8 +100,10 @@ class Workload:
     holds no memory (treadle's, TRL's with PEFT) but runs its forward."""
     greedy_baseline: bool = False
     """ReMax (Li et al. 2023, arXiv 2310.10505, Algorithm 1): each prompt also gets one greedy
-    response, whose reward is its samples' baseline: generated and scored with them, not
-    trained (its length drawn as theirs)."""
+    response, whose reward is its samples' baseline, generated once the batch's samples are
+    done (treadle's loop and verl's ReMax generate them in a second pass, with the batch's
+    policy: synchronous steps only), scored with them, not trained; its length drawn as
+    theirs, from the same prompt's where lengths are measured."""
     recompute: Recompute = "selective"
     """Activation checkpointing of the trained models (Korthikanti et al. 2022, arXiv
     2205.05198): ``full`` recomputes each layer's forward in the backward pass, one more
@@ -288,17 +299,22 @@ def train_flops(shape: ModelShape, work: Workload, lengths: list[int]) -> float:
     or 4 recomputing each layer) for the update and once per extra forward; with
     ``work.critic`` as many update passes of the critic's, the forward without its
     2 x vocab x hidden FLOPs a token of vocabulary head (a value head has one output). With
-    ``work.lora_rank`` the policy's linear layers skip their weight gradients: one pass fewer
-    of the 2N part (the attention scores' backward stays), the adapters' own FLOPs, 2 x rank
-    x (in + out) a token and linear, left out (under 1% at rank 64 on a 7B model)."""
-    fwd = head = linear = 0.0
+    ``work.lora_rank`` the policy's frozen linear layers skip their weight gradients: one pass
+    fewer of the 2N part (the attention scores' backward stays), and the adapters add their
+    own, 2 x :meth:`~treadle.scale.shapes.ModelShape.lora_params` a token, in the update's
+    passes (forward, input and weight gradients; the extra forwards count the base model's
+    alone: a reference runs with the adapters disabled)."""
+    fwd = head = tokens = 0.0
     for response in lengths:
         s = work.prompt_tokens + response
-        linear += 2.0 * shape.active_params() * s
+        tokens += s
         fwd += 2.0 * shape.active_params() * s + shape.attention_flops_per_token(s / 2) * s
         head += 2.0 * shape.vocab * shape.hidden * s
     update = update_passes(work)
-    policy = fwd * (update + work.extra_forwards) - (linear if work.lora_rank else 0.0)
+    policy = fwd * (update + work.extra_forwards)
+    if work.lora_rank:
+        adapters = 2.0 * shape.lora_params(work.lora_rank) * tokens
+        policy += update * adapters - 2.0 * shape.active_params() * tokens
     return policy + (update * (fwd - head) if work.critic else 0.0)
 
 

@@ -231,8 +231,8 @@ def model_states(shape: ModelShape, layout: Layout, trainable: bool = True) -> t
 def lora_states(shape: ModelShape, layout: Layout, rank: int) -> tuple[float, float, float]:
     """Bytes per GPU of LoRA adapters' (fp32 weights, gradients, Adam moments): 4 + 4 + 8
     bytes a parameter of :meth:`~treadle.scale.shapes.ModelShape.lora_params`, divided by
-    tp x pp and, from each ZeRO stage on, by the dp x sp ranks (the experts' adapters are a
-    small part: sharded as the dense ones)."""
+    tp x pp and, from each ZeRO stage on, by the dp x sp ranks (no routed expert has
+    adapters, so expert parallelism does not split them)."""
     per_gpu = shape.lora_params(rank) / (layout.tp * layout.pp)
     dp = layout.dp * layout.sp
 

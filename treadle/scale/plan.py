@@ -55,8 +55,8 @@ class Question:
     gpus: int
     work: Workload
     micro_batch: float = 1
-    """Sequences per training pass per data-parallel rank (``treadle simulate``'s packed
-    micro-batches: their tokens in longest sequences, fractional)."""
+    """Sequences per training pass per data-parallel rank; where ``work`` packs sequences
+    (``pack_tokens``), each layout's packed micro-batch instead (:func:`packed_micro_batch`)."""
     roles: tuple[str, ...] = DEFAULT_ROLES
     """The roles that hold memory; a critic among them is also trained in the simulated steps
     (``Workload.critic``), whatever ``work`` says."""
@@ -193,7 +193,18 @@ def _measured(q: Question, kind: str, rollout: int, train: int, tp: int, pp: int
     parallel (ZeRO ``q.zero``, experts sharded over the data-parallel ranks) over the rest."""
     layout = trainer_layout(q.shape, train, tp, pp, sp, q.zero)
     mode = "sync" if kind == "colocated" else "async"
+    if q.work.pack_tokens:  # fewer data-parallel ranks pack more of a step into a micro-batch
+        q = replace(q, micro_batch=packed_micro_batch(q, layout))
     return measure(q, Placement(kind, rollout, train, layout, engine_tp, mode))
+
+
+def packed_micro_batch(q: Question, layout: Layout) -> float:
+    """Longest sequences' worth of tokens in a packed training micro-batch (fractional, at
+    least 1): ``work.pack_tokens``, at most a data-parallel rank's share of an optimizer step
+    (mean lengths) in ``layout``."""
+    w = q.work
+    share = w.batch * (w.prompt_tokens + w.lengths.mean) / (w.minibatches * layout.dp)
+    return max(1.0, min(w.pack_tokens, share) / q.seq)
 
 
 def _smallest_fit(q: Question, kind: str, rollout: int, train: int,

@@ -65,7 +65,8 @@ class ModelShape:
         h = self.hidden
         if self.mla:
             qk = self.head_dim + self.rope_head_dim  # head_dim is the no-RoPE part
-            q = h * self.q_lora_rank + self.q_lora_rank * self.heads * qk
+            q_out = self.heads * qk  # q_a and q_b through the latent, or one q_proj (V2-Lite)
+            q = (h + q_out) * self.q_lora_rank if self.q_lora_rank else h * q_out
             kv = h * (self.kv_lora_rank + self.rope_head_dim)
             kv += self.kv_lora_rank * self.heads * (self.head_dim + self.v_head_dim)
             return q + kv + self.heads * self.v_head_dim * h + h
@@ -108,25 +109,31 @@ class ModelShape:
         return math.gcd(dp, self.experts) if self.experts else 1
 
     def lora_params(self, rank: int) -> int:
-        """Parameters of rank-``rank`` LoRA adapters (Hu et al. 2021, arXiv 2106.09685) on every
-        attention and FFN projection, experts' included (treadle's default targets, q/k/v/o
-        and gate/up/down, or MLA's projections; not the router nor the output layer): ``rank
-        x (in + out)`` a linear, ``A [r, in]`` and ``B [out, r]``."""
+        """Parameters of rank-``rank`` LoRA adapters (Hu et al. 2021, arXiv 2106.09685), ``A [r,
+        in]`` and ``B [out, r]``, ``rank x (in + out)`` a linear, where PEFT puts them in
+        transformers' modules for treadle's default targets (q/k/v/o, gate/up/down) or
+        ``all-linear``: every attention projection (MLA's latent ones too), the dense FFNs and
+        a shared expert (one linear as wide as its experts); not the routed experts, fused 3-D
+        weights in transformers' MoE modules that PEFT does not adapt, nor the router or the
+        output layer."""
         h = self.hidden
         if self.mla:
-            qk = self.head_dim + self.rope_head_dim
-            attention = ((h + self.q_lora_rank) + (self.q_lora_rank + self.heads * qk)
-                         + (h + self.kv_lora_rank + self.rope_head_dim)
-                         + (self.kv_lora_rank + self.heads * (self.head_dim + self.v_head_dim))
-                         + (self.heads * self.v_head_dim + h))  # fmt: skip
+            q_out = self.heads * (self.head_dim + self.rope_head_dim)
+            q = (h + self.q_lora_rank) + (self.q_lora_rank + q_out) if self.q_lora_rank else (
+                h + q_out)  # fmt: skip
+            kv = (h + self.kv_lora_rank + self.rope_head_dim) + (
+                self.kv_lora_rank + self.heads * (self.head_dim + self.v_head_dim))  # fmt: skip
+            attention = q + kv + (self.heads * self.v_head_dim + h)
         else:
             attention = 2 * (h + self.q_dim) + 2 * (h + self.kv_dim)  # q, o; k, v
-        per_ffn = (3 if self.gated_mlp else 2) * h  # and as many of the width:
-        dense = per_ffn + (3 if self.gated_mlp else 2) * self.intermediate
-        expert = per_ffn + (3 if self.gated_mlp else 2) * self.expert_intermediate
-        moe = (self.experts + self.shared_experts) * expert
-        per_layers = self.layers * attention + (self.layers - self.moe_layers) * dense
-        return rank * (per_layers + self.moe_layers * moe)
+        matrices = 3 if self.gated_mlp else 2
+
+        def ffn(width: int) -> int:
+            return matrices * (h + width) if width else 0
+
+        dense = (self.layers - self.moe_layers) * ffn(self.intermediate)
+        shared = self.moe_layers * ffn(self.shared_experts * self.expert_intermediate)
+        return rank * (self.layers * attention + dense + shared)
 
     def expert_params(self) -> int:
         """Parameters of all routed experts (what expert parallelism shards)."""
@@ -180,6 +187,17 @@ def _positive(name: str, key: str, value: object) -> int:
     return value
 
 
+def _count(name: str, config: dict, key: str) -> int:
+    """config.json's optional ``key``: 0 where absent or null, else an integer of at least 0
+    (UserError naming the key otherwise)."""
+    value = config.get(key)
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise UserError(f"{name}: config.json's {key} is {value!r}; an integer of 0 or more")
+    return value
+
+
 def from_hf_config(config: dict, name: str) -> ModelShape:
     """The shape of a Hugging Face ``config.json`` (already parsed): dense Llama/Qwen/Mistral
     layouts, mixtures of experts (:func:`_with_experts`) and multi-head latent attention.
@@ -216,13 +234,13 @@ def from_hf_config(config: dict, name: str) -> ModelShape:
         qkv_bias=bool(config.get("attention_bias", config.get("model_type") == "qwen2")),
     )
     shape = _with_experts(config, shape)
-    if config.get("kv_lora_rank"):
+    if _count(name, config, "kv_lora_rank"):
         shape = replace(
             shape,
-            q_lora_rank=config.get("q_lora_rank") or 0,
+            q_lora_rank=_count(name, config, "q_lora_rank"),
             kv_lora_rank=config["kv_lora_rank"],
-            rope_head_dim=config.get("qk_rope_head_dim", 0),
-            v_head_dim=config.get("v_head_dim", shape.head_dim),
+            rope_head_dim=_count(name, config, "qk_rope_head_dim"),
+            v_head_dim=_count(name, config, "v_head_dim") or shape.head_dim,
         )
     return shape
 
@@ -234,10 +252,11 @@ def _with_experts(config: dict, shape: ModelShape) -> ModelShape:
     ``num_local_experts`` (experts ``intermediate_size`` wide); the layers with a dense FFN
     from :func:`_dense_layers`."""
     name = shape.name
-    routed = (config.get("n_routed_experts") or config.get("num_experts")
-              or config.get("num_local_experts") or 0)  # fmt: skip
-    if not routed:
+    key = next((k for k in ("n_routed_experts", "num_experts", "num_local_experts")
+                if config.get(k) is not None and config.get(k) != 0), None)  # fmt: skip
+    if key is None:
         return shape
+    routed = _positive(name, key, config[key])
     width = config.get("moe_intermediate_size") or (
         config["intermediate_size"] if config.get("num_local_experts") else None
     )
@@ -246,12 +265,12 @@ def _with_experts(config: dict, shape: ModelShape) -> ModelShape:
         if value is None:
             raise UserError(f"{name}: config.json has {routed} experts but no {key!r}")
         _positive(name, key, value)
-    shared = config.get("n_shared_experts") or 0
-    if config.get("shared_expert_intermediate_size"):
+    shared = _count(name, config, "n_shared_experts")
+    if _count(name, config, "shared_expert_intermediate_size"):
         shared = max(1, round(config["shared_expert_intermediate_size"] / width))
     return replace(
         shape,
-        experts=_positive(name, "experts", routed),
+        experts=routed,
         experts_active=config["num_experts_per_tok"],
         shared_experts=shared,
         expert_intermediate=width,
@@ -260,13 +279,16 @@ def _with_experts(config: dict, shape: ModelShape) -> ModelShape:
 
 
 def _dense_layers(config: dict, shape: ModelShape) -> int:
-    """How many of ``shape``'s layers keep a dense FFN, as transformers builds them: layer i
-    has experts where i >= ``first_k_dense_replace`` and i % ``moe_layer_freq`` == 0
-    (DeepSeek-V2/V3), and where (i + 1) % ``decoder_sparse_step`` == 0 and i is not in
-    ``mlp_only_layers`` (Qwen2/3-MoE). Raises UserError for a value of those keys that is not
-    an integer of the range its meaning allows, naming it."""
+    """How many of ``shape``'s layers keep a dense FFN: layer i has experts where i >=
+    ``first_k_dense_replace`` (absent: transformers' default, 3 for ``deepseek_v3``, else 0)
+    and i % ``moe_layer_freq`` == 0 (DeepSeek-V2/V3's own modeling code; transformers' ignores
+    it, and the released configs give 1), and where (i + 1) % ``decoder_sparse_step`` == 0 and
+    i is not in ``mlp_only_layers`` (transformers' Qwen2/3-MoE). Raises UserError for a value
+    of those keys that is not an integer of the range its meaning allows, naming it."""
     layers = shape.layers
-    first = 0 if config.get("first_k_dense_replace") is None else config["first_k_dense_replace"]
+    first = config.get("first_k_dense_replace")
+    if first is None:
+        first = 3 if config.get("model_type") == "deepseek_v3" else 0
     if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first <= layers:
         raise UserError(f"{shape.name}: config.json's first_k_dense_replace is {first!r}; "
                         f"an integer 0..{layers}")  # fmt: skip

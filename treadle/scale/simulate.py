@@ -117,6 +117,8 @@ class _Simulation:
         )
         self.rng = random.Random(seed)
         self.queue: deque[Request] = deque()  # not yet admitted, next first
+        self.sampling: dict[int, int] = {}  # batch -> sampled requests not yet scored
+        self.held: dict[int, list[Request]] = {}  # batch -> greedy requests (ReMax) to come
         self.batches_drawn = 0
         self.draw(steps + math.ceil(setup.eta) + 2)
         self.engines = [
@@ -154,12 +156,14 @@ class _Simulation:
         times their samples (and ReMax's greedy response last), numbered in admission order
         (more are drawn where groups dropped as stale leave the queue short)."""
         n, tau = self.work.samples_per_prompt, self.tokens_per_step
-        size = n + self.work.greedy_baseline
+        greedy = int(self.work.greedy_baseline)
+        size = n + greedy
         groups = math.ceil(self.work.prompts * (1 + self.setup.oversample))
         self.per_batch = groups * size
         for j in range(self.batches_drawn, self.batches_drawn + batches):
-            lengths = self.work.lengths.draw(self.rng, groups, size)
+            lengths = self.work.lengths.draw(self.rng, groups, n, greedy)
             first = j * self.per_batch
+            self.sampling[j] = groups * n
             for k in range(groups):
                 group = Group(j, size)
                 group.members = [
@@ -172,7 +176,8 @@ class _Simulation:
                     )
                     for i, length in enumerate(lengths[k * size : (k + 1) * size])
                 ]
-                self.queue.extend(group.members)
+                self.queue.extend(group.members[:n])
+                self.held.setdefault(j, []).extend(group.members[n:])
         self.batches_drawn += batches
 
     def push(self, time: float, kind: str, payload: object = None) -> None:
@@ -361,6 +366,10 @@ class _Simulation:
         group = r.group
         if not self.wanted(r):
             return
+        if not r.baseline:
+            self.sampling[r.batch] -= 1
+            if not self.sampling[r.batch] and self.held.get(r.batch):
+                self.release(time, self.held.pop(r.batch))
         group.left -= 1
         if group.left:
             return
@@ -372,6 +381,15 @@ class _Simulation:
             self.unwanted += 1
             self.generate.append(time - self.first_admit[r.batch])
         self.try_train(time)
+
+    def release(self, time: float, greedy: list[Request]) -> None:
+        """Queue a batch's greedy requests (ReMax) once its samples are scored: at the front, in
+        their order (their numbers are below the next batch's), and wake the idle engines."""
+        self.queue.extendleft(reversed(greedy))
+        for engine in self.engines:
+            if engine.idle:
+                engine.idle = False
+                self.push(time, "wake", engine)
 
     def drop(self, groups: list[Group]) -> None:
         """Drop groups as stale: their running requests stop at the engines' next look."""
