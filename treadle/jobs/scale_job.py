@@ -99,6 +99,29 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                         "--extra-forwards, and a critic is trained beside the policy) "
                         f"(default {','.join(DEFAULT_ROLES)}; with --lengths-from, the run's "
                         "own, and its forwards, from its config.yaml)")  # fmt: skip
+    _training_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    if command == "plan":
+        _plan_arguments(parser)
+    else:
+        _simulate_arguments(parser)
+
+
+class _Spelled(argparse.Action):
+    """Stores the value and the option's spelling as typed (``--tp`` or ``--train-tp``) in
+    ``namespace.spelled``, so a message names the option the user wrote."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:  # fmt: skip
+        """Store ``values`` and the spelling ``option_string``."""
+        setattr(namespace, self.dest, values)
+        namespace.spelled = {**(getattr(namespace, "spelled", None) or {}),
+                             self.dest: option_string}  # fmt: skip
+
+
+def _training_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of what a step trains and generates, shared by plan and simulate: ReMax's
+    greedy baseline, LoRA and activation recompute."""
     parser.add_argument("--greedy-baseline", action=argparse.BooleanOptionalAction,
                         help="ReMax: one greedy response a prompt, generated after the "
                         "samples, scored, not trained; synchronous steps only (default: off, "
@@ -114,21 +137,6 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                         "each layer's forward in the backward pass, one more forward an update "
                         "(verl's enable_gradient_checkpointing, Megatron's recompute "
                         "granularity) (selective)")  # fmt: skip
-    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    if command == "plan":
-        _plan_arguments(parser)
-    else:
-        _simulate_arguments(parser)
-
-
-class _Spelled(argparse.Action):
-    """Stores the value and the option's spelling as typed (``--tp`` or ``--train-tp``) in
-    ``namespace.spelled``, so a message names the option the user wrote."""
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        setattr(namespace, self.dest, values)
-        namespace.spelled = {**(getattr(namespace, "spelled", None) or {}),
-                             self.dest: option_string}  # fmt: skip
 
 
 def _plan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -347,7 +355,7 @@ def _workload(args: argparse.Namespace, roles: tuple[str, ...],
                     lora_rank=_given(args.lora_rank, run.lora_rank))  # fmt: skip
 
 
-def _given(option, default):
+def _given(option: object, default: object) -> object:
     """``option`` as given on the command line, else ``default`` (the run's, or the usual)."""
     return default if option is None else option
 

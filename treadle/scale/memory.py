@@ -237,6 +237,7 @@ def lora_states(shape: ModelShape, layout: Layout, rank: int) -> tuple[float, fl
     dp = layout.dp * layout.sp
 
     def sharded(bytes_per_param: float, stage: int) -> float:
+        """Bytes per GPU of one adapter state, sharded from ZeRO ``stage`` on."""
         return bytes_per_param * per_gpu / (dp if layout.zero >= stage else 1)
 
     return sharded(4, 3), sharded(4, 2), sharded(8, 1)

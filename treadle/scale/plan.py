@@ -324,6 +324,7 @@ def _what_fits(q: Question, setup: Setup, kind: str) -> str:
     fixes = [f"{engine}{layout_options(other.layout)}"] if other is not None and other.fits else []
 
     def as_given(changed: Question) -> bool:
+        """Whether ``changed`` fits in the setup's own layout and engine TP."""
         return _measured(changed, kind, setup.rollout_gpus, setup.train_gpus, setup.train_tp,
                          setup.train_pp, setup.engine_tp, setup.train_sp).fits  # fmt: skip
 

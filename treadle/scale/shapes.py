@@ -129,6 +129,7 @@ class ModelShape:
         matrices = 3 if self.gated_mlp else 2
 
         def ffn(width: int) -> int:
+            """An FFN's adapters per rank: gate, up and down (or up and down) of ``width``."""
             return matrices * (h + width) if width else 0
 
         dense = (self.layers - self.moe_layers) * ffn(self.intermediate)
