@@ -260,3 +260,20 @@ def test_remax_generates_a_greedy_response_a_prompt_and_trains_only_the_samples(
     lengths = Lengths(100, 300, measured=((10, 10, 10), (300, 300, 300)))
     drawn = lengths.draw(random.Random(0), 40, 3, 1)
     assert {tuple(drawn[k : k + 4]) for k in range(0, 160, 4)} == {(10,) * 4, (300,) * 4}
+
+
+def test_remax_spreads_its_samples_and_greedy_requests_over_the_engines(capsys):
+    # 8 prompts x 1 sample of 100 tokens on 4 colocated engines whose step costs 1 ms a
+    # request plus 0.96 ms: 2 samples an engine, 100 steps of 2.96 ms, then 2 greedy requests
+    # an engine as many: 0.592 s (the held greedy numbers once counted as waiting, and two
+    # engines took 4 samples each, or one all 8 greedy requests: 0.79 s)
+    work = Workload(8, 1, 100, Lengths(100, 100, 0.0), extra_forwards=0, greedy_baseline=True)
+    setup = Setup(gpu("h100", token_overhead_s=1e-3), 4, 4, colocated=True)
+    r = simulate(NAMED["qwen2.5-0.5b"], work, setup, steps=3)
+    assert r.generate_s == pytest.approx(2 * 100 * 2.96e-3, rel=0.01)
+    # treadle plan simulates every placement synchronously with it: the greedy pass needs the
+    # batch's policy
+    assert main(["plan", "qwen2.5-0.5b", "--gpus", "4", "--greedy-baseline", "--steps", "2",
+                 "--json"]) == 0  # fmt: skip
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) > 1 and all(" sync | " in row["placement"] for row in rows)

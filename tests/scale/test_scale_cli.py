@@ -164,7 +164,8 @@ def test_lengths_from_a_run_take_its_roles_and_forwards(tmp_path, capsys, overri
     )
     # --roles given wins, with the forwards its roles run; the run's LoRA and ReMax hold
     args = _parse([*RUN_ARGV, str(run), "--roles", "policy,engine"])
-    source = f"--roles, with {run / 'config.yaml'}'s" if remax or lora else ""
+    kept = "ReMax baseline" if remax else "LoRA rank" if lora else ""
+    source = f"--roles, with {run / 'config.yaml'}'s {kept}" if kept else ""
     assert _roles_and_forwards(args) == ((("policy", "engine"), 1, remax, lora), False, source)
     # and the options given replace them: --lora-rank 0 trains every weight
     args = _parse([*RUN_ARGV, str(run), "--lora-rank", "0", "--no-greedy-baseline"])
@@ -199,6 +200,12 @@ def test_lengths_from_a_damaged_config_is_one_line_naming_it_and_roles(tmp_path,
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("treadle: error: --lengths-from: ") and says in line, line
     assert str(tmp_path / "config.yaml") in line and line.endswith("give the run's roles instead")
+    # with --roles it is still read, for the run's LoRA and ReMax, unless both are given
+    roles = [*RUN_ARGV, str(tmp_path), "--roles", "policy,engine"]
+    assert main(roles) == 2
+    assert capsys.readouterr().err.rstrip().endswith("--greedy-baseline or --no-greedy-baseline "
+                                                     "are given")  # fmt: skip
+    assert main([*roles, "--lora-rank", "0", "--no-greedy-baseline"]) == 0
 
 
 def test_lengths_from_an_older_runs_config_reads_only_the_keys_it_needs(tmp_path):
@@ -400,6 +407,13 @@ BAD_MOE_LAYERS = (
     ({"num_experts": "8"}, "num_experts is '8'; a positive integer"),
     ({"kv_lora_rank": "128"}, "kv_lora_rank is '128'; an integer of 0 or more"),
     ({"kv_lora_rank": 32, "q_lora_rank": "16"}, "q_lora_rank is '16'; an integer of 0 or more"),
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok 9 is more than its 8 experts"),
+    ({"hidden_size": 10**400}, "hidden_size is a huge number; a positive integer up to"),
+    ({"num_hidden_layers": 10**9}, "num_hidden_layers is 1000000000; a positive integer up to"),
+    ({"num_key_value_heads": 0}, "num_key_value_heads is 0; a positive integer"),
+    ({"head_dim": False}, "head_dim is False; a positive integer"),
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings is 'false'; true or false"),
+    ({"attention_bias": "no"}, "attention_bias is 'no'; true or false"),
 )
 """Which layers hold experts, given badly (the layers are 0 and 1)."""
 

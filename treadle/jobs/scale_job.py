@@ -298,10 +298,17 @@ def _roles_and_forwards(args: argparse.Namespace) -> tuple[RunRoles, bool, str]:
         return RunRoles(roles, extra_forwards(roles)), False, ""
     if args.roles is not None:  # the run's LoRA and ReMax still hold, unless given
         roles = _roles(args.roles, args.command)
-        run = run_roles(args.lengths_from, fix="with --roles it is still read, for the run's "
-                        "LoRA rank and ReMax baseline")  # fmt: skip
+        run = None
+        if args.lora_rank is None or args.greedy_baseline is None:
+            run = run_roles(args.lengths_from, fix="with --roles it is still read for the run's "
+                            "LoRA rank and ReMax baseline, unless --lora-rank and "
+                            "--greedy-baseline or --no-greedy-baseline are given")  # fmt: skip
         keep = (run.greedy_baseline, run.lora_rank) if run else (False, 0)
-        source = f"--roles, with {args.lengths_from / 'config.yaml'}'s" if any(keep) else ""
+        kept = [what for what, given, value in (
+            ("ReMax baseline", args.greedy_baseline, keep[0]),
+            ("LoRA rank", args.lora_rank, keep[1])) if given is None and value]  # fmt: skip
+        path = args.lengths_from / "config.yaml"
+        source = f"--roles, with {path}'s {' and '.join(kept)}" if kept else ""
         return RunRoles(roles, extra_forwards(roles), *keep), False, source
     run = run_roles(args.lengths_from)
     if run is None:

@@ -40,9 +40,10 @@ def check(shape: ModelShape, work: Workload, setup: Setup) -> None:
                         f"must be 0..{MAX_LORA_RANK:,}")  # fmt: skip
     if work.greedy_baseline and (setup.mode != "sync" or setup.oversample):
         raise UserError(
-            "--greedy-baseline (ReMax): the greedy responses are generated after the batch's "
-            "samples, with its policy: use --mode sync without --oversample (treadle's "
-            "algorithm.advantage=remax takes rollout.mode=sync)"
+            "ReMax's greedy baseline (--greedy-baseline, or a run's algorithm.advantage=remax): "
+            "the greedy responses are generated after the batch's samples, with its policy: use "
+            "--mode sync without --oversample (treadle's remax takes rollout.mode=sync), or "
+            "--no-greedy-baseline"
         )
     if setup.engine_tp < 1:
         raise UserError(f"--engine-tp {setup.engine_tp} must be at least 1")

@@ -192,10 +192,16 @@ def _measured(q: Question, kind: str, rollout: int, train: int, tp: int, pp: int
     """:func:`measure` of one placement: the trainer in tp x pp x sp over ``train`` GPUs, data
     parallel (ZeRO ``q.zero``, experts sharded over the data-parallel ranks) over the rest."""
     layout = trainer_layout(q.shape, train, tp, pp, sp, q.zero)
-    mode = "sync" if kind == "colocated" else "async"
+    mode = _mode(q, kind)
     if q.work.pack_tokens:  # fewer data-parallel ranks pack more of a step into a micro-batch
         q = replace(q, micro_batch=packed_micro_batch(q, layout))
     return measure(q, Placement(kind, rollout, train, layout, engine_tp, mode))
+
+
+def _mode(q: Question, kind: str) -> str:
+    """How a placement's steps run: colocated ones, and any with ReMax's greedy baseline (its
+    greedy pass uses the batch's policy), synchronous; disaggregated ones asynchronous."""
+    return "sync" if kind == "colocated" or q.work.greedy_baseline else "async"
 
 
 def packed_micro_batch(q: Question, layout: Layout) -> float:
@@ -237,8 +243,8 @@ def _smallest_fit(q: Question, kind: str, rollout: int, train: int,
 
 def plan(q: Question, steps: int | None = 3, progress=None) -> list[Placement]:
     """The placements that fit, best first by simulated trained tokens per second (colocated:
-    sync; disaggregated: asynchronous, staleness 1, partial rollouts; without an engine role,
-    by training memory per GPU).
+    sync; disaggregated: asynchronous, staleness 1, partial rollouts, or sync with ReMax's
+    greedy baseline; without an engine role, by training memory per GPU).
 
     Raises:
         UserError: an explicit --tp, --pp or --sp the model cannot take, or no placement fits
@@ -263,8 +269,7 @@ def plan(q: Question, steps: int | None = 3, progress=None) -> list[Placement]:
             q.gpu, p.rollout_gpus, p.train_gpus, colocated=p.kind == "colocated",
             engine_tp=p.engine_tp, train_tp=p.layout.tp, train_pp=p.layout.pp,
             train_sp=p.layout.sp,
-            mode="sync" if p.kind == "colocated" else "async",
-            staleness=0 if p.kind == "colocated" else 1, partial=p.kind != "colocated",
+            mode=p.mode, staleness=0 if p.mode == "sync" else 1, partial=p.mode == "async",
             offload=q.offload and p.kind == "colocated",
         )  # fmt: skip
         if "engine" in q.roles:

@@ -176,27 +176,49 @@ NAMED: dict[str, ModelShape] = {
 """Named shapes, from each model's published ``config.json``."""
 
 
+MAX_SIZE = 2**20
+"""The largest count or width a config.json may give (1,048,576: every released model's
+sizes are below it, and the arithmetic stays in floating point's range)."""
 POSITIVE = ("num_attention_heads", "hidden_size", "num_hidden_layers", "intermediate_size",
             "vocab_size")  # fmt: skip
 """The config.json keys every shape needs, each a positive integer."""
 
 
 def _positive(name: str, key: str, value: object) -> int:
-    """``value`` of config.json's ``key``, a positive integer, else UserError naming both."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UserError(f"{name}: config.json's {key} is {value!r}; a positive integer")
+    """``value`` of config.json's ``key``, a positive integer of at most :data:`MAX_SIZE`,
+    else UserError naming both."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SIZE:
+        raise UserError(f"{name}: config.json's {key} is {_short(value)}; a positive integer "
+                        f"up to {MAX_SIZE:,}")  # fmt: skip
     return value
 
 
 def _count(name: str, config: dict, key: str) -> int:
-    """config.json's optional ``key``: 0 where absent or null, else an integer of at least 0
-    (UserError naming the key otherwise)."""
+    """config.json's optional ``key``: 0 where absent or null, else an integer of 0 to
+    :data:`MAX_SIZE` (UserError naming the key otherwise)."""
     value = config.get(key)
     if value is None:
         return 0
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise UserError(f"{name}: config.json's {key} is {value!r}; an integer of 0 or more")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SIZE:
+        raise UserError(f"{name}: config.json's {key} is {_short(value)}; an integer of 0 or "
+                        f"more, up to {MAX_SIZE:,}")  # fmt: skip
     return value
+
+
+def _flag(name: str, config: dict, key: str, default: bool) -> bool:
+    """config.json's optional true/false ``key`` (``default`` where absent or null)."""
+    value = config.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise UserError(f"{name}: config.json's {key} is {_short(value)}; true or false")
+    return value
+
+
+def _short(value: object) -> str:
+    """``repr(value)``, cut to 40 characters (a huge number or string stays one short line)."""
+    text = repr(value) if not isinstance(value, int) or abs(value) < 10**30 else "a huge number"
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def from_hf_config(config: dict, name: str) -> ModelShape:
@@ -215,24 +237,28 @@ def from_hf_config(config: dict, name: str) -> ModelShape:
             raise UserError(f"{name}: config.json has no {key!r}; pass a named shape")
         _positive(name, key, config[key])
     heads, hidden = config["num_attention_heads"], config["hidden_size"]
-    kv_heads = _positive(name, "num_key_value_heads", config.get("num_key_value_heads") or heads)
+    kv_heads = _count(name, config, "num_key_value_heads") or heads
+    if "num_key_value_heads" in config and config["num_key_value_heads"] is not None:
+        _positive(name, "num_key_value_heads", config["num_key_value_heads"])
     if heads % kv_heads:
         raise UserError(
             f"{name}: config.json's num_key_value_heads {kv_heads} does not divide "
             f"num_attention_heads {heads}"
         )
-    head_dim = config.get("qk_nope_head_dim") or config.get("head_dim") or hidden // heads
+    # the first given of MLA's no-RoPE query width and head_dim, else hidden / heads
+    key = next((k for k in ("qk_nope_head_dim", "head_dim") if config.get(k) is not None), None)
+    head_dim = config[key] if key else hidden // heads
     shape = ModelShape(
         name=name,
         layers=config["num_hidden_layers"],
         hidden=hidden,
         heads=heads,
         kv_heads=kv_heads,
-        head_dim=_positive(name, "head_dim", head_dim),
+        head_dim=_positive(name, key or "head_dim", head_dim),
         intermediate=config["intermediate_size"],
         vocab=config["vocab_size"],
-        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-        qkv_bias=bool(config.get("attention_bias", config.get("model_type") == "qwen2")),
+        tied_embeddings=_flag(name, config, "tie_word_embeddings", False),
+        qkv_bias=_flag(name, config, "attention_bias", config.get("model_type") == "qwen2"),
     )
     shape = _with_experts(config, shape)
     if _count(name, config, "kv_lora_rank"):
@@ -266,6 +292,9 @@ def _with_experts(config: dict, shape: ModelShape) -> ModelShape:
         if value is None:
             raise UserError(f"{name}: config.json has {routed} experts but no {key!r}")
         _positive(name, key, value)
+    if config["num_experts_per_tok"] > routed:
+        raise UserError(f"{name}: config.json's num_experts_per_tok {config['num_experts_per_tok']}"
+                        f" is more than its {routed} experts")  # fmt: skip
     shared = _count(name, config, "n_shared_experts")
     if _count(name, config, "shared_expert_intermediate_size"):
         shared = max(1, round(config["shared_expert_intermediate_size"] / width))
@@ -323,6 +352,6 @@ def resolve(model: str) -> ModelShape:
         raise UserError(f"model {model!r}: not a named shape ({names}) nor a config.json")
     try:
         config = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested too deep
         raise UserError(f"model {path}: cannot read it as JSON ({e})") from None
     return from_hf_config(config, path.parent.name or str(path))

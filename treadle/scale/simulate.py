@@ -119,6 +119,7 @@ class _Simulation:
         self.queue: deque[Request] = deque()  # not yet admitted, next first
         self.sampling: dict[int, int] = {}  # batch -> sampled requests not yet scored
         self.held: dict[int, list[Request]] = {}  # batch -> greedy requests (ReMax) to come
+        self.greedy_queued = 0  # released greedy requests at the queue's front
         self.batches_drawn = 0
         self.draw(steps + math.ceil(setup.eta) + 2)
         self.engines = [
@@ -324,11 +325,11 @@ class _Simulation:
                 self.draw(1)
             head = self.queue[0]
             if not self.wanted(head):
-                self.queue.popleft()
+                self.greedy_queued -= self.queue.popleft().baseline
                 continue
             if head.sample >= allowed or (engine.running and self.fits(engine, p) < 0):
                 break
-            self.queue.popleft()
+            self.greedy_queued -= self.queue.popleft().baseline
             head.version = engine.version
             if head.group.version is None:
                 head.group.version = engine.version
@@ -346,8 +347,19 @@ class _Simulation:
         if len(self.engines) == 1 or not self.queue:
             return self.setup.gpu.efficiency.max_batch
         gate = math.ceil(self.gate(engine))
-        waiting = min(len(self.queue), max(0, gate - self.queue[0].sample))
+        # ReMax's greedy requests at the queue's front, then samples numbered up to the gate
+        greedy = self.greedy_queued
+        rest = self.queue[greedy].sample if greedy < len(self.queue) else gate
+        sampled = max(0, self.sampled_below(gate) - self.sampled_below(rest))
+        waiting = min(len(self.queue), greedy + sampled)
         return max(1, math.ceil((waiting + self.running) / len(self.engines)))
+
+    def sampled_below(self, number: int) -> int:
+        """Sampled requests numbered below ``number``: all of them, or with ReMax's greedy
+        request last in each group's numbers, ``n`` of every ``n + 1``."""
+        n = self.work.samples_per_prompt
+        size = n + self.work.greedy_baseline
+        return number // size * n + min(number % size, n)
 
     def gate(self, engine: EngineBatch) -> float:
         """The staleness bound at admission: an engine at version v may start requests of
@@ -386,6 +398,7 @@ class _Simulation:
         """Queue a batch's greedy requests (ReMax) once its samples are scored: at the front, in
         their order (their numbers are below the next batch's), and wake the idle engines."""
         self.queue.extendleft(reversed(greedy))
+        self.greedy_queued += len(greedy)
         for engine in self.engines:
             if engine.idle:
                 engine.idle = False
