@@ -376,5 +376,5 @@ def test_recomputing_each_layer_adds_a_forward_to_every_update(capsys):
     for label, seconds in plain.items():  # asynchronous: other groups train when times change
         if label.startswith("colocated"):
             assert full[label] == pytest.approx(seconds * 6 / 5, rel=1e-9)
-        else:
+        else:  # 6/5 = 1.2 of the same groups' time; other groups shift it by a few percent
             assert seconds * 1.1 < full[label] < seconds * 1.3, label

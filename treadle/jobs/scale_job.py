@@ -401,8 +401,8 @@ def run(args: argparse.Namespace, console, out=None) -> int:
         console.print(_role_note(source, run, from_run, work, args), markup=False,
                       soft_wrap=True)  # fmt: skip
     if args.command == "plan":
-        q = Question(shape, g, args.gpus, work, args.micro_batch, roles, args.recompute,
-                     tp=args.tp, pp=args.pp, sp=args.sp, offload=args.offload)  # fmt: skip
+        q = Question(shape, g, args.gpus, work, args.micro_batch, roles, tp=args.tp,
+                     pp=args.pp, sp=args.sp, offload=args.offload)  # fmt: skip
         with console.status("simulating the placements that fit") as status:
             placements = plan(q, steps=args.steps, progress=_progress(status))
         if args.plot:
@@ -420,8 +420,7 @@ def run(args: argparse.Namespace, console, out=None) -> int:
         return 0
     setup = _setup(args, g)
     check(shape, work, setup)  # the setup's own errors (an engine's KV cache) first
-    check_fits(Question(shape, g, args.gpus, work, 1, roles, args.recompute,
-                        offload=setup.offload), setup)  # fmt: skip
+    check_fits(Question(shape, g, args.gpus, work, 1, roles, offload=setup.offload), setup)
     with console.status("simulating") as status:
         r = simulate(shape, work, setup, steps=args.steps, progress=_progress(status))
     if args.plot:

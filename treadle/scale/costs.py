@@ -457,13 +457,11 @@ def offload_s(shape: ModelShape, setup: Setup, lora_rank: int = 0) -> float:
         return 0.0
     layout = memory.trainer_layout(shape, setup.train_gpus, setup.train_tp, setup.train_pp,
                                    setup.train_sp)  # fmt: skip
-    frozen, _, _, frozen_gathered = memory.model_states(shape, layout, trainable=False)
-    if lora_rank:
-        states = frozen - frozen_gathered + sum(memory.lora_states(shape, layout, lora_rank))
-    else:
-        params, grads, optimizer, gathered = memory.model_states(shape, layout, trainable=True)
-        states = params - gathered + grads + optimizer + frozen - frozen_gathered
-    return 2 * states / (setup.gpu.efficiency.pcie_gbps * 1e9)
+    # resident states do not depend on the sequences a pass holds: one token of one
+    policy = memory.trainer(shape, layout, 1, 1, lora_rank=lora_rank).resident
+    reference = 0.0 if lora_rank else memory.trainer(shape, layout, 1, 1, role="reference",
+                                                     trainable=False).resident  # fmt: skip
+    return 2 * (policy + reference) / (setup.gpu.efficiency.pcie_gbps * 1e9)
 
 
 def kv_capacity(shape: ModelShape, setup: Setup) -> float:

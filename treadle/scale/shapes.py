@@ -237,9 +237,8 @@ def from_hf_config(config: dict, name: str) -> ModelShape:
             raise UserError(f"{name}: config.json has no {key!r}; pass a named shape")
         _positive(name, key, config[key])
     heads, hidden = config["num_attention_heads"], config["hidden_size"]
-    kv_heads = _count(name, config, "num_key_value_heads") or heads
-    if "num_key_value_heads" in config and config["num_key_value_heads"] is not None:
-        _positive(name, "num_key_value_heads", config["num_key_value_heads"])
+    given = config.get("num_key_value_heads")
+    kv_heads = heads if given is None else _positive(name, "num_key_value_heads", given)
     if heads % kv_heads:
         raise UserError(
             f"{name}: config.json's num_key_value_heads {kv_heads} does not divide "
@@ -320,7 +319,7 @@ def _dense_layers(config: dict, shape: ModelShape) -> int:
     if first is None:
         first = 3 if config.get("model_type") == "deepseek_v3" else 0
     if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first <= layers:
-        raise UserError(f"{shape.name}: config.json's first_k_dense_replace is {first!r}; "
+        raise UserError(f"{shape.name}: config.json's first_k_dense_replace is {_short(first)}; "
                         f"an integer 0..{layers}")  # fmt: skip
     every = {k: _positive(shape.name, k, 1 if config.get(k) is None else config[k])
              for k in ("moe_layer_freq", "decoder_sparse_step")}  # fmt: skip
@@ -328,7 +327,7 @@ def _dense_layers(config: dict, shape: ModelShape) -> int:
     if not isinstance(only, list) or not all(
         isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in only
     ):
-        raise UserError(f"{shape.name}: config.json's mlp_only_layers is {only!r}; a list of "
+        raise UserError(f"{shape.name}: config.json's mlp_only_layers is {_short(only)}; a list of "
                         f"layer indices 0..{layers - 1}")  # fmt: skip
     sparse = [i for i in range(first, layers) if i % every["moe_layer_freq"] == 0
               and (i + 1) % every["decoder_sparse_step"] == 0 and i not in only]  # fmt: skip

@@ -120,6 +120,8 @@ class _Simulation:
         self.sampling: dict[int, int] = {}  # batch -> sampled requests not yet scored
         self.held: dict[int, list[Request]] = {}  # batch -> greedy requests (ReMax) to come
         self.greedy_queued = 0  # released greedy requests at the queue's front
+        # a group's requests: its samples, and ReMax's greedy one last
+        self.group_size = work.samples_per_prompt + work.greedy_baseline
         self.batches_drawn = 0
         self.draw(steps + math.ceil(setup.eta) + 2)
         self.engines = [
@@ -156,13 +158,11 @@ class _Simulation:
         """Queue the requests of ``batches`` more RL steps: each step's prompts, over-sampled,
         times their samples (and ReMax's greedy response last), numbered in admission order
         (more are drawn where groups dropped as stale leave the queue short)."""
-        n, tau = self.work.samples_per_prompt, self.tokens_per_step
-        greedy = int(self.work.greedy_baseline)
-        size = n + greedy
+        n, tau, size = self.work.samples_per_prompt, self.tokens_per_step, self.group_size
         groups = math.ceil(self.work.prompts * (1 + self.setup.oversample))
         self.per_batch = groups * size
         for j in range(self.batches_drawn, self.batches_drawn + batches):
-            lengths = self.work.lengths.draw(self.rng, groups, n, greedy)
+            lengths = self.work.lengths.draw(self.rng, groups, n, size - n)
             first = j * self.per_batch
             self.sampling[j] = groups * n
             for k in range(groups):
@@ -357,8 +357,7 @@ class _Simulation:
     def sampled_below(self, number: int) -> int:
         """Sampled requests numbered below ``number``: all of them, or with ReMax's greedy
         request last in each group's numbers, ``n`` of every ``n + 1``."""
-        n = self.work.samples_per_prompt
-        size = n + self.work.greedy_baseline
+        n, size = self.work.samples_per_prompt, self.group_size
         return number // size * n + min(number % size, n)
 
     def gate(self, engine: EngineBatch) -> float:
@@ -399,6 +398,10 @@ class _Simulation:
         their order (their numbers are below the next batch's), and wake the idle engines."""
         self.queue.extendleft(reversed(greedy))
         self.greedy_queued += len(greedy)
+        self.wake_idle(time)
+
+    def wake_idle(self, time: float) -> None:
+        """Wake the engines that stopped for want of requests or of a new version."""
         for engine in self.engines:
             if engine.idle:
                 engine.idle = False
@@ -456,10 +459,7 @@ class _Simulation:
             floor = self.version - math.ceil(self.setup.eta)
             self.drop([g for g in self.open if g.version < floor])
         self.barrier = not (self.setup.partial or self.setup.colocated)
-        for engine in self.engines:
-            if engine.idle:
-                engine.idle = False
-                self.push(time, "wake", engine)
+        self.wake_idle(time)
         if not self.barrier:
             self.end_sync(time + self.sync)
 
