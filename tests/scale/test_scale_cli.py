@@ -105,6 +105,9 @@ def test_simulate_draws_lengths_from_a_runs_buffer(tmp_path, capsys):
     # a prompt's samples are drawn together: every group of 4 drawn is one measured group
     drawn = work.lengths.draw(random.Random(0), 50, 4)
     assert {tuple(drawn[k : k + 4]) for k in range(0, 200, 4)} == {(10,) * 4, (300,) * 4}
+    # a measured prompt with no lengths is refused where it is made, not when drawn
+    with pytest.raises(ValueError, match=r"prompt 1 has no lengths"):
+        Lengths(10, 300, measured=((10,), ()))
 
 
 def _run_dir(run, overrides=(), reward_model=False):
@@ -190,6 +193,8 @@ def test_lengths_from_a_buffer_without_a_config_uses_the_default_roles(tmp_path,
         (b"", "holds no run config"),
         (b"- a list", "holds no run config"),
         (b"algorithm: {advantage: nonsense}", "algorithm.advantage"),
+        # a quoted rank is a string, as treadle train reads the file: refused, not coerced
+        (b"model: {lora: {r: '16'}}", "config model.lora.r: expected int, got str '16'"),
     ],
 )
 def test_lengths_from_a_damaged_config_is_one_line_naming_it_and_roles(tmp_path, capsys, text,
@@ -636,3 +641,13 @@ def test_plan_pins_the_pipeline_stages_and_names_the_option_as_typed(capsys):
         assert capsys.readouterr().err.strip() == f"treadle: error: {option} 0: must be 1..1,024"
     assert main(["plan", "qwen2.5-7b", "--pp", "3"]) == 2
     assert "--pp 3 takes the trainer's GPUs 3 at a time" in capsys.readouterr().err
+    # the layout refusals too: 28 heads take tp 1, 2, 4 (and 7, 14, 28 beyond the powers of
+    # 2 offered); 28 heads / tp 1 take Ulysses 4, 7, 14, 28 (the last four divisors); 28 layers
+    assert main(["plan", "qwen2.5-7b", "--train-tp", "3"]) == 2
+    assert capsys.readouterr().err.endswith("; use --train-tp 1 or 2 or 4\n")
+    assert main(["plan", "qwen2.5-7b", "--train-sp", "3"]) == 2
+    assert capsys.readouterr().err.endswith("; use --train-sp 4 or 7 or 14 or 28\n")
+    assert main(["plan", "qwen2.5-7b", "--gpus", "32", "--train-pp", "32"]) == 2
+    assert capsys.readouterr().err.endswith("layers; use --train-pp 28 or fewer\n")
+    assert main(["plan", "qwen2.5-7b", "--gpus", "6", "--train-tp", "4", "--pp", "1"]) == 2
+    assert "error: --train-tp 4 x --pp 1 takes the trainer's GPUs 4" in capsys.readouterr().err

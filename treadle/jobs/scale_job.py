@@ -404,7 +404,8 @@ def run(args: argparse.Namespace, console, out=None) -> int:
         q = Question(shape, g, args.gpus, work, args.micro_batch, roles, tp=args.tp,
                      pp=args.pp, sp=args.sp, offload=args.offload)  # fmt: skip
         with console.status("simulating the placements that fit") as status:
-            placements = plan(q, steps=args.steps, progress=_progress(status))
+            placements = plan(q, steps=args.steps, progress=_progress(status),
+                              names=getattr(args, "spelled", None))  # fmt: skip
         if args.plot:
             from treadle.scale.plots import memory
 

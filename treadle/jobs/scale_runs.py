@@ -4,6 +4,7 @@ config.yaml. Read only."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import NamedTuple
 
@@ -97,8 +98,9 @@ def run_roles(run_dir: Path, fix: str = "pass --roles (and --extra-forwards) to 
               "algorithm.advantage": algo.get("advantage"),
               "algorithm.importance_sampling": algo.get("importance_sampling"),
               "model.lora.r": _section(_section(raw, "model"), "lora").get("r")}  # fmt: skip
-    try:
-        cfg = load_config(None, [f"{k}={v}" for k, v in picked.items() if v is not None])
+    try:  # each value as JSON text, so its YAML type holds: r: '16' stays a string, refused
+        cfg = load_config(None, [f"{k}={json.dumps(v, default=str)}" for k, v in picked.items()
+                                 if v is not None])  # fmt: skip
     except UserError as e:
         raise UserError(f"--lengths-from: {path}: {e}; {fix}") from None
     functions = reward.get("functions") if isinstance(reward.get("functions"), list) else []

@@ -43,6 +43,17 @@ class Lengths:
     length (in treadle's chain-sum runs 98% of the lengths' variance lies between prompts),
     which decides when a group completes and how stale it is when trained."""
 
+    def __post_init__(self) -> None:
+        """Raises ValueError for a measured prompt with no lengths, which no group can draw
+        from (the ranges of mean, max and sigma are the checks' of
+        :mod:`treadle.scale.checks`, which name the options)."""
+        if any(not group for group in self.measured):
+            empty = next(k for k, group in enumerate(self.measured) if not group)
+            raise ValueError(
+                f"Lengths(measured=...): prompt {empty} has no lengths; leave out prompts "
+                "with no response"
+            )
+
     def draw(self, rng: random.Random, groups: int, size: int, extra: int = 0) -> list[int]:
         """``groups`` x (``size`` + ``extra``) lengths, each in [1, max], one group's after
         another: a measured prompt's own lengths (drawn with replacement from them where it

@@ -14,6 +14,7 @@ sequences of ``heads / sp`` heads.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -97,13 +98,16 @@ def trainer_layout(shape: ModelShape, gpus: int, tp: int = 1, pp: int = 1, sp: i
     return Layout(dp=dp, tp=tp, pp=pp, sp=sp, ep=shape.expert_parallel(dp), zero=zero)
 
 
-def check_layout(shape: ModelShape, layout: Layout) -> None:
-    """Raises UserError for a layout the model cannot take, naming the ones it can."""
+def check_layout(shape: ModelShape, layout: Layout, names: Mapping[str, str] | None = None
+                 ) -> None:  # fmt: skip
+    """Raises UserError for a layout the model cannot take, naming the ones it can by the
+    options ``names`` gives for "tp", "sp" and "pp" (default ``--tp``, ``--sp``, ``--pp``)."""
+    names = {n: f"--{n}" for n in ("tp", "sp", "pp")} | dict(names or {})
     if layout.tp < 1 or shape.heads % layout.tp:
         fits = [t for t in (1, 2, 4, 8, 16, 32, 64, 128) if shape.heads % t == 0][-4:]
         raise UserError(
             f"tensor parallel {layout.tp} does not divide the {shape.heads} attention heads of "
-            f"{shape.name}; use --tp {' or '.join(map(str, fits))}"
+            f"{shape.name}; use {names['tp']} {' or '.join(map(str, fits))}"
         )
     if layout.sp < 1 or shape.heads % (layout.tp * layout.sp):
         per_tp = shape.heads // layout.tp
@@ -111,12 +115,12 @@ def check_layout(shape: ModelShape, layout: Layout) -> None:
         raise UserError(
             f"sequence parallel {layout.sp} does not divide the {per_tp} attention heads per "
             f"tensor-parallel rank of {shape.name} (Ulysses hands each GPU whole heads); use "
-            f"--sp {' or '.join(map(str, fits))}"
+            f"{names['sp']} {' or '.join(map(str, fits))}"
         )
     if layout.pp > shape.layers:
         raise UserError(
             f"pipeline parallel {layout.pp} is more stages than {shape.name}'s {shape.layers} "
-            f"layers; use --pp {shape.layers} or fewer"
+            f"layers; use {names['pp']} {shape.layers} or fewer"
         )
 
 
@@ -249,7 +253,7 @@ def engine(
     """Bytes per GPU of an inference engine of ``tp`` GPUs (``ep`` shards its experts): bf16
     weights, and a KV cache filling the rest of ``budget`` (default: the GPU's memory times
     ``kv_memory_fraction``, vLLM's gpu_memory_utilization)."""
-    check_layout(shape, Layout(tp=tp))
+    check_layout(shape, Layout(tp=tp), {"tp": "--engine-tp"})
     expert = shape.expert_params()
     weights = 2 * ((shape.params() - expert) / tp + expert / (tp * ep))
     budget = gpu.memory_bytes * gpu.efficiency.kv_memory_fraction if budget is None else budget

@@ -12,6 +12,7 @@ gives the engines their own GPUs (AReaL, verl's fully-async recipe).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
 
@@ -241,21 +242,25 @@ def _smallest_fit(q: Question, kind: str, rollout: int, train: int,
     return tried
 
 
-def plan(q: Question, steps: int | None = 3, progress=None) -> list[Placement]:
+def plan(q: Question, steps: int | None = 3, progress=None,
+         names: Mapping[str, str] | None = None) -> list[Placement]:  # fmt: skip
     """The placements that fit, best first by simulated trained tokens per second (colocated:
     sync; disaggregated: asynchronous, staleness 1, partial rollouts, or sync with ReMax's
-    greedy baseline; without an engine role, by training memory per GPU).
+    greedy baseline; without an engine role, by training memory per GPU). ``names``: the
+    options a refusal names for "tp", "pp" and "sp" (default ``--tp``, ``--pp``, ``--sp``;
+    the CLI passes the spelling typed, ``--train-tp`` or ``--tp``).
 
     Raises:
         UserError: an explicit --tp, --pp or --sp the model cannot take, or no placement fits
             (says how many GPUs of this type the smallest fitting placement needs).
     """
     if q.tp or q.pp or q.sp:
-        check_layout(q.shape, Layout(tp=q.tp or 1, pp=q.pp or 1, sp=q.sp or 1))
+        names = {n: f"--{n}" for n in ("tp", "pp", "sp")} | dict(names or {})
+        check_layout(q.shape, Layout(tp=q.tp or 1, pp=q.pp or 1, sp=q.sp or 1), names)
         replica = (q.tp or 1) * (q.pp or 1) * (q.sp or 1)
         if q.gpus % replica:
-            given = " x ".join(f"--{n} {v}" for n, v in (("tp", q.tp), ("pp", q.pp),
-                                                          ("sp", q.sp)) if v)  # fmt: skip
+            given = " x ".join(f"{names[n]} {v}" for n, v in (("tp", q.tp), ("pp", q.pp),
+                                                               ("sp", q.sp)) if v)  # fmt: skip
             raise UserError(
                 f"{given} takes the trainer's GPUs {replica} at a time, which --gpus {q.gpus} "
                 f"does not divide: use --gpus {(q.gpus // replica + 1) * replica}"
