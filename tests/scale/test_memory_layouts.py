@@ -10,7 +10,7 @@ import pytest
 
 from treadle.cli import main
 from treadle.core.errors import UserError
-from treadle.scale.costs import kv_capacity, offload_s, train_flops
+from treadle.scale.costs import kv_capacity, offload_s, sync_s, train_flops
 from treadle.scale.hardware import GIB, gpu
 from treadle.scale.memory import Layout, trainer
 from treadle.scale.plan import Question, check_fits
@@ -132,6 +132,32 @@ def test_lora_trains_adapters_beside_frozen_bf16_weights_and_no_reference_copy(c
                  "--json"]) == 0  # fmt: skip
     rows = json.loads(capsys.readouterr().out)
     assert rows and all(set(r["memory_gib"]) == {"policy", "engine"} for r in rows)
+
+
+def test_lora_adapter_sync_sends_the_adapters_alone(capsys):
+    # Qwen2.5-7B: 7,615,616,512 parameters, 15,231,233,024 bytes in bf16; its rank-16 adapters
+    # 40,370,176 in fp32, 161,480,704 bytes: the broadcast's bytes term shrinks by their ratio,
+    # 0.0106019..., the fixed pause stays
+    shape, h100 = NAMED["qwen2.5-7b"], gpu("h100")
+    pause = h100.efficiency.sync_overhead_s
+    apart = Setup(h100, 8, 8)
+    merged, adapter = sync_s(shape, apart) - pause, sync_s(shape, apart, 16) - pause
+    assert adapter / merged == pytest.approx(161_480_704 / 15_231_233_024, rel=1e-9)
+    # colocated, each engine (TP 1) still wakes its bf16 base weights over PCIe,
+    # 15,231,233,024 / 25 GB/s = 0.609 s, and copies the adapters in place at 3.35 TB/s,
+    # 161,480,704 / 3.35e12 = 48.2 us
+    together = Setup(h100, 8, 8, colocated=True)
+    assert sync_s(shape, together, 16) - pause == pytest.approx(
+        15_231_233_024 / 25e9 + 161_480_704 / 3.35e12, rel=1e-9
+    )
+    # simulate takes it from --lora-sync, which needs a rank to send
+    argv = ["simulate", "qwen2.5-7b", "--gpus", "16", "--rollout-gpus", "8", "--steps", "2",
+            "--lora-rank", "16", "--json"]  # fmt: skip
+    assert main([*argv, "--lora-sync", "adapter"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["sync_s"] == pytest.approx(pause + adapter)
+    assert main([*argv[:-3], "--lora-sync", "adapter"]) == 2
+    assert capsys.readouterr().err.startswith("treadle: error: --lora-sync adapter sends LoRA ")
 
 
 def test_lora_adapts_what_peft_finds_in_transformers_moe_and_mla_modules():

@@ -140,6 +140,7 @@ RUN_ARGV = ["simulate", "qwen2.5-0.5b", "--gpus", "2", "--prompts", "4", "--samp
         (["algorithm.advantage=remax"], False, ("policy", "engine"), 0),
         (["model.lora.r=16", "algorithm.kl.coef=0.05"], False, ("policy", "reference", "engine"),
          1),
+        (["model.lora.r=16", "model.lora.sync=adapter"], False, ("policy", "engine"), 0),
     ],
 )  # fmt: skip
 def test_lengths_from_a_run_take_its_roles_and_forwards(tmp_path, capsys, overrides, reward_model,
@@ -153,11 +154,13 @@ def test_lengths_from_a_run_take_its_roles_and_forwards(tmp_path, capsys, overri
 
     run = _run_dir(tmp_path, overrides, reward_model)
     remax, lora = "algorithm.advantage=remax" in overrides, 16 * ("model.lora.r=16" in overrides)
-    assert run_roles(run) == (roles, forwards, remax, lora)
+    sync = "adapter" if "model.lora.sync=adapter" in overrides else "merged"
+    assert run_roles(run) == (roles, forwards, remax, lora, sync)
     assert main([*RUN_ARGV, str(run)]) == 0
     (said,) = capsys.readouterr().err.splitlines()  # one line, not wrapped
     greedy = "; a greedy response a prompt (ReMax), not trained" if remax else ""
     greedy += "; LoRA rank 16" if lora else ""
+    greedy += ", its adapters synced alone" if sync == "adapter" else ""
     assert said == (f"roles from {run / 'config.yaml'}: {', '.join(roles)}; forwards besides "
                     f"the update's: {forwards}{greedy}")  # fmt: skip
     # --extra-forwards replaces the run's, and the line says so
@@ -169,11 +172,13 @@ def test_lengths_from_a_run_take_its_roles_and_forwards(tmp_path, capsys, overri
     args = _parse([*RUN_ARGV, str(run), "--roles", "policy,engine"])
     kept = "ReMax baseline" if remax else "LoRA rank" if lora else ""
     source = f"--roles, with {run / 'config.yaml'}'s {kept}" if kept else ""
-    assert _roles_and_forwards(args) == ((("policy", "engine"), 1, remax, lora), False, source)
-    # and the options given replace them: --lora-rank 0 trains every weight
+    assert _roles_and_forwards(args) == ((("policy", "engine"), 1, remax, lora, sync), False,
+                                         source)  # fmt: skip
+    # and the options given replace them: --lora-rank 0 trains every weight, synced merged
     args = _parse([*RUN_ARGV, str(run), "--lora-rank", "0", "--no-greedy-baseline"])
     work = _workload(args, roles, run_roles(run))
-    assert (work.lora_rank, work.greedy_baseline) == (0, False)
+    assert (work.lora_rank, work.greedy_baseline, work.lora_sync) == (0, False, "merged")
+    assert main([*RUN_ARGV, str(run), "--lora-rank", "0"]) == 0
 
 
 def test_lengths_from_a_buffer_without_a_config_uses_the_default_roles(tmp_path, capsys):
@@ -223,7 +228,7 @@ def test_lengths_from_an_older_runs_config_reads_only_the_keys_it_needs(tmp_path
     cfg = yaml.safe_load((run / "config.yaml").read_text())
     cfg["rollout"]["a_removed_key"] = 3
     (run / "config.yaml").write_text(yaml.safe_dump(cfg))
-    assert run_roles(run) == (("policy", "reference", "engine"), 1, False, 0)
+    assert run_roles(run) == (("policy", "reference", "engine"), 1, False, 0, "merged")
 
 
 def test_lengths_from_a_buffer_without_groups_draws_each_rollout_alone(tmp_path):

@@ -131,6 +131,10 @@ def _training_arguments(parser: argparse.ArgumentParser) -> None:
                         "in bf16 (a reference is the policy with its adapters disabled: no "
                         "memory, one forward); 0: every weight (default 0, or with "
                         "--lengths-from the run's model.lora.r)")  # fmt: skip
+    parser.add_argument("--lora-sync", choices=("merged", "adapter"),
+                        help="what a LoRA weight sync sends: merged bf16 weights, or the fp32 "
+                        "adapters alone, which vLLM serves over the base weights (default "
+                        "merged, or with --lengths-from the run's model.lora.sync)")  # fmt: skip
     parser.add_argument("--recompute", choices=("none", "selective", "full"),
                         default="selective",
                         help="activation checkpointing of the trained roles: full recomputes "
@@ -303,7 +307,7 @@ def _roles_and_forwards(args: argparse.Namespace) -> tuple[RunRoles, bool, str]:
             run = run_roles(args.lengths_from, fix="with --roles it is still read for the run's "
                             "LoRA rank and ReMax baseline, unless --lora-rank and "
                             "--greedy-baseline or --no-greedy-baseline are given")  # fmt: skip
-        keep = (run.greedy_baseline, run.lora_rank) if run else (False, 0)
+        keep = (run.greedy_baseline, run.lora_rank, run.lora_sync) if run else (False, 0)
         kept = [what for what, given, value in (
             ("ReMax baseline", args.greedy_baseline, keep[0]),
             ("LoRA rank", args.lora_rank, keep[1])) if given is None and value]  # fmt: skip
@@ -330,6 +334,7 @@ def _role_note(source: str, run: RunRoles, from_run: bool, work: Workload,
         note += "; a greedy response a prompt (ReMax), not trained"
     if work.lora_rank:
         note += f"; LoRA rank {work.lora_rank}"
+        note += ", its adapters synced alone" if work.lora_sync == "adapter" else ""
     return note
 
 
@@ -355,11 +360,14 @@ def _workload(args: argparse.Namespace, roles: tuple[str, ...],
     pack = getattr(args, "pack_tokens", 0)  # simulate's: plan's memory takes --micro-batch
     run = run or RunRoles(roles, extra_forwards(roles))
     forwards = run.forwards if args.extra_forwards is None else args.extra_forwards
+    rank = _given(args.lora_rank, run.lora_rank)
+    sync = _given(args.lora_sync, run.lora_sync if rank else "merged")  # LoRA off: no adapters
     return Workload(args.prompts, args.samples, prompt, lengths, args.reward_seconds, forwards,
                     args.minibatches, critic="critic" in roles, pack_tokens=pack,
                     recompute=args.recompute,
                     greedy_baseline=_given(args.greedy_baseline, run.greedy_baseline),
-                    lora_rank=_given(args.lora_rank, run.lora_rank))  # fmt: skip
+                    lora_rank=rank,
+                    lora_sync=sync)  # fmt: skip
 
 
 def _given(option: object, default: object) -> object:
@@ -487,6 +495,8 @@ def simulate_argv(shape: str, work: Workload, setup: Setup,
     argv += [a for k, v in options.items() if v != default(k) for a in (k, _number(v))]
     if w.lora_rank:
         argv += ["--lora-rank", str(w.lora_rank)]
+    if w.lora_sync != "merged":
+        argv += ["--lora-sync", w.lora_sync]
     if w.extra_forwards != extra_forwards(roles):  # --extra-forwards' default
         argv += ["--extra-forwards", str(w.extra_forwards)]
     if s.spec_tokens:

@@ -21,6 +21,8 @@ class RunRoles(NamedTuple):
     """ReMax (``algorithm.advantage=remax``): a greedy response a prompt, not trained."""
     lora_rank: int = 0
     """``model.lora.r``: LoRA adapters of this rank train the policy; 0: every weight."""
+    lora_sync: str = "merged"
+    """``model.lora.sync``: what a weight sync sends, merged weights or the adapters alone."""
 
 
 def run_lengths(run_dir: Path) -> tuple[list[tuple[int, ...]], list[int]]:
@@ -77,10 +79,9 @@ def run_roles(run_dir: Path, fix: str = "pass --roles (and --extra-forwards) to 
     where ``algorithm.kl.coef`` > 0, a critic for ``algorithm.advantage=gae`` and a reward model
     where a ``reward.functions`` entry is ``reward_model``; forwards: the old policy's logprobs
     unless ``algorithm.importance_sampling`` is none, and one for each of the others; a greedy
-    response a prompt for ``algorithm.advantage=remax``; ``model.lora.r``. Only those keys are
-    read (a run saved
-    by another treadle version still answers). None where the run has no config.yaml (a buffer
-    copied alone).
+    response a prompt for ``algorithm.advantage=remax``; ``model.lora.r`` and ``.sync``. Only
+    those keys are read (a run saved by another treadle version still answers). None where the
+    run has no config.yaml (a buffer copied alone).
 
     Raises:
         UserError: a config.yaml that cannot be read, is empty or not a mapping, or holds a bad
@@ -94,10 +95,11 @@ def run_roles(run_dir: Path, fix: str = "pass --roles (and --extra-forwards) to 
         return None
     raw = _run_config(path, fix)
     algo, reward = _section(raw, "algorithm"), _section(raw, "reward")
+    lora = _section(_section(raw, "model"), "lora")
     picked = {"algorithm.kl.coef": _section(algo, "kl").get("coef"),
               "algorithm.advantage": algo.get("advantage"),
               "algorithm.importance_sampling": algo.get("importance_sampling"),
-              "model.lora.r": _section(_section(raw, "model"), "lora").get("r")}  # fmt: skip
+              "model.lora.r": lora.get("r"), "model.lora.sync": lora.get("sync")}  # fmt: skip
     try:  # each value as JSON text, so its YAML type holds: r: '16' stays a string, refused
         cfg = load_config(None, [f"{k}={json.dumps(v, default=str)}" for k, v in picked.items()
                                  if v is not None])  # fmt: skip
@@ -109,7 +111,8 @@ def run_roles(run_dir: Path, fix: str = "pass --roles (and --extra-forwards) to 
              *(["critic"] if cfg.algorithm.advantage == "gae" else []),
              *(["reward"] if rewarded else []), "engine")  # fmt: skip
     forwards = extra_forwards(roles, old_logprobs=cfg.algorithm.importance_sampling != "none")
-    return RunRoles(roles, forwards, cfg.algorithm.advantage == "remax", cfg.model.lora.r)
+    return RunRoles(roles, forwards, cfg.algorithm.advantage == "remax", cfg.model.lora.r,
+                    cfg.model.lora.sync)  # fmt: skip
 
 
 def _run_config(path: Path, fix: str) -> dict:

@@ -38,6 +38,9 @@ def check(shape: ModelShape, work: Workload, setup: Setup) -> None:
     if not 0 <= work.lora_rank <= MAX_LORA_RANK:
         raise UserError(f"LoRA rank {work.lora_rank} (--lora-rank, or the run's model.lora.r): "
                         f"must be 0..{MAX_LORA_RANK:,}")  # fmt: skip
+    if work.lora_sync == "adapter" and not work.lora_rank:
+        raise UserError("--lora-sync adapter sends LoRA adapters: give their rank, --lora-rank R "
+                        "(treadle's model.lora.r), or drop --lora-sync")  # fmt: skip
     if work.greedy_baseline and (setup.mode != "sync" or setup.oversample):
         raise UserError(
             "ReMax's greedy baseline (--greedy-baseline, or a run's algorithm.advantage=remax): "

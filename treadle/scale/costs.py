@@ -115,6 +115,10 @@ class Workload:
     done (treadle's loop and verl's ReMax generate them in a second pass, with the batch's
     policy: synchronous steps only), scored with them, not trained; its length drawn as
     theirs, from the same prompt's where lengths are measured."""
+    lora_sync: Literal["merged", "adapter"] = "merged"
+    """What a weight sync sends with ``lora_rank``: ``merged`` bf16 weights (``W + (alpha / r)
+    B A``, treadle's default ``model.lora.sync``), or the ``adapter`` tensors alone, fp32 as
+    trained, which vLLM serves over the base weights it keeps (:func:`sync_s`)."""
     recompute: Recompute = "selective"
     """Activation checkpointing of the trained models (Korthikanti et al. 2022, arXiv
     2205.05198): ``full`` recomputes each layer's forward in the backward pass, one more
@@ -423,8 +427,11 @@ def ulysses_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, tokens: fl
     return collective_passes(work) * per_gpu * per_token / rate
 
 
-def sync_s(shape: ModelShape, setup: Setup) -> float:
-    """Seconds of one weight update of the engines, bf16 weights: a fixed pause, plus
+def sync_s(shape: ModelShape, setup: Setup, adapter_rank: int = 0) -> float:
+    """Seconds of one weight update of the engines, bf16 weights (or, with ``adapter_rank``,
+    the fp32 LoRA adapters of that rank alone, ``4 x ModelShape.lora_params`` bytes: treadle's
+    ``model.lora.sync=adapter``; a colocated engine still wakes its base weights): a fixed
+    pause, plus
     ``colocated``: each GPU's shard copied in place and the engine's weights woken from host
     memory (PCIe); ``broadcast``: the whole model from one trainer GPU to every engine GPU by
     a pipelined ring broadcast (:func:`ring_gbps` over the GPUs it spans); ``resharded``: each
@@ -440,11 +447,12 @@ def sync_s(shape: ModelShape, setup: Setup) -> float:
     if setup.sync_seconds is not None:
         return setup.sync_seconds
     g, e = setup.gpu, setup.gpu.efficiency
-    weights = 2.0 * shape.params()
+    base = 2.0 * shape.params()
+    weights = 4.0 * shape.lora_params(adapter_rank) if adapter_rank else base
     method = setup.sync_method or ("colocated" if setup.colocated else "broadcast")
-    if method == "colocated":
-        per_gpu = weights / setup.engine_tp
-        return e.sync_overhead_s + per_gpu / (e.pcie_gbps * 1e9) + per_gpu / (g.hbm_tbps * 1e12)
+    if method == "colocated":  # the engine's base weights woken, what changed copied in place
+        wake, copy = base / setup.engine_tp, weights / setup.engine_tp
+        return e.sync_overhead_s + wake / (e.pcie_gbps * 1e9) + copy / (g.hbm_tbps * 1e12)
     # the GPUs the weights cross: a colocated setup's are the trainer's own
     spanned = setup.train_gpus + (0 if setup.colocated else setup.rollout_gpus)
     if method in ("gathered", "broadcast"):  # every GPU receives the whole model by rings

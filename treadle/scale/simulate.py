@@ -108,7 +108,8 @@ class _Simulation:
         self.prefill_per_token = self.allreduce[1] + 2.0 * shape.active_params() / (
             setup.engine_tp * g.bf16_tflops * 1e12 * g.efficiency.prefill_mfu
         )
-        self.sync = sync_s(shape, setup)
+        adapter = work.lora_rank if work.lora_sync == "adapter" else 0
+        self.sync = sync_s(shape, setup, adapter)
         # colocated: the states out to host and back
         self.offload = offload_s(shape, setup, work.lora_rank)
         self.per_update = work.prompts // setup.updates_per_sync  # groups an update trains
