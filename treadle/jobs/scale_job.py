@@ -115,8 +115,7 @@ class _Spelled(argparse.Action):
                  values: object, option_string: str | None = None) -> None:  # fmt: skip
         """Store ``values`` and the spelling ``option_string``."""
         setattr(namespace, self.dest, values)
-        namespace.spelled = {**(getattr(namespace, "spelled", None) or {}),
-                             self.dest: option_string}  # fmt: skip
+        namespace.spelled = {**namespace.spelled, self.dest: option_string}
 
 
 def _training_arguments(parser: argparse.ArgumentParser) -> None:
@@ -153,6 +152,8 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="training Ulysses sequence-parallel degree (simulate's "
                         "--train-sp)")  # fmt: skip
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per pass")
+    # the spellings typed (_Spelled); no packing: plan's memory takes --micro-batch
+    parser.set_defaults(spelled={}, pack_tokens=0)
     parser.add_argument("--plot", help="write memory per GPU by term and role to this PNG")
 
 
@@ -226,8 +227,7 @@ def _check(args: argparse.Namespace) -> None:
         bounds += [("--steps", args.steps, 2, MAX_STEPS)]
     if args.command == "plan":
         bounds += [("--micro-batch", args.micro_batch, 1, 4096)]
-        spelled = getattr(args, "spelled", None) or {}
-        bounds += [(spelled.get(n, f"--{n}"), getattr(args, n), 1, 1024)
+        bounds += [(args.spelled.get(n, f"--{n}"), getattr(args, n), 1, 1024)
                    for n in ("tp", "pp", "sp") if getattr(args, n) is not None]  # fmt: skip
     else:
         bounds += [("--pack-tokens", args.pack_tokens, 0, MAX_PACK_TOKENS),
@@ -357,13 +357,12 @@ def _workload(args: argparse.Namespace, roles: tuple[str, ...],
         mean = longest / 3 if args.mean_response is None else args.mean_response
         sigma = 0.8 if args.length_sigma is None else args.length_sigma
         lengths = Lengths(mean, longest, sigma)
-    pack = getattr(args, "pack_tokens", 0)  # simulate's: plan's memory takes --micro-batch
     run = run or RunRoles(roles, extra_forwards(roles))
     forwards = run.forwards if args.extra_forwards is None else args.extra_forwards
     rank = _given(args.lora_rank, run.lora_rank)
     sync = _given(args.lora_sync, run.lora_sync if rank else "merged")  # LoRA off: no adapters
     return Workload(args.prompts, args.samples, prompt, lengths, args.reward_seconds, forwards,
-                    args.minibatches, critic="critic" in roles, pack_tokens=pack,
+                    args.minibatches, critic="critic" in roles, pack_tokens=args.pack_tokens,
                     recompute=args.recompute,
                     greedy_baseline=_given(args.greedy_baseline, run.greedy_baseline),
                     lora_rank=rank,
@@ -413,7 +412,7 @@ def run(args: argparse.Namespace, console, out=None) -> int:
                      pp=args.pp, sp=args.sp, offload=args.offload)  # fmt: skip
         with console.status("simulating the placements that fit") as status:
             placements = plan(q, steps=args.steps, progress=_progress(status),
-                              names=getattr(args, "spelled", None))  # fmt: skip
+                              names=args.spelled)  # fmt: skip
         if args.plot:
             from treadle.scale.plots import memory
 
