@@ -60,7 +60,8 @@ class Question:
     (``pack_tokens``), each layout's packed micro-batch instead (:func:`packed_micro_batch`)."""
     roles: tuple[str, ...] = DEFAULT_ROLES
     """The roles that hold memory; a critic among them is also trained in the simulated steps
-    (``Workload.critic``), whatever ``work`` says."""
+    (``Workload.critic``), whatever ``work`` says. The forwards besides the update's stay
+    ``work.extra_forwards`` (the CLI derives them from the roles, :func:`extra_forwards`)."""
     recompute: Recompute | None = None
     """Activation checkpointing of the trained roles: their activations, and in the simulated
     steps the forward that ``full`` recomputes; None: ``work.recompute``'s (given, it replaces
