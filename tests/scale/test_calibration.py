@@ -325,7 +325,7 @@ def test_cli_plan_refusal_is_one_line_exit_2(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
         "treadle: error: tensor parallel 64 does not divide the 32 attention heads of "
-        "llama3.1-8b; use --tp 4 or 8 or 16 or 32"
+        "llama3.1-8b; use --tp 1 or 2 or 4 or 8"  # of 32 heads' divisors, those 8 GPUs take
     ]
 
 

@@ -200,6 +200,15 @@ def test_lengths_from_a_buffer_without_a_config_uses_the_default_roles(tmp_path,
         (b"algorithm: {advantage: nonsense}", "algorithm.advantage"),
         # a quoted rank is a string, as treadle train reads the file: refused, not coerced
         (b"model: {lora: {r: '16'}}", "config model.lora.r: expected int, got str '16'"),
+        (b"a: " + b"[" * 2000 + b"]" * 2000, "cannot read"),  # nested past Python's recursion
+        (b"algorithm: {kl: [1, 2]}", "algorithm.kl is a list, not a section"),
+        (b"model: {lora: [1]}", "model.lora is a list, not a section"),
+        (b"reward: {functions: reward_model}", "reward.functions is a str, not a list"),
+        # aliases nested 9 deep make 10^9 values once expanded: refused before, in a moment
+        (b"a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n"
+         + b"".join(b"a%d: &a%d [" % (i, i) + b", ".join([b"*a%d" % (i - 1)] * 10) + b"]\n"
+                    for i in range(1, 9))
+         + b"model: {lora: {r: *a8}}", "model.lora.r is a list, not a value"),
     ],
 )
 def test_lengths_from_a_damaged_config_is_one_line_naming_it_and_roles(tmp_path, capsys, text,
@@ -237,6 +246,26 @@ def test_lengths_from_a_buffer_without_groups_draws_each_rollout_alone(tmp_path)
     _buffer(tmp_path, [10] * 12 + [300] * 4, 20)
     groups, prompts = run_lengths(tmp_path)
     assert groups == [(10,)] * 12 + [(300,)] * 4 and prompts == [20] * 16
+
+
+def test_lengths_from_a_foreign_table_is_refused_by_its_column_type(tmp_path, capsys):
+    # token_ids as lists of lists: len() of each row would read as a 1-token response
+    (tmp_path / "buffer").mkdir()
+    table = pa.table({"token_ids": [[[1, 2], [3]]], "prompt_tokens": [1]})
+    pq.write_table(table, tmp_path / "buffer" / "step_000001.parquet")
+    assert main(["simulate", "qwen2.5-0.5b", "--lengths-from", str(tmp_path)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "its token_ids are list<element: list<element: int64>>, not lists of" in line
+
+
+def test_a_plot_name_of_255_bytes_is_written(tmp_path, capsys):
+    # the temporary file beside it has a short name of its own, so any legal name is written
+    path = tmp_path / ("c" * 251 + ".png")
+    argv = ["simulate", "qwen2.5-0.5b", "--gpus", "2", "--prompts", "4", "--samples", "4",
+            "--steps", "2", "--plot", str(path)]  # fmt: skip
+    assert main(argv) == 0
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_lengths_from_a_folder_without_a_buffer_is_one_line_exit_2(tmp_path, capsys):
@@ -363,6 +392,22 @@ def test_lengths_from_a_damaged_buffer_file_is_one_line_exit_2(tmp_path, capsys)
         (["simulate", "qwen2.5-7b", "--gpus", "6", "--engine-tp", "7"], "does not divide --rol"),
         (["simulate", "qwen2.5-7b", "--gpus", "7", "--engine-tp", "7"], "4 KV heads or be a mul"),
         (["simulate", "qwen2.5-0.5b", "--extra-forwards", "9"], "--extra-forwards 9: must be 0..8"),
+        # 4,096 optimizer steps on 1 sample; a staleness rule without asynchrony
+        (["simulate", "qwen2.5-0.5b", "--prompts", "1", "--samples", "1", "--minibatches", "2"],
+         "--minibatches 2: more optimizer steps than the step's 1 samples"),
+        (["simulate", "qwen2.5-0.5b", "--drop-stale"], "--drop-stale applies to --mode async"),
+        (["simulate", "llama3.1-8b", "--minibatches", "3", "--updates-per-sync", "2",
+          "--rollout-gpus", "4"], "--minibatches 3 optimizer steps a step do not split evenly"),
+        # Llama 3.1 70B's 131.4 GiB of bf16 weights leave one H100 no cache: TP 2 holds it;
+        # DeepSeek-V3's 1,250 GiB need TP 32, more GPUs than 8; no engine holds 10^9 tokens
+        (["simulate", "llama3.1-70b"], "): use --engine-tp 2 or a GPU with more memory"),
+        (["simulate", "deepseek-v3"], "use --engine-tp 32 on a multiple of 32 engine GPUs"),
+        (["simulate", "qwen2.5-0.5b", "--max-response", "1000000000"],
+         "no engine of this GPU holds it, whatever its --engine-tp: lower --max-response"),
+        # a name over 255 bytes is refused by the file system: one line, not a traceback
+        (["simulate", "/tmp/" + "d" * 300], "...: File name too long"),
+        (["simulate", "qwen2.5-0.5b", "--lengths-from", "/tmp/" + "d" * 300], "File name too"),
+        (["plan", "qwen2.5-0.5b", "--plot", "/tmp/" + "d" * 300 + ".png"], "File name too long"),
         (["plan", "qwen2.5-0.5b", "--minibatches", "0"], "--minibatches 0: must be 1..4,096"),
         (["simulate", "qwen2.5-0.5b", "--length-sigma", "nan"], "--length-sigma nan: must be 0"),
         (["simulate", "qwen2.5-0.5b", "--oversample", "-0.5"], "--oversample -0.5: must be 0..4"),
@@ -377,7 +422,7 @@ def test_lengths_from_a_damaged_buffer_file_is_one_line_exit_2(tmp_path, capsys)
             "--spec-tokens 17 must be in 0..16",
         ),
         (["plan", "qwen2.5-0.5b", "--sp", "4"], "sequence parallel 4 does not divide the 14"),
-        (["plan", "qwen2.5-0.5b", "--sp", "4"], "use --sp 1 or 2 or 7 or 14"),
+        (["plan", "qwen2.5-0.5b", "--sp", "4"], "use --sp 1 or 2"),
         (["plan", "qwen2.5-0.5b", "--sp", "0"], "--sp 0: must be 1..1,024"),
         (["plan", "qwen2.5-0.5b", "--gpus", "8", "--sp", "7"], "--sp 7 takes the trainer's GPUs 7"),
         (["plan", "qwen2.5-7b", "--micro-batch", "0"], "--micro-batch 0: must be 1..4,096"),
@@ -408,7 +453,9 @@ BAD_MOE_LAYERS = (
     ({"mlp_only_layers": [2]}, "mlp_only_layers is [2]; a list of layer indices 0..1"),
     ({"mlp_only_layers": "0"}, "mlp_only_layers is '0'; a list"),
     ({"decoder_sparse_step": 0}, "decoder_sparse_step is 0; a positive integer"),
-    ({"first_k_dense_replace": 3}, "first_k_dense_replace is 3; an integer 0..2"),
+    ({"first_k_dense_replace": -1}, "first_k_dense_replace is -1; an integer of 0 or more"),
+    # hidden_size 4,096 / 8,192 heads: a head_dim of 0, which no key of the file says
+    ({"num_attention_heads": 8192}, "4096 / num_attention_heads 8192 gives a head_dim of 0; give"),
     (
         {"shared_expert_intermediate_size": "64"},
         "shared_expert_intermediate_size is '64'; an integer of 0 or more",
@@ -647,12 +694,19 @@ def test_plan_pins_the_pipeline_stages_and_names_the_option_as_typed(capsys):
     assert main(["plan", "qwen2.5-7b", "--pp", "3"]) == 2
     assert "--pp 3 takes the trainer's GPUs 3 at a time" in capsys.readouterr().err
     # the layout refusals too: 28 heads take tp 1, 2, 4 (and 7, 14, 28 beyond the powers of
-    # 2 offered); 28 heads / tp 1 take Ulysses 4, 7, 14, 28 (the last four divisors); 28 layers
+    # 2 offered); 28 heads / tp 1 take Ulysses 1, 2, 4, 7, 14, 28, of which 8 GPUs take 1, 2
+    # and 4; 28 layers
     assert main(["plan", "qwen2.5-7b", "--train-tp", "3"]) == 2
     assert capsys.readouterr().err.endswith("; use --train-tp 1 or 2 or 4\n")
     assert main(["plan", "qwen2.5-7b", "--train-sp", "3"]) == 2
-    assert capsys.readouterr().err.endswith("; use --train-sp 4 or 7 or 14 or 28\n")
+    assert capsys.readouterr().err.endswith("; use --train-sp 1 or 2 or 4\n")  # on 8 GPUs
     assert main(["plan", "qwen2.5-7b", "--gpus", "32", "--train-pp", "32"]) == 2
     assert capsys.readouterr().err.endswith("layers; use --train-pp 28 or fewer\n")
     assert main(["plan", "qwen2.5-7b", "--gpus", "6", "--train-tp", "4", "--pp", "1"]) == 2
     assert "error: --train-tp 4 x --pp 1 takes the trainer's GPUs 4" in capsys.readouterr().err
+    # simulate's name a fix too: the degrees the heads (14) and the 8 training GPUs take
+    assert main(["simulate", "qwen2.5-0.5b", "--train-tp", "4"]) == 2
+    assert capsys.readouterr().err.endswith("; with --train-sp 1: --train-tp 1 or 2\n")
+    assert main(["simulate", "qwen2.5-0.5b", "--train-pp", "3"]) == 2
+    assert capsys.readouterr().err.endswith("; with --train-tp 1 --train-sp 1: --train-pp 1 or 2 "
+                                            "or 4 or 8\n")  # fmt: skip

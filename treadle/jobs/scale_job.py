@@ -257,6 +257,12 @@ def _check(args: argparse.Namespace) -> None:
                 f"--rollout-gpus {args.rollout_gpus}: the engines' share of --gpus {args.gpus}, "
                 f"1..{args.gpus - 1} (the rest train); omit it for a colocated setup"
             )
+    for option, path in (("--plot", args.plot), ("--lengths-from", args.lengths_from)):
+        try:  # a name the file system refuses (over 255 bytes: ENAMETOOLONG) is bad input
+            if path is not None:
+                Path(path).exists()
+        except OSError as e:
+            raise UserError(f"{option} {str(path)[:80]}...: {e.strerror or e}") from None
     if args.plot is not None:
         path = Path(args.plot)
         if path.suffix.lower() != ".png" or not path.stem:
@@ -378,7 +384,7 @@ def _save(draw, path: Path, console) -> None:
     """Write the plot ``draw(tmp)`` makes to ``path`` through a temporary file beside it,
     renamed into place, so a failed write never leaves a half-written ``path``; says where
     on ``console`` (stderr: stdout may carry --json)."""
-    tmp = path.with_name(f".{path.stem}.tmp.png")
+    tmp = path.with_name(f".treadle-plot-{os.getpid()}.tmp.png")  # short: any legal name fits
     try:
         draw(tmp)
         with tmp.open("rb") as f:

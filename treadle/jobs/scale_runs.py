@@ -5,6 +5,7 @@ config.yaml. Read only."""
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -45,12 +46,17 @@ def run_lengths(run_dir: Path) -> tuple[list[tuple[int, ...]], list[int]]:
     prompts = []
     for f, path in enumerate(files):
         try:
-            names = pq.read_schema(path).names
+            schema = pq.read_schema(path)
+            names = schema.names
             columns = ["token_ids", "prompt_tokens"] + (["group"] if "group" in names else [])
+            ids_type = schema.field("token_ids").type if "token_ids" in names else None
             table = pq.read_table(path, columns=columns).to_pydict()
         except Exception as e:  # pyarrow raises several types for a damaged or foreign file
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UserError(f"--lengths-from: cannot read {path} as rollouts ({first})") from None
+        if not _token_list(ids_type):
+            raise UserError(f"--lengths-from: {path}: its token_ids are {ids_type}, not lists of "
+                            "token ids; is it a treadle buffer?")  # fmt: skip
         ids_, prompt_ = table["token_ids"], table["prompt_tokens"]
         for row, (ids, prompt, group) in enumerate(
             zip(ids_, prompt_, table.get("group", range(len(ids_))), strict=True)
@@ -70,6 +76,14 @@ def run_lengths(run_dir: Path) -> tuple[list[tuple[int, ...]], list[int]]:
     if not groups or max(max(g) for g in groups.values()) < 1:
         raise UserError(f"--lengths-from {run_dir}: its buffer holds no response tokens")
     return [tuple(g) for g in groups.values()], prompts
+
+
+def _token_list(arrow_type) -> bool:
+    """Whether a parquet column of ``arrow_type`` holds lists of integers (token ids)."""
+    import pyarrow as pa
+
+    lists = (pa.types.is_list, pa.types.is_large_list, pa.types.is_fixed_size_list)
+    return any(f(arrow_type) for f in lists) and pa.types.is_integer(arrow_type.value_type)
 
 
 def run_roles(run_dir: Path, fix: str = "pass --roles (and --extra-forwards) to give the run's "
@@ -94,18 +108,26 @@ def run_roles(run_dir: Path, fix: str = "pass --roles (and --extra-forwards) to 
     if not path.is_file():
         return None
     raw = _run_config(path, fix)
-    algo, reward = _section(raw, "algorithm"), _section(raw, "reward")
-    lora = _section(_section(raw, "model"), "lora")
-    picked = {"algorithm.kl.coef": _section(algo, "kl").get("coef"),
+    section = partial(_section, path=path, fix=fix)
+    algo, reward = section(raw, "algorithm"), section(raw, "reward")
+    lora = section(section(raw, "model"), "lora", "model.lora")
+    picked = {"algorithm.kl.coef": section(algo, "kl", "algorithm.kl").get("coef"),
               "algorithm.advantage": algo.get("advantage"),
               "algorithm.importance_sampling": algo.get("importance_sampling"),
               "model.lora.r": lora.get("r"), "model.lora.sync": lora.get("sync")}  # fmt: skip
+    for key, value in picked.items():  # a list or mapping (a YAML alias bomb) is not expanded
+        if value is not None and not isinstance(value, str | int | float):
+            raise UserError(f"--lengths-from: {path}: {key} is a {type(value).__name__}, not a "
+                            f"value; {fix}")  # fmt: skip
     try:  # each value as JSON text, so its YAML type holds: r: '16' stays a string, refused
         cfg = load_config(None, [f"{k}={json.dumps(v, default=str)}" for k, v in picked.items()
                                  if v is not None])  # fmt: skip
     except UserError as e:
         raise UserError(f"--lengths-from: {path}: {e}; {fix}") from None
-    functions = reward.get("functions") if isinstance(reward.get("functions"), list) else []
+    functions = reward.get("functions") or []
+    if not isinstance(functions, list):
+        raise UserError(f"--lengths-from: {path}: reward.functions is a "
+                        f"{type(functions).__name__}, not a list; {fix}")  # fmt: skip
     rewarded = any(isinstance(f, dict) and f.get("name") == "reward_model" for f in functions)
     roles = ("policy", *(["reference"] if cfg.algorithm.kl.coef > 0 else []),
              *(["critic"] if cfg.algorithm.advantage == "gae" else []),
@@ -122,7 +144,7 @@ def _run_config(path: Path, fix: str) -> dict:
 
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError) as e:
         what = " ".join(str(e).split())
         raise UserError(f"--lengths-from: cannot read {path} ({what}); {fix}") from None
     if not raw or not isinstance(raw, dict):
@@ -131,7 +153,14 @@ def _run_config(path: Path, fix: str) -> dict:
     return raw
 
 
-def _section(raw: dict, key: str) -> dict:
-    """``raw[key]`` where it is a mapping, else an empty one (the defaults)."""
+def _section(raw: dict, key: str, dotted: str = "", *, path: Path, fix: str) -> dict:
+    """``raw[key]``, a mapping, or an empty one where it is missing or null (the defaults).
+    Raises UserError (naming ``path``, the section ``dotted`` and ending with ``fix``) where it
+    is something else."""
     value = raw.get(key)
-    return value if isinstance(value, dict) else {}
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise UserError(f"--lengths-from: {path}: {dotted or key} is a {type(value).__name__}, "
+                        f"not a section; {fix}")  # fmt: skip
+    return value

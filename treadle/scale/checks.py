@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from treadle.core.errors import UserError
 from treadle.scale.costs import SYNC_METHODS, Setup, Workload, kv_capacity
 from treadle.scale.shapes import ModelShape
@@ -27,6 +29,11 @@ def check(shape: ModelShape, work: Workload, setup: Setup) -> None:
         raise UserError(
             f"--prompts {work.prompts} x --samples {work.samples_per_prompt}: both must be at "
             f"least 1 and their product at most {MAX_BATCH:,}"
+        )
+    if work.minibatches > work.batch:
+        raise UserError(
+            f"--minibatches {work.minibatches}: more optimizer steps than the step's {work.batch} "
+            f"samples (--prompts x --samples); at most {work.batch}"
         )
     if work.prompt_tokens < 1 or work.lengths.max < 1:
         raise UserError("--prompt-tokens and --max-response must be at least 1 token")
@@ -76,8 +83,9 @@ def check(shape: ModelShape, work: Workload, setup: Setup) -> None:
     if not (0 <= setup.staleness <= MAX_STALENESS):  # also refuses NaN
         raise UserError(f"--staleness {setup.staleness:g} must be in 0..{MAX_STALENESS}")
     _check_training(shape, work, setup)
-    if setup.partial and setup.mode != "async":
-        raise UserError("--partial applies to --mode async (one_step and sync drain instead)")
+    for flag, on in (("--partial", setup.partial), ("--drop-stale", setup.drop_stale)):
+        if on and setup.mode != "async":
+            raise UserError(f"{flag} applies to --mode async (one_step and sync drain instead)")
     if setup.mode == "async" and setup.staleness <= 0 and setup.partial:
         raise UserError("--partial needs --staleness above 0 (eta = 0 is synchronous)")
     _check_kv_cache(shape, work, setup)
@@ -87,15 +95,29 @@ def _check_training(shape: ModelShape, work: Workload, setup: Setup) -> None:
     """The trainer's part of :func:`check`: its layout and streamed updates."""
     tp, pp, sp = setup.train_tp, setup.train_pp, setup.train_sp
     if min(tp, pp, sp) < 1 or setup.train_gpus % (tp * pp * sp):
+        n = setup.train_gpus
+        tps = [t for t in range(1, n + 1) if n % (t * pp * sp) == 0 and shape.heads % (t * sp) == 0
+               ] if min(pp, sp) >= 1 else []  # fmt: skip
+        pps = [p for p in range(1, min(n, shape.layers) + 1) if n % (tp * p * sp) == 0
+               ] if min(tp, sp) >= 1 and not tps else []  # fmt: skip
+        hint = (f"; with --train-pp {pp} --train-sp {sp}: --train-tp "
+                f"{' or '.join(map(str, tps[-4:]))}" if tps else
+                f"; with --train-tp {tp} --train-sp {sp}: --train-pp "
+                f"{' or '.join(map(str, pps[-4:]))}" if pps else "")  # fmt: skip
         raise UserError(
             f"--train-tp {tp} x --train-pp {pp} x --train-sp {sp} must be at least 1 each and "
-            f"divide the {setup.train_gpus} training GPUs"
+            f"divide the {setup.train_gpus} training GPUs{hint}"
         )
     if shape.heads % (tp * sp):
-        fits = [s for s in range(1, shape.heads // tp + 1) if shape.heads % (tp * s) == 0]
-        hint = (
-            f"; with --train-tp {tp}: --train-sp {' or '.join(map(str, fits[-4:]))}" if fits else ""
-        )
+        if shape.heads % tp:  # the tensor-parallel degrees the heads and GPUs take, at this sp
+            fits = [t for t in range(1, setup.train_gpus + 1) if shape.heads % (t * sp) == 0
+                    and setup.train_gpus % (t * pp * sp) == 0]  # fmt: skip
+            option, given = "--train-tp", f"--train-sp {sp}"
+        else:
+            fits = [s for s in range(1, shape.heads // tp + 1) if shape.heads % (tp * s) == 0
+                    and setup.train_gpus % (tp * pp * s) == 0]  # fmt: skip
+            option, given = "--train-sp", f"--train-tp {tp}"
+        hint = f"; with {given}: {option} {' or '.join(map(str, fits[-4:]))}" if fits else ""
         raise UserError(
             f"--train-tp {tp} x --train-sp {sp} must divide {shape.name}'s {shape.heads} "
             f"attention heads (each GPU attends over whole heads){hint}"
@@ -110,8 +132,8 @@ def _check_training(shape: ModelShape, work: Workload, setup: Setup) -> None:
         )
     if work.minibatches > 1 and work.minibatches % k:
         raise UserError(
-            f"{work.minibatches} optimizer steps a step (Workload.minibatches) do not split "
-            f"evenly over {k} updates a sync: use a multiple of {k}"
+            f"--minibatches {work.minibatches} optimizer steps a step do not split evenly over "
+            f"--updates-per-sync {k} updates a sync: use a multiple of {k}"
         )
     if setup.colocated and setup.updates_per_sync > 1:
         raise UserError(
@@ -173,12 +195,19 @@ def _check_kv_cache(shape: ModelShape, work: Workload, setup: Setup) -> None:
     verified = setup.spec_tokens + 1 if setup.spec_tokens else 0  # a step's tokens beyond it
     if capacity < longest + verified:
         weights = 2.0 * shape.params() / setup.engine_tp / 2**30
-        wider = 2 * setup.engine_tp
-        more = (
-            f"use --engine-tp {wider} or a GPU with more memory"
-            if setup.rollout_gpus % wider == 0 and shape.heads % wider == 0
-            else "use more engine GPUs (--rollout-gpus, --gpus) or a GPU with more memory"
-        )
+        # the narrowest wider engine that holds it (vLLM's TP: the heads split evenly)
+        need = longest + verified
+        wider = [t for t in range(setup.engine_tp + 1, shape.heads + 1)
+                 if shape.heads % t == 0 and engine_tp_splits_kv(shape, t)
+                 and kv_capacity(shape, replace(setup, engine_tp=t)) >= need]  # fmt: skip
+        if not wider:
+            more = ("no engine of this GPU holds it, whatever its --engine-tp: lower "
+                    "--max-response or --prompt-tokens, or use a GPU with more memory")  # fmt: skip
+        elif setup.rollout_gpus % wider[0] == 0:
+            more = f"use --engine-tp {wider[0]} or a GPU with more memory"
+        else:
+            more = (f"use --engine-tp {wider[0]} on a multiple of {wider[0]} engine GPUs "
+                    "(--rollout-gpus, --gpus) or a GPU with more memory")  # fmt: skip
         raise UserError(
             f"one engine's KV cache holds {max(0, int(capacity)):,} tokens after "
             f"{weights:.1f} GiB of weights per GPU, fewer than one prompt + longest response "

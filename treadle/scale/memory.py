@@ -98,20 +98,23 @@ def trainer_layout(shape: ModelShape, gpus: int, tp: int = 1, pp: int = 1, sp: i
     return Layout(dp=dp, tp=tp, pp=pp, sp=sp, ep=shape.expert_parallel(dp), zero=zero)
 
 
-def check_layout(shape: ModelShape, layout: Layout, names: Mapping[str, str] | None = None
-                 ) -> None:  # fmt: skip
-    """Raises UserError for a layout the model cannot take, naming the ones it can by the
-    options ``names`` gives for "tp", "sp" and "pp" (default ``--tp``, ``--sp``, ``--pp``)."""
+def check_layout(shape: ModelShape, layout: Layout, names: Mapping[str, str] | None = None,
+                 gpus: int | None = None) -> None:  # fmt: skip
+    """Raises UserError for a layout the model cannot take, naming the ones it can (on
+    ``gpus``, where given) by the options ``names`` gives for "tp", "sp" and "pp" (default
+    ``--tp``, ``--sp``, ``--pp``)."""
     names = {n: f"--{n}" for n in ("tp", "sp", "pp")} | dict(names or {})
     if layout.tp < 1 or shape.heads % layout.tp:
-        fits = [t for t in (1, 2, 4, 8, 16, 32, 64, 128) if shape.heads % t == 0][-4:]
+        fits = [t for t in (1, 2, 4, 8, 16, 32, 64, 128) if shape.heads % t == 0
+                and (gpus is None or gpus % t == 0)][-4:]  # fmt: skip
         raise UserError(
             f"tensor parallel {layout.tp} does not divide the {shape.heads} attention heads of "
             f"{shape.name}; use {names['tp']} {' or '.join(map(str, fits))}"
         )
     if layout.sp < 1 or shape.heads % (layout.tp * layout.sp):
         per_tp = shape.heads // layout.tp
-        fits = [s for s in range(1, min(per_tp, 32) + 1) if per_tp % s == 0][-4:]
+        fits = [s for s in range(1, min(per_tp, 32) + 1) if per_tp % s == 0
+                and (gpus is None or gpus % (layout.tp * s) == 0)][-4:]  # fmt: skip
         raise UserError(
             f"sequence parallel {layout.sp} does not divide the {per_tp} attention heads per "
             f"tensor-parallel rank of {shape.name} (Ulysses hands each GPU whole heads); use "

@@ -257,7 +257,7 @@ def plan(q: Question, steps: int | None = 3, progress=None,
     """
     if q.tp or q.pp or q.sp:
         names = {n: f"--{n}" for n in ("tp", "pp", "sp")} | dict(names or {})
-        check_layout(q.shape, Layout(tp=q.tp or 1, pp=q.pp or 1, sp=q.sp or 1), names)
+        check_layout(q.shape, Layout(tp=q.tp or 1, pp=q.pp or 1, sp=q.sp or 1), names, q.gpus)
         replica = (q.tp or 1) * (q.pp or 1) * (q.sp or 1)
         if q.gpus % replica:
             given = " x ".join(f"{names[n]} {v}" for n, v in (("tp", q.tp), ("pp", q.pp),

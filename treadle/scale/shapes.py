@@ -247,6 +247,9 @@ def from_hf_config(config: dict, name: str) -> ModelShape:
     # the first given of MLA's no-RoPE query width and head_dim, else hidden / heads
     key = next((k for k in ("qk_nope_head_dim", "head_dim") if config.get(k) is not None), None)
     head_dim = config[key] if key else hidden // heads
+    if not key and head_dim < 1:
+        raise UserError(f"{name}: config.json's hidden_size {hidden} / num_attention_heads {heads} "
+                        "gives a head_dim of 0; give head_dim")  # fmt: skip
     shape = ModelShape(
         name=name,
         layers=config["num_hidden_layers"],
@@ -313,14 +316,16 @@ def _dense_layers(config: dict, shape: ModelShape) -> int:
     and i % ``moe_layer_freq`` == 0 (DeepSeek-V2/V3's own modeling code; transformers' ignores
     it, and the released configs give 1), and where (i + 1) % ``decoder_sparse_step`` == 0 and
     i is not in ``mlp_only_layers`` (transformers' Qwen2/3-MoE). Raises UserError for a value
-    of those keys that is not an integer of the range its meaning allows, naming it."""
+    of those keys that is not an integer of the range its meaning allows, naming it (a
+    ``first_k_dense_replace`` past the last layer leaves every layer dense, as transformers'
+    code builds it)."""
     layers = shape.layers
     first = config.get("first_k_dense_replace")
     if first is None:
         first = 3 if config.get("model_type") == "deepseek_v3" else 0
-    if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first <= layers:
+    if isinstance(first, bool) or not isinstance(first, int) or first < 0:  # past the last: dense
         raise UserError(f"{shape.name}: config.json's first_k_dense_replace is {_short(first)}; "
-                        f"an integer 0..{layers}")  # fmt: skip
+                        "an integer of 0 or more")  # fmt: skip
     every = {k: _positive(shape.name, k, 1 if config.get(k) is None else config[k])
              for k in ("moe_layer_freq", "decoder_sparse_step")}  # fmt: skip
     only = [] if config.get("mlp_only_layers") is None else config["mlp_only_layers"]
@@ -343,7 +348,10 @@ def resolve(model: str) -> ModelShape:
     if model in NAMED:
         return NAMED[model]
     path = Path(model)
-    path = path / "config.json" if path.is_dir() else path
+    try:  # a name the file system refuses (over 255 bytes: ENAMETOOLONG) is bad input
+        path = path / "config.json" if path.is_dir() else path
+    except OSError as e:
+        raise UserError(f"model {model[:80]!r}...: {e.strerror or e}") from None
     if path.is_dir():
         raise UserError(f"model {model!r}: {path} is a folder, not a config.json file")
     if not path.is_file():
