@@ -205,10 +205,15 @@ def test_lengths_from_a_buffer_without_a_config_uses_the_default_roles(tmp_path,
         (b"model: {lora: [1]}", "model.lora is a list, not a section"),
         (b"reward: {functions: reward_model}", "reward.functions is a str, not a list"),
         # aliases nested 9 deep make 10^9 values once expanded: refused before, in a moment
-        (b"a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n"
-         + b"".join(b"a%d: &a%d [" % (i, i) + b", ".join([b"*a%d" % (i - 1)] * 10) + b"]\n"
-                    for i in range(1, 9))
-         + b"model: {lora: {r: *a8}}", "model.lora.r is a list, not a value"),
+        (
+            b"a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n"
+            + b"".join(
+                b"a%d: &a%d [" % (i, i) + b", ".join([b"*a%d" % (i - 1)] * 10) + b"]\n"
+                for i in range(1, 9)
+            )
+            + b"model: {lora: {r: *a8}}",
+            "model.lora.r is a list, not a value",
+        ),
     ],
 )
 def test_lengths_from_a_damaged_config_is_one_line_naming_it_and_roles(tmp_path, capsys, text,
@@ -392,18 +397,47 @@ def test_lengths_from_a_damaged_buffer_file_is_one_line_exit_2(tmp_path, capsys)
         (["simulate", "qwen2.5-7b", "--gpus", "6", "--engine-tp", "7"], "does not divide --rol"),
         (["simulate", "qwen2.5-7b", "--gpus", "7", "--engine-tp", "7"], "4 KV heads or be a mul"),
         (["simulate", "qwen2.5-0.5b", "--extra-forwards", "9"], "--extra-forwards 9: must be 0..8"),
+        # nothing fits: the trainer fits 2 GPUs with full recompute (77.6 GiB) but the engine's
+        # cache does not, and --offload would; on 1 GPU neither change fits, so none is named
+        (
+            ["plan", "llama3.1-8b", "--gpus", "2", "--recompute", "full"],
+            "the closest's trainer fits (77.6 GiB) but its engines' KV cache cannot hold one "
+            "sequence beside their weights (colocated sync | train dp1 tp2 pp1 zero3 | engine "
+            "tp2): it fits 3 GPUs, or use --offload on these; or lower --max-response or "
+            "--prompt-tokens",
+        ),
+        (
+            ["plan", "llama3.1-8b", "--gpus", "1"],
+            "the closest needs 160.9 GiB a training GPU (colocated sync | train dp1 tp1 pp1 "
+            "zero3 | engine tp1): it fits 3 GPUs; or lower --max-response or --prompt-tokens",
+        ),
         # 4,096 optimizer steps on 1 sample; a staleness rule without asynchrony
-        (["simulate", "qwen2.5-0.5b", "--prompts", "1", "--samples", "1", "--minibatches", "2"],
-         "--minibatches 2: more optimizer steps than the step's 1 samples"),
+        (
+            ["simulate", "qwen2.5-0.5b", "--prompts", "1", "--samples", "1", "--minibatches", "2"],
+            "--minibatches 2: more optimizer steps than the step's 1 samples",
+        ),
         (["simulate", "qwen2.5-0.5b", "--drop-stale"], "--drop-stale applies to --mode async"),
-        (["simulate", "llama3.1-8b", "--minibatches", "3", "--updates-per-sync", "2",
-          "--rollout-gpus", "4"], "--minibatches 3 optimizer steps a step do not split evenly"),
+        (
+            [
+                "simulate",
+                "llama3.1-8b",
+                "--minibatches",
+                "3",
+                "--updates-per-sync",
+                "2",
+                "--rollout-gpus",
+                "4",
+            ],
+            "--minibatches 3 optimizer steps a step do not split evenly",
+        ),
         # Llama 3.1 70B's 131.4 GiB of bf16 weights leave one H100 no cache: TP 2 holds it;
         # DeepSeek-V3's 1,250 GiB need TP 32, more GPUs than 8; no engine holds 10^9 tokens
         (["simulate", "llama3.1-70b"], "): use --engine-tp 2 or a GPU with more memory"),
         (["simulate", "deepseek-v3"], "use --engine-tp 32 on a multiple of 32 engine GPUs"),
-        (["simulate", "qwen2.5-0.5b", "--max-response", "1000000000"],
-         "no engine of this GPU holds it, whatever its --engine-tp: lower --max-response"),
+        (
+            ["simulate", "qwen2.5-0.5b", "--max-response", "1000000000"],
+            "no engine of this GPU holds it, whatever its --engine-tp: lower --max-response",
+        ),
         # a name over 255 bytes is refused by the file system: one line, not a traceback
         (["simulate", "/tmp/" + "d" * 300], "...: File name too long"),
         (["simulate", "qwen2.5-0.5b", "--lengths-from", "/tmp/" + "d" * 300], "File name too"),
@@ -710,3 +744,23 @@ def test_plan_pins_the_pipeline_stages_and_names_the_option_as_typed(capsys):
     assert main(["simulate", "qwen2.5-0.5b", "--train-pp", "3"]) == 2
     assert capsys.readouterr().err.endswith("; with --train-tp 1 --train-sp 1: --train-pp 1 or 2 "
                                             "or 4 or 8\n")  # fmt: skip
+
+
+def test_a_plan_without_an_engine_shows_training_alone(tmp_path, capsys):
+    # --roles policy,critic: no engine to place, size or plot: one group of training GPUs
+    argv = ["plan", "qwen2.5-7b", "--roles", "policy,critic", "--steps", "2"]
+    assert main([*argv, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["placement"] for r in rows] == ["training only | train dp8 tp1 pp1 zero3"]
+    assert (rows[0]["engine_tp"], rows[0]["engine_peak_gib"]) == (None, None)
+    assert set(rows[0]["memory_gib"]) == {"policy", "critic"}
+    assert main(argv) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.lstrip().startswith("1 "))
+    assert line.split()[:4] == ["1", "training", "only", "dp8"] and " - " in line
+    from treadle.scale.plan import Question, plan
+    from treadle.scale.plots import memory_bars
+
+    q = Question(NAMED["qwen2.5-7b"], gpu("h100"), 8, Workload(64, 8, 512, Lengths(2730, 8192)),
+                 roles=("policy", "critic"))  # fmt: skip
+    (only,) = plan(q, steps=2)
+    assert [label for label, _ in memory_bars(only)] == ["trainer GPUs"]

@@ -573,9 +573,9 @@ def _placement_row(p: Placement) -> dict:
         "rollout_gpus": p.rollout_gpus,
         "train_gpus": p.train_gpus,
         "train_layout": {k: getattr(p.layout, k) for k in ("dp", "tp", "pp", "sp", "ep", "zero")},
-        "engine_tp": p.engine_tp,
+        "engine_tp": p.engine_tp if p.has_engine else None,
         "train_peak_gib": p.train_peak / GIB,
-        "engine_peak_gib": p.engine_peak / GIB,
+        "engine_peak_gib": p.engine_peak / GIB if p.has_engine else None,
         "memory_gib": {b.role: _gib(b) for b in p.memory},
         "simulated": result,
     }
@@ -611,9 +611,12 @@ def _print_plan(console, placements: list[Placement], memory_gib: float) -> None
     for i, p in enumerate(placements, 1):
         r, lay = p.result, p.layout
         kind = "colocated" if p.kind == "colocated" else f"disagg {p.rollout_gpus}:{p.train_gpus}"
+        engine = p.has_engine
+        kind = f"{kind} {p.mode}" if engine else "training only"
         table.add_row(
-            str(i), f"{kind} {p.mode}", layout_name(lay, compact=True),
-            f"tp{p.engine_tp}", f"{p.train_peak / GIB:.0f}/{p.engine_peak / GIB:.0f}",
+            str(i), kind, layout_name(lay, compact=True),
+            f"tp{p.engine_tp}" if engine else "-",
+            f"{p.train_peak / GIB:.0f}" + (f"/{p.engine_peak / GIB:.0f}" if engine else ""),
             "-" if r is None else f"{r.step_s:.1f}",
             "-" if r is None else f"{r.tokens_per_s:,.0f}",
             "-" if r is None else f"{r.engine_busy * 100:.0f}/{r.trainer_busy:.0%}",

@@ -113,9 +113,16 @@ class Placement:
     result: Result | None = None
 
     @property
+    def has_engine(self) -> bool:
+        """Whether the roles hold an engine (``--roles`` without one: training alone)."""
+        return any(b.role == "engine" for b in self.memory)
+
+    @property
     def label(self) -> str:
         """One line naming the placement, its split and layouts."""
         lay = self.layout
+        if not self.has_engine:
+            return f"training only | train {layout_name(lay)} zero{lay.zero}"
         split = "" if self.kind == "colocated" else f" {self.rollout_gpus}:{self.train_gpus}"
         return (
             f"{self.kind}{split} {self.mode} | train {layout_name(lay)} zero{lay.zero} | "
@@ -373,17 +380,34 @@ def _nothing_fits(q: Question) -> str:
     fits = next((n for n in counts if n > q.gpus and any(
         p.fits for p in candidates(replace(q, gpus=n)))), None)  # fmt: skip
     best = min(candidates(q), key=lambda p: p.train_peak, default=None)
-    need = (
-        f"; the closest needs {best.train_peak / GIB:.1f} GiB per GPU ({best.label})"
-        if best
-        else ""
-    )
+    need = ""
+    if best is not None and best.train_peak > q.gpu.memory_bytes:
+        need = f"; the closest needs {best.train_peak / GIB:.1f} GiB a training GPU ({best.label})"
+    elif best is not None:  # the trainer fits; the engine's cache does not hold a sequence
+        need = (
+            f"; the closest's trainer fits ({best.train_peak / GIB:.1f} GiB) but its "
+            f"engines' KV cache cannot hold one sequence beside their weights ({best.label})"
+        )
     roles = ", ".join(q.roles)
     where = (f"it fits {fits} GPUs" if fits else
              f"no placement fits up to {MAX_GPUS:,} GPUs either")  # fmt: skip
-    full = "" if q.checkpointing == "full" else ", or use --recompute full"
+    # only what fits as given: each alone, then both
+    changes = {
+        "--offload": {"offload": True},
+        "--recompute full": {"recompute": "full"},
+        "--offload --recompute full": {"offload": True, "recompute": "full"},
+    }
+    if q.offload:
+        changes = {k: v for k, v in changes.items() if "--offload" not in k}
+    if q.checkpointing == "full":
+        changes = {k: v for k, v in changes.items() if "--recompute" not in k}
+    fix = next((k for k, v in changes.items()
+                if any(p.fits for p in candidates(replace(q, **v)))), None)  # fmt: skip
+    lower = "--max-response or --prompt-tokens" + (" or --micro-batch" if q.micro_batch > 1
+                                                    else "")  # fmt: skip
     return (
         f"{q.shape.name} with {roles} at {q.seq:,} tokens per sequence does not fit "
-        f"{q.gpus} x {q.gpu.name} ({q.gpu.memory_gib:.1f} GiB) in any placement{need}: {where}; "
-        f"or lower the sequence length or --micro-batch{full}"
+        f"{q.gpus} x {q.gpu.name} ({q.gpu.memory_gib:.1f} GiB) in any placement{need}: {where}"
+        + (f", or use {fix} on these" if fix else "")
+        + f"; or lower {lower}"
     )

@@ -68,19 +68,18 @@ def memory_bars(p: Placement) -> list[tuple[str, dict[str, float]]]:
     """(bar label, bytes per GPU by term) of a placement's GPU groups at their peaks:
     colocated, the rollout phase (the trainer roles' parameters, gradients and optimizer
     states stay beside the engine) and the update phase (the engine asleep); disaggregated,
-    the training GPUs and the engine GPUs."""
+    the training GPUs and the engine GPUs; without an engine role, the training GPUs."""
     engine = [b for b in p.memory if b.role == "engine"]
     trainers = [b for b in p.memory if b.role != "engine"]
     update = update_phase(trainers).terms()
+    if not engine:  # training roles alone: one group of GPUs
+        return [("trainer GPUs", update)]
     if p.kind == "colocated":
         states = {"parameters": sum(b.parameters - b.gathered for b in trainers),
                   "gradients": update["gradients"], "optimizer": update["optimizer"]}  # fmt: skip
         rollout = {t: states.get(t, 0.0) + sum(b.terms()[t] for b in engine) for t in TERM_COLORS}
         return [("rollout", rollout), ("update", update)]
-    bars = [("trainer GPUs", update)]
-    if engine:
-        bars.append(("engine GPUs", engine[0].terms()))
-    return bars
+    return [("trainer GPUs", update), ("engine GPUs", engine[0].terms())]
 
 
 def memory(placements: list[Placement], memory_gib: float, path: Path, title: str = "") -> Path:
