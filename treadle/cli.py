@@ -606,8 +606,10 @@ def _scale(args: argparse.Namespace) -> int:
     from treadle.core.errors import UserError
     from treadle.jobs.scale_job import run
 
+    # piped (not a terminal, no COLUMNS): wide enough that no table column is cut to "engi…"
+    wide = {} if sys.stdout.isatty() or "COLUMNS" in os.environ else {"width": 200}
     try:
-        return run(args, _console(stderr=True), _console())
+        return run(args, _console(stderr=True, **wide), _console(**wide))
     except UserError as e:
         _say(f"treadle: error: {e}")
         return 2

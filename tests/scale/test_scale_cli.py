@@ -202,6 +202,8 @@ def test_lengths_from_a_buffer_without_a_config_uses_the_default_roles(tmp_path,
         (b"model: {lora: {r: '16'}}", "config model.lora.r: expected int, got str '16'"),
         (b"a: " + b"[" * 2000 + b"]" * 2000, "cannot read"),  # nested past Python's recursion
         (b"algorithm: {kl: [1, 2]}", "algorithm.kl is a list, not a section"),
+        (b"model: {lora: {r: 5000}}", "model.lora.r 5000 is above the largest LoRA rank, 4,096"),
+        (b"model: {lora: {r: %d}}" % 10**43, "model.lora.r 100000... (44 digits) is above the"),
         (b"model: {lora: [1]}", "model.lora is a list, not a section"),
         (b"reward: {functions: reward_model}", "reward.functions is a str, not a list"),
         # aliases nested 9 deep make 10^9 values once expanded: refused before, in a moment
@@ -764,3 +766,13 @@ def test_a_plan_without_an_engine_shows_training_alone(tmp_path, capsys):
                  roles=("policy", "critic"))  # fmt: skip
     (only,) = plan(q, steps=2)
     assert [label for label, _ in memory_bars(only)] == ["trainer GPUs"]
+
+
+def test_piped_tables_are_not_cut(capsys, monkeypatch):
+    # stdout is no terminal here: at rich's 80 columns the 16,384-GPU split's column titles
+    # read "engi…", "step…"; 200 columns hold every one
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert main(["plan", "llama3.1-8b", "--gpus", "16384", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out and "disagg 4096:12288 async" in out
+    assert " #  placement e:t " in out and " busy e/t" in out

@@ -396,7 +396,7 @@ def _save(draw, path: Path, console) -> None:
     except BaseException:  # Ctrl-C mid-write: no half-written file left beside the plot
         tmp.unlink(missing_ok=True)
         raise
-    console.print(f"plot: {path}", markup=False)
+    console.print(f"plot: {path}", markup=False, soft_wrap=True)  # one line to copy
 
 
 def run(args: argparse.Namespace, console, out=None) -> int:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from treadle.core.errors import UserError
+from treadle.scale.checks import MAX_LORA_RANK
 
 
 class RunRoles(NamedTuple):
@@ -124,6 +125,11 @@ def run_roles(run_dir: Path, fix: str = "pass --roles (and --extra-forwards) to 
                                  if v is not None])  # fmt: skip
     except UserError as e:
         raise UserError(f"--lengths-from: {path}: {e}; {fix}") from None
+    if cfg.model.lora.r > MAX_LORA_RANK:  # refused here, before the line naming the run's roles
+        rank = str(cfg.model.lora.r)
+        rank = rank if len(rank) < 12 else f"{rank[:6]}... ({len(rank)} digits)"
+        raise UserError(f"--lengths-from: {path}: model.lora.r {rank} is above the largest LoRA "
+                        f"rank, {MAX_LORA_RANK:,}; {fix}")  # fmt: skip
     functions = reward.get("functions") or []
     if not isinstance(functions, list):
         raise UserError(f"--lengths-from: {path}: reward.functions is a "
