@@ -10,7 +10,7 @@ import pytest
 
 from treadle.cli import main
 from treadle.core.errors import UserError
-from treadle.scale.costs import kv_capacity, offload_s, sync_s, train_flops
+from treadle.scale.costs import forward_flops, kv_capacity, offload_s, sync_s, train_flops
 from treadle.scale.hardware import GIB, gpu
 from treadle.scale.memory import Layout, trainer
 from treadle.scale.plan import Question, check_fits
@@ -158,6 +158,41 @@ def test_lora_adapter_sync_sends_the_adapters_alone(capsys):
     assert row["sync_s"] == pytest.approx(pause + adapter)
     assert main([*argv[:-3], "--lora-sync", "adapter"]) == 2
     assert capsys.readouterr().err.startswith("treadle: error: --lora-sync adapter sends LoRA ")
+
+
+def test_a_reward_model_of_its_own_shape_is_sized_and_run_at_it(capsys):
+    # Llama 3.1 8B scoring a Qwen2.5-0.5B policy's samples: its forward over a 1,000-token
+    # sequence (200 + 800) without the vocabulary head, 2 x (7,504,924,672 active - 525,336,576
+    # head) x 1,000 + 4 x 32 layers x 4,096 x 500 context x 1,000 = 13,959,176,192,000 +
+    # 262,144,000,000 = 14,221,320,192,000 FLOPs, in place of one of the policy's forwards
+    policy, rm = NAMED["qwen2.5-0.5b"], NAMED["llama3.1-8b"]
+    work = Workload(1, 1, 200, Lengths(800, 1000), extra_forwards=2)
+    own = train_flops(policy, replace(work, reward_shape=rm), [800])
+    assert own - train_flops(policy, work, [800]) == pytest.approx(
+        14_221_320_192_000 - forward_flops(policy, 1000), rel=1e-12
+    )
+    # its memory: the 8B's bf16 shards and one layer's activations, on the trainer's layout
+    q = Question(policy, gpu("h100"), 8, replace(work, reward_shape=rm),
+                 roles=("policy", "reward", "engine"))  # fmt: skip
+    p = check_fits(q, Setup(gpu("h100"), 8, 8, colocated=True))
+    (reward,) = [b for b in p.memory if b.role == "reward"]
+    # at the longest sequence, 200 + 1,000 tokens
+    assert reward.total == trainer(rm, p.layout, 1, 1200, role="reward", trainable=False).total
+    # bf16 shards, ZeRO-3 over 8: 2 x 8,030,261,248 / 8 = 2,007,565,312, and FSDP's gathered
+    # copies of two layers and the output layer
+    assert reward.parameters == pytest.approx(2_007_565_312 + reward.gathered)
+    # the CLI: --reward-model needs the reward role, and a forward to run
+    assert main(["simulate", "qwen2.5-0.5b", "--reward-model", "llama3.1-8b"]) == 2
+    assert (
+        capsys.readouterr()
+        .err.rstrip()
+        .endswith("leave out: add it, e.g. --roles policy,reference,reward,engine")
+    )
+    argv = ["simulate", "qwen2.5-0.5b", "--roles", "policy,reward,engine", "--reward-model"]
+    assert main([*argv, "llama3.1-8b", "--extra-forwards", "0"]) == 2
+    assert "--extra-forwards 0 leaves no forward for the reward model" in capsys.readouterr().err
+    assert main([*argv, "nosuch"]) == 2
+    assert capsys.readouterr().err.startswith("treadle: error: --reward-model: model 'nosuch'")
 
 
 def test_lora_adapts_what_peft_finds_in_transformers_moe_and_mla_modules():

@@ -130,6 +130,10 @@ def _training_arguments(parser: argparse.ArgumentParser) -> None:
                         "in bf16 (a reference is the policy with its adapters disabled: no "
                         "memory, one forward); 0: every weight (default 0, or with "
                         "--lengths-from the run's model.lora.r)")  # fmt: skip
+    parser.add_argument("--reward-model", metavar="MODEL",
+                        help="the reward role's model, where it is not the policy's: a named "
+                        "shape or a local config.json, as MODEL (its memory beside the trainer's "
+                        "and its forward's FLOPs; default: the policy's shape)")  # fmt: skip
     parser.add_argument("--lora-sync", choices=("merged", "adapter"),
                         help="what a LoRA weight sync sends: merged bf16 weights, or the fp32 "
                         "adapters alone, which vLLM serves over the base weights (default "
@@ -365,14 +369,25 @@ def _workload(args: argparse.Namespace, roles: tuple[str, ...],
         lengths = Lengths(mean, longest, sigma)
     run = run or RunRoles(roles, extra_forwards(roles))
     forwards = run.forwards if args.extra_forwards is None else args.extra_forwards
+    reward_shape = None
+    if args.reward_model is not None:
+        if "reward" not in roles:
+            raise UserError(
+                f"--reward-model {args.reward_model} sizes the reward role, which the roles "
+                f"({','.join(roles)}) leave out: add it, e.g. --roles {','.join(roles[:-1])},"
+                f"reward,{roles[-1]}"
+            )
+        try:
+            reward_shape = resolve(args.reward_model)
+        except UserError as e:
+            raise UserError(f"--reward-model: {e}") from None
     rank = _given(args.lora_rank, run.lora_rank)
     sync = _given(args.lora_sync, run.lora_sync if rank else "merged")  # LoRA off: no adapters
     return Workload(args.prompts, args.samples, prompt, lengths, args.reward_seconds, forwards,
                     args.minibatches, critic="critic" in roles, pack_tokens=args.pack_tokens,
                     recompute=args.recompute,
                     greedy_baseline=_given(args.greedy_baseline, run.greedy_baseline),
-                    lora_rank=rank,
-                    lora_sync=sync)  # fmt: skip
+                    lora_rank=rank, lora_sync=sync, reward_shape=reward_shape)  # fmt: skip
 
 
 def _given(option: object, default: object) -> object:
@@ -502,6 +517,8 @@ def simulate_argv(shape: str, work: Workload, setup: Setup,
         argv += ["--lora-rank", str(w.lora_rank)]
     if w.lora_sync != "merged":
         argv += ["--lora-sync", w.lora_sync]
+    if w.reward_shape is not None:  # a named shape's name (a config.json's is its folder's)
+        argv += ["--reward-model", w.reward_shape.name]
     if w.extra_forwards != extra_forwards(roles):  # --extra-forwards' default
         argv += ["--extra-forwards", str(w.extra_forwards)]
     if s.spec_tokens:

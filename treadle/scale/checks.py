@@ -45,6 +45,9 @@ def check(shape: ModelShape, work: Workload, setup: Setup) -> None:
     if not 0 <= work.lora_rank <= MAX_LORA_RANK:
         raise UserError(f"LoRA rank {work.lora_rank} (--lora-rank, or the run's model.lora.r): "
                         f"must be 0..{MAX_LORA_RANK:,}")  # fmt: skip
+    if work.reward_shape is not None and work.extra_forwards < 1:
+        raise UserError(f"--extra-forwards {work.extra_forwards} leaves no forward for the reward "
+                        "model (--reward-model): give at least 1")  # fmt: skip
     if work.lora_sync == "adapter" and not work.lora_rank:
         raise UserError("--lora-sync adapter sends LoRA adapters: give their rank, --lora-rank R "
                         "(treadle's model.lora.r), or drop --lora-sync")  # fmt: skip

@@ -115,6 +115,10 @@ class Workload:
     done (treadle's loop and verl's ReMax generate them in a second pass, with the batch's
     policy: synchronous steps only), scored with them, not trained; its length drawn as
     theirs, from the same prompt's where lengths are measured."""
+    reward_shape: ModelShape | None = None
+    """The reward model's shape, where it is not the policy's: one of ``extra_forwards`` is
+    its forward, at its own FLOPs (a sequence classifier: no vocabulary head); None: every
+    extra forward at the policy's."""
     lora_sync: Literal["merged", "adapter"] = "merged"
     """What a weight sync sends with ``lora_rank``: ``merged`` bf16 weights (``W + (alpha / r)
     B A``, treadle's default ``model.lora.sync``), or the ``adapter`` tensors alone, fp32 as
@@ -308,6 +312,14 @@ def update_passes(work: Workload) -> int:
     return 3 + (work.recompute == "full")
 
 
+def forward_flops(shape: ModelShape, tokens: int) -> float:
+    """FLOPs of one forward pass over a sequence of ``tokens``: 2N a token (Kaplan et al. 2020,
+    arXiv 2001.08361, Eq. 2.1, N the active parameters) plus causal attention, each token
+    attending over ``tokens / 2`` on average."""
+    attention = shape.attention_flops_per_token(tokens / 2) * tokens
+    return 2.0 * shape.active_params() * tokens + attention
+
+
 def train_flops(shape: ModelShape, work: Workload, lengths: list[int]) -> float:
     """FLOPs of training on one batch of responses of ``lengths`` tokens: forward FLOPs (2N
     per token plus causal attention, 2 L q s^2 per sequence) times :func:`update_passes` (3,
@@ -318,15 +330,20 @@ def train_flops(shape: ModelShape, work: Workload, lengths: list[int]) -> float:
     fewer of the 2N part (the attention scores' backward stays), and the adapters add their
     own, 2 x :meth:`~treadle.scale.shapes.ModelShape.lora_params` a token, in the update's
     passes (forward, input and weight gradients; the extra forwards count the base model's
-    alone: a reference runs with the adapters disabled)."""
+    alone: a reference runs with the adapters disabled). With ``work.reward_shape`` one extra
+    forward is that model's, without its vocabulary head."""
     fwd = head = tokens = 0.0
     for response in lengths:
         s = work.prompt_tokens + response
         tokens += s
-        fwd += 2.0 * shape.active_params() * s + shape.attention_flops_per_token(s / 2) * s
+        fwd += forward_flops(shape, s)
         head += 2.0 * shape.vocab * shape.hidden * s
     update = update_passes(work)
     policy = fwd * (update + work.extra_forwards)
+    if work.reward_shape is not None:  # that forward at the reward model's cost instead
+        rm = work.reward_shape
+        scored = sum(forward_flops(rm, work.prompt_tokens + n) for n in lengths)
+        policy += scored - 2.0 * rm.vocab * rm.hidden * tokens - fwd
     if work.lora_rank:
         adapters = 2.0 * shape.lora_params(work.lora_rank) * tokens
         policy += update * adapters - 2.0 * shape.active_params() * tokens

@@ -151,10 +151,22 @@ def measure(q: Question, p: Placement) -> Placement:
     # the engine's own below; a LoRA policy's reference is its weights, adapters disabled
     roles = [r for r in q.roles if r != "engine" and not (lora and r == "reference")]
     seq = q.seq
-    size = partial(trainer, q.shape, p.layout, q.micro_batch, seq, q.checkpointing)
-    p.memory = [
-        size(r, trainable=r in TRAINED, lora_rank=lora if r == "policy" else 0) for r in roles
-    ]
+
+    def size(role: str) -> Breakdown:
+        """One role's memory per GPU: the reward model at its own shape, where it has one."""
+        shape = q.work.reward_shape if role == "reward" and q.work.reward_shape else q.shape
+        return trainer(
+            shape,
+            p.layout,
+            q.micro_batch,
+            seq,
+            q.checkpointing,
+            role=role,
+            trainable=role in TRAINED,
+            lora_rank=lora if role == "policy" else 0,
+        )
+
+    p.memory = [size(r) for r in roles]
     states = sum(b.resident for b in p.memory)
     update = update_phase(p.memory).total
     memory = q.gpu.memory_bytes
