@@ -91,6 +91,27 @@ def test_offloading_moves_the_trainers_states_to_host_and_back_each_step():
     assert on.train_s - off.train_s == pytest.approx(offload_s(shape, setup))
 
 
+def test_offloading_moves_the_roles_the_placement_holds(capsys):
+    # treadle simulate sizes the move from its placement's roles: on 8 GPUs a policy alone
+    # moves 16 x 7,615,616,512 / 8 = 15,231,233,024 bytes each way, 2 x 15.23 / 25 = 1.2185 s;
+    # with a reference, + 2 x 7,615,616,512 / 8 = 1,903,904,128: 1.3708 s; a critic (fp32
+    # states like the policy's, its value head in place of the vocabulary) moves more still
+    def offload_seconds(roles: str) -> float:
+        argv = ["simulate", "qwen2.5-7b", "--gpus", "8", "--roles", roles, "--steps", "2",
+                "--json"]  # fmt: skip
+        times = []
+        for extra in ([], ["--offload"]):
+            assert main([*argv, *extra]) == 0
+            times.append(json.loads(capsys.readouterr().out)[0]["train_s"])
+        return times[1] - times[0]
+
+    assert offload_seconds("policy,engine") == pytest.approx(2 * 15_231_233_024 / 25e9)
+    assert offload_seconds("policy,reference,engine") == pytest.approx(
+        2 * (15_231_233_024 + 1_903_904_128) / 25e9
+    )
+    assert offload_seconds("policy,critic,engine") > 1.9 * offload_seconds("policy,engine")
+
+
 def test_an_offloaded_trainer_leaves_the_colocated_engine_the_gpus():
     # vLLM's share at 0.3 of 79.6 GiB is 23.9 GiB; beside the trainer's 31.9 GiB of states
     # (test_calibration) no sequence fits, with the states offloaded the engine's does

@@ -6,7 +6,7 @@ import argparse
 import json
 import math
 import os
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 from treadle.core.errors import UserError
@@ -449,7 +449,10 @@ def run(args: argparse.Namespace, console, out=None) -> int:
         return 0
     setup = _setup(args, g)
     check(shape, work, setup)  # the setup's own errors (an engine's KV cache) first
-    check_fits(Question(shape, g, args.gpus, work, 1, roles, offload=setup.offload), setup)
+    placed = check_fits(Question(shape, g, args.gpus, work, 1, roles, offload=setup.offload),
+                        setup)  # fmt: skip
+    if setup.offload:  # every role's states move, a critic's and a reward model's too
+        setup = replace(setup, offload_bytes=placed.resident)
     with console.status("simulating") as status:
         r = simulate(shape, work, setup, steps=args.steps, progress=_progress(status))
     if args.plot:

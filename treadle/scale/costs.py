@@ -183,6 +183,11 @@ class Setup:
     and come back for the update (verl's param_offload and optimizer_offload, NeMo-RL's
     colocated default), so the engine has the GPUs to itself and each step moves the states
     both ways over PCIe (:func:`offload_s`)."""
+    offload_bytes: float | None = None
+    """Bytes a GPU moves each way when offloading, where the caller has every role's memory
+    (``treadle plan``'s and ``treadle simulate``'s placement: the resident states of all the
+    trained and forward-only roles, a critic and a reward model among them); None: the
+    policy's and a reference's, as :func:`offload_s` sizes them."""
     sync_seconds: float | None = None
     """Seconds of one weight update as measured on the framework, in place of
     :func:`sync_s`'s model of its bytes (a refit's own software costs: NeMo-RL measured 47.2 s
@@ -488,9 +493,11 @@ def offload_s(shape: ModelShape, setup: Setup, lora_rank: int = 0) -> float:
     back (``setup.offload``; 0 without): the policy's parameter shards, gradients and
     optimizer states and the reference's bf16 shards, per GPU, twice over PCIe; with LoRA
     adapters of ``lora_rank``, the frozen bf16 shards and the adapters' states (the reference
-    is the same weights)."""
+    is the same weights); ``setup.offload_bytes`` each way, where given."""
     if not setup.offload:
         return 0.0
+    if setup.offload_bytes is not None:
+        return 2 * setup.offload_bytes / (setup.gpu.efficiency.pcie_gbps * 1e9)
     layout = memory.trainer_layout(shape, setup.train_gpus, setup.train_tp, setup.train_pp,
                                    setup.train_sp)  # fmt: skip
     # resident states do not depend on the sequences a pass holds: one token of one

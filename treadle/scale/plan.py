@@ -113,6 +113,12 @@ class Placement:
     result: Result | None = None
 
     @property
+    def resident(self) -> float:
+        """Bytes a training GPU holds between passes: every training and forward-only role's
+        parameter shards, gradients and optimizer states (what offloading moves)."""
+        return sum(b.resident for b in self.memory if b.role != "engine")
+
+    @property
     def has_engine(self) -> bool:
         """Whether the roles hold an engine (``--roles`` without one: training alone)."""
         return any(b.role == "engine" for b in self.memory)
@@ -167,7 +173,7 @@ def measure(q: Question, p: Placement) -> Placement:
         )
 
     p.memory = [size(r) for r in roles]
-    states = sum(b.resident for b in p.memory)
+    states = p.resident
     update = update_phase(p.memory).total
     memory = q.gpu.memory_bytes
     fraction = q.gpu.efficiency.kv_memory_fraction
@@ -295,7 +301,7 @@ def plan(q: Question, steps: int | None = 3, progress=None,
             engine_tp=p.engine_tp, train_tp=p.layout.tp, train_pp=p.layout.pp,
             train_sp=p.layout.sp,
             mode=p.mode, staleness=0 if p.mode == "sync" else 1, partial=p.mode == "async",
-            offload=q.offload and p.kind == "colocated",
+            offload=q.offload and p.kind == "colocated", offload_bytes=p.resident,
         )  # fmt: skip
         if "engine" in q.roles:
             show = None if progress is None else partial(progress, label=p.label.split(" |")[0])
