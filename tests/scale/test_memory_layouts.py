@@ -118,7 +118,7 @@ def test_an_offloaded_trainer_leaves_the_colocated_engine_the_gpus():
     h100, work = gpu("h100", kv_memory_fraction=0.3), Workload(64, 8, 512, Lengths(1000, 4096))
     setup = Setup(h100, 4, 4, colocated=True)
     q = Question(NAMED["qwen2.5-7b"], h100, 4, work)
-    with pytest.raises(UserError, match="--offload the trainer's states"):
+    with pytest.raises(UserError, match="no room for one sequence's KV cache: --offload fits"):
         check_fits(q, setup)
     assert check_fits(replace(q, offload=True), replace(setup, offload=True)).fits
 
@@ -202,7 +202,21 @@ def test_a_reward_model_of_its_own_shape_is_sized_and_run_at_it(capsys):
     # bf16 shards, ZeRO-3 over 8: 2 x 8,030,261,248 / 8 = 2,007,565,312, and FSDP's gathered
     # copies of two layers and the output layer
     assert reward.parameters == pytest.approx(2_007_565_312 + reward.gathered)
-    # the CLI: --reward-model needs the reward role, and a forward to run
+    # sharded apart from the trainer's layout: a Qwen2.5-1.5B reward model (12 heads) beside
+    # Llama 3.1 70B trained at Ulysses 8 (64 heads), which 12 heads could not take
+    q70 = Question(NAMED["llama3.1-70b"], gpu("h100"), 32, replace(work, reward_shape=NAMED[
+        "qwen2.5-1.5b"]), roles=("policy", "reward", "engine"), sp=8)  # fmt: skip
+    p70 = check_fits(q70, Setup(gpu("h100"), 32, 32, colocated=True, engine_tp=4, train_sp=8))
+    assert p70.layout.sp == 8 and any(b.role == "reward" for b in p70.memory)
+    # the CLI: a reward role is a sequence classifier of the policy's shape unless named, and
+    # naming the policy's own shape changes nothing
+    runs = {}
+    for named in ([], ["--reward-model", "qwen2.5-1.5b"]):
+        assert main(["simulate", "qwen2.5-1.5b", "--roles", "policy,reward,engine", "--steps",
+                     "2", "--json", *named]) == 0  # fmt: skip
+        runs[bool(named)] = json.loads(capsys.readouterr().out)[0]["train_s"]
+    assert runs[True] == runs[False]
+    # --reward-model needs the reward role, and a forward to run
     assert main(["simulate", "qwen2.5-0.5b", "--reward-model", "llama3.1-8b"]) == 2
     assert (
         capsys.readouterr()

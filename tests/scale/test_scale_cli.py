@@ -171,6 +171,7 @@ def test_lengths_from_a_run_take_its_roles_and_forwards(tmp_path, capsys, overri
     # --roles given wins, with the forwards its roles run; the run's LoRA and ReMax hold
     args = _parse([*RUN_ARGV, str(run), "--roles", "policy,engine"])
     kept = "ReMax baseline" if remax else "LoRA rank" if lora else ""
+    kept += " and LoRA adapter sync" if sync == "adapter" else ""
     source = f"--roles, with {run / 'config.yaml'}'s {kept}" if kept else ""
     assert _roles_and_forwards(args) == ((("policy", "engine"), 1, remax, lora, sync), False,
                                          source)  # fmt: skip
@@ -179,6 +180,10 @@ def test_lengths_from_a_run_take_its_roles_and_forwards(tmp_path, capsys, overri
     work = _workload(args, roles, run_roles(run))
     assert (work.lora_rank, work.greedy_baseline, work.lora_sync) == (0, False, "merged")
     assert main([*RUN_ARGV, str(run), "--lora-rank", "0"]) == 0
+    # a rank given with --roles keeps the run's sync, though the ReMax baseline is given too
+    args = _parse([*RUN_ARGV, str(run), "--roles", "policy,engine", "--lora-rank", "8",
+                   "--no-greedy-baseline"])  # fmt: skip
+    assert _roles_and_forwards(args)[0].lora_sync == sync
 
 
 def test_lengths_from_a_buffer_without_a_config_uses_the_default_roles(tmp_path, capsys):
@@ -263,6 +268,13 @@ def test_lengths_from_a_foreign_table_is_refused_by_its_column_type(tmp_path, ca
     assert main(["simulate", "qwen2.5-0.5b", "--lengths-from", str(tmp_path)]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "its token_ids are list<element: list<element: int64>>, not lists of" in line
+    # prompt_tokens as floats or booleans: no count of tokens (True would read as 1)
+    for prompt in (20.0, True):
+        table = pa.table({"token_ids": [[1] * 30], "prompt_tokens": [prompt]})
+        pq.write_table(table, tmp_path / "buffer" / "step_000001.parquet")
+        assert main(["simulate", "qwen2.5-0.5b", "--lengths-from", str(tmp_path)]) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert f"prompt_tokens ({prompt!r}) is not a whole count of tokens" in line
 
 
 def test_a_plot_name_of_255_bytes_is_written(tmp_path, capsys):
@@ -396,22 +408,46 @@ def test_lengths_from_a_damaged_buffer_file_is_one_line_exit_2(tmp_path, capsys)
             "--train-tp 1 --train-pp 1 fits, or --offload",
         ),
         # vLLM splits Qwen2.5-7B's 4 KV heads over 2 or 4 GPUs, or copies them whole onto 8
-        (["simulate", "qwen2.5-7b", "--gpus", "6", "--engine-tp", "7"], "does not divide --rol"),
+        (
+            ["simulate", "qwen2.5-7b", "--gpus", "6", "--engine-tp", "7"],
+            "divide --gpus 6; use --engine-tp 1 or 2",
+        ),
         (["simulate", "qwen2.5-7b", "--gpus", "7", "--engine-tp", "7"], "4 KV heads or be a mul"),
         (["simulate", "qwen2.5-0.5b", "--extra-forwards", "9"], "--extra-forwards 9: must be 0..8"),
         # nothing fits: the trainer fits 2 GPUs with full recompute (77.6 GiB) but the engine's
-        # cache does not, and --offload would; on 1 GPU neither change fits, so none is named
+        # cache does not, and --offload would; on 1 GPU neither change fits, so none is named;
+        # shorter sequences are named only where the shortest, 2 tokens, would fit: not on 2
+        # GPUs (the states beside the engine leave no cache at 2 tokens either)
         (
             ["plan", "llama3.1-8b", "--gpus", "2", "--recompute", "full"],
             "the closest's trainer fits (77.6 GiB) but its engines' KV cache cannot hold one "
             "sequence beside their weights (colocated sync | train dp1 tp2 pp1 zero3 | engine "
-            "tp2): it fits 3 GPUs, or use --offload on these; or lower --max-response or "
-            "--prompt-tokens",
+            "tp2): it fits 3 GPUs, or use --offload on these",
         ),
         (
             ["plan", "llama3.1-8b", "--gpus", "1"],
             "the closest needs 160.9 GiB a training GPU (colocated sync | train dp1 tp1 pp1 "
-            "zero3 | engine tp1): it fits 3 GPUs; or lower --max-response or --prompt-tokens",
+            "zero3 | engine tp1): it fits 3 GPUs",
+        ),
+        # tp 4 on 6 GPUs leaves Ulysses no degree: the hint says what to change instead
+        (
+            ["plan", "qwen2.5-7b", "--gpus", "6", "--tp", "4", "--sp", "3"],
+            "whole heads); no --sp fits --tp 4 on 6 GPUs: change --tp or --gpus",
+        ),
+        # colocated, 8-way everything: only --offload leaves the engine's cache room
+        (
+            ["simulate", "qwen2.5-32b", "--train-tp", "8", "--engine-tp", "8"],
+            "has no room for one sequence's KV cache: --offload fits, or give the engines GPUs",
+        ),
+        (["simulate", "qwen2.5-7b", "--engine-tp", "8"], "28 heads; use --engine-tp 1 or 2 or 4"),
+        (
+            ["plan", "qwen2.5-1.5b", "--roles", "policy", "--reward-model", "llama3.1-8b"],
+            "leave out: add it, e.g. --roles policy,reward",
+        ),
+        # 3,000,512 tokens a sequence on one GPU: the lengths are what to lower
+        (
+            ["plan", "qwen2.5-0.5b", "--gpus", "1", "--max-response", "3000000"],
+            "16,384 GPUs either; or lower --max-response or --prompt-tokens",
         ),
         # 4,096 optimizer steps on 1 sample; a staleness rule without asynchrony
         (
@@ -755,6 +791,7 @@ def test_a_plan_without_an_engine_shows_training_alone(tmp_path, capsys):
     rows = json.loads(capsys.readouterr().out)
     assert [r["placement"] for r in rows] == ["training only | train dp8 tp1 pp1 zero3"]
     assert (rows[0]["engine_tp"], rows[0]["engine_peak_gib"]) == (None, None)
+    assert (rows[0]["kind"], rows[0]["rollout_gpus"], rows[0]["train_gpus"]) == ("training", 0, 8)
     assert set(rows[0]["memory_gib"]) == {"policy", "critic"}
     assert main(argv) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.lstrip().startswith("1 "))
@@ -766,6 +803,12 @@ def test_a_plan_without_an_engine_shows_training_alone(tmp_path, capsys):
                  roles=("policy", "critic"))  # fmt: skip
     (only,) = plan(q, steps=2)
     assert [label for label, _ in memory_bars(only)] == ["trainer GPUs"]
+    # the work is checked as with an engine: lengths below a token, a batch smaller than its
+    # optimizer steps
+    assert main([*argv, "--max-response", "-5000"]) == 2
+    assert "--max-response must be at least 1 token" in capsys.readouterr().err
+    assert main([*argv, "--prompts", "1", "--samples", "1", "--minibatches", "2"]) == 2
+    assert "--minibatches 2: more optimizer steps" in capsys.readouterr().err
 
 
 def test_piped_tables_are_not_cut(capsys, monkeypatch):

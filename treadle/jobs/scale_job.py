@@ -26,7 +26,7 @@ from treadle.scale.plan import (
     layout_name,
     plan,
 )
-from treadle.scale.shapes import resolve
+from treadle.scale.shapes import ModelShape, resolve
 from treadle.scale.simulate import (
     AUTO_TOLERANCE,
     MAX_STEPS,
@@ -313,14 +313,19 @@ def _roles_and_forwards(args: argparse.Namespace) -> tuple[RunRoles, bool, str]:
     if args.roles is not None:  # the run's LoRA and ReMax still hold, unless given
         roles = _roles(args.roles, args.command)
         run = None
-        if args.lora_rank is None or args.greedy_baseline is None:
+        lora_sync_needed = args.lora_sync is None and args.lora_rank != 0  # the run's, then
+        if args.lora_rank is None or args.greedy_baseline is None or lora_sync_needed:
             run = run_roles(args.lengths_from, fix="with --roles it is still read for the run's "
-                            "LoRA rank and ReMax baseline, unless --lora-rank and "
-                            "--greedy-baseline or --no-greedy-baseline are given")  # fmt: skip
-        keep = (run.greedy_baseline, run.lora_rank, run.lora_sync) if run else (False, 0)
+                            "LoRA rank and sync and ReMax baseline, unless --lora-rank 0 (or a "
+                            "rank and --lora-sync) and --greedy-baseline or "
+                            "--no-greedy-baseline are given")  # fmt: skip
+        keep = (run.greedy_baseline, run.lora_rank, run.lora_sync) if run else (
+            False, 0, "merged")  # fmt: skip
         kept = [what for what, given, value in (
             ("ReMax baseline", args.greedy_baseline, keep[0]),
-            ("LoRA rank", args.lora_rank, keep[1])) if given is None and value]  # fmt: skip
+            ("LoRA rank", args.lora_rank, keep[1]),
+            ("LoRA adapter sync", args.lora_sync, keep[2] == "adapter"))
+            if given is None and value]  # fmt: skip
         path = args.lengths_from / "config.yaml"
         source = f"--roles, with {path}'s {' and '.join(kept)}" if kept else ""
         return RunRoles(roles, extra_forwards(roles), *keep), False, source
@@ -369,18 +374,7 @@ def _workload(args: argparse.Namespace, roles: tuple[str, ...],
         lengths = Lengths(mean, longest, sigma)
     run = run or RunRoles(roles, extra_forwards(roles))
     forwards = run.forwards if args.extra_forwards is None else args.extra_forwards
-    reward_shape = None
-    if args.reward_model is not None:
-        if "reward" not in roles:
-            raise UserError(
-                f"--reward-model {args.reward_model} sizes the reward role, which the roles "
-                f"({','.join(roles)}) leave out: add it, e.g. --roles {','.join(roles[:-1])},"
-                f"reward,{roles[-1]}"
-            )
-        try:
-            reward_shape = resolve(args.reward_model)
-        except UserError as e:
-            raise UserError(f"--reward-model: {e}") from None
+    reward_shape = _reward_shape(args, roles)
     rank = _given(args.lora_rank, run.lora_rank)
     sync = _given(args.lora_sync, run.lora_sync if rank else "merged")  # LoRA off: no adapters
     return Workload(args.prompts, args.samples, prompt, lengths, args.reward_seconds, forwards,
@@ -388,6 +382,25 @@ def _workload(args: argparse.Namespace, roles: tuple[str, ...],
                     recompute=args.recompute,
                     greedy_baseline=_given(args.greedy_baseline, run.greedy_baseline),
                     lora_rank=rank, lora_sync=sync, reward_shape=reward_shape)  # fmt: skip
+
+
+def _reward_shape(args: argparse.Namespace, roles: tuple[str, ...]) -> ModelShape | None:
+    """The reward role's shape: ``--reward-model``'s, else the policy's (a sequence classifier
+    of its size: its forward without the vocabulary head); None without a reward role.
+    Raises UserError for ``--reward-model`` without the reward role, or one not resolved."""
+    if "reward" not in roles:
+        if args.reward_model is None:
+            return None
+        suggested = [*(r for r in roles if r != "engine"), "reward",
+                     *(["engine"] if "engine" in roles else [])]  # fmt: skip
+        raise UserError(
+            f"--reward-model {args.reward_model} sizes the reward role, which the roles "
+            f"({','.join(roles)}) leave out: add it, e.g. --roles {','.join(suggested)}"
+        )
+    try:
+        return resolve(args.model if args.reward_model is None else args.reward_model)
+    except UserError as e:
+        raise UserError(f"--reward-model: {e}" if args.reward_model else str(e)) from None
 
 
 def _given(option: object, default: object) -> object:
@@ -589,8 +602,8 @@ def _placement_row(p: Placement) -> dict:
     result = None if p.result is None else _result_row(p.result)
     return {
         "placement": p.label,
-        "kind": p.kind,
-        "rollout_gpus": p.rollout_gpus,
+        "kind": p.kind if p.has_engine else "training",
+        "rollout_gpus": p.rollout_gpus if p.has_engine else 0,
         "train_gpus": p.train_gpus,
         "train_layout": {k: getattr(p.layout, k) for k in ("dp", "tp", "pp", "sp", "ep", "zero")},
         "engine_tp": p.engine_tp if p.has_engine else None,
@@ -642,12 +655,15 @@ def _print_plan(console, placements: list[Placement], memory_gib: float) -> None
             "-" if r is None else f"{r.engine_busy * 100:.0f}/{r.trainer_busy:.0%}",
         )  # fmt: skip
     console.print(table)
-    console.print(
-        "GiB t/e: a training GPU's peak / an engine GPU's, its KV cache filling the share of "
-        "the GPU it reserves (gpu_memory_utilization); colocated: the most the update or a "
-        "rollout of one longest sequence needs / the rollout as reserved",
-        markup=False,
-    )
+    if any(p.has_engine for p in placements):
+        console.print(
+            "GiB t/e: a training GPU's peak / an engine GPU's, its KV cache filling the share "
+            "of the GPU it reserves (gpu_memory_utilization); colocated: the most the update or "
+            "a rollout of one longest sequence needs / the rollout as reserved",
+            markup=False,
+        )
+    else:
+        console.print("GiB t/e: a training GPU's peak (no engine role)", markup=False)
     results = [p.result for p in placements if p.result is not None]
     if results:
         worst = max(r.step_error for r in results)

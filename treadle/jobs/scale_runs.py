@@ -62,11 +62,12 @@ def run_lengths(run_dir: Path) -> tuple[list[tuple[int, ...]], list[int]]:
         for row, (ids, prompt, group) in enumerate(
             zip(ids_, prompt_, table.get("group", range(len(ids_))), strict=True)
         ):
-            if (
-                not isinstance(ids, list)
-                or not isinstance(prompt, int)
-                or not 0 < prompt < len(ids)
-            ):
+            if not isinstance(prompt, int) or isinstance(prompt, bool):
+                raise UserError(
+                    f"--lengths-from: {path} holds a rollout whose prompt_tokens ({prompt!r}) is "
+                    "not a whole count of tokens; is it a treadle buffer?"
+                )
+            if not isinstance(ids, list) or not 0 < prompt < len(ids):
                 raise UserError(
                     f"--lengths-from: {path} holds a rollout whose token_ids ({type(ids).__name__}"
                     f") and prompt_tokens ({prompt!r}) leave no response; is it a treadle buffer?"

@@ -24,33 +24,9 @@ MAX_BATCH = 65536
 
 
 def check(shape: ModelShape, work: Workload, setup: Setup) -> None:
-    """Raises UserError, naming the option to change, for a setup that cannot run."""
-    if work.prompts < 1 or work.samples_per_prompt < 1 or work.batch > MAX_BATCH:
-        raise UserError(
-            f"--prompts {work.prompts} x --samples {work.samples_per_prompt}: both must be at "
-            f"least 1 and their product at most {MAX_BATCH:,}"
-        )
-    if work.minibatches > work.batch:
-        raise UserError(
-            f"--minibatches {work.minibatches}: more optimizer steps than the step's {work.batch} "
-            f"samples (--prompts x --samples); at most {work.batch}"
-        )
-    if work.prompt_tokens < 1 or work.lengths.max < 1:
-        raise UserError("--prompt-tokens and --max-response must be at least 1 token")
-    if not (0 < work.lengths.mean <= work.lengths.max):
-        raise UserError(
-            f"--mean-response {work.lengths.mean:g} must be above 0 and at most --max-response "
-            f"{work.lengths.max}"
-        )
-    if not 0 <= work.lora_rank <= MAX_LORA_RANK:
-        raise UserError(f"LoRA rank {work.lora_rank} (--lora-rank, or the run's model.lora.r): "
-                        f"must be 0..{MAX_LORA_RANK:,}")  # fmt: skip
-    if work.reward_shape is not None and work.extra_forwards < 1:
-        raise UserError(f"--extra-forwards {work.extra_forwards} leaves no forward for the reward "
-                        "model (--reward-model): give at least 1")  # fmt: skip
-    if work.lora_sync == "adapter" and not work.lora_rank:
-        raise UserError("--lora-sync adapter sends LoRA adapters: give their rank, --lora-rank R "
-                        "(treadle's model.lora.r), or drop --lora-sync")  # fmt: skip
+    """Raises UserError, naming the option to change, for a setup that cannot run (the work's
+    own errors first, :func:`check_work`)."""
+    check_work(work)
     if work.greedy_baseline and (setup.mode != "sync" or setup.oversample):
         raise UserError(
             "ReMax's greedy baseline (--greedy-baseline, or a run's algorithm.advantage=remax): "
@@ -65,10 +41,14 @@ def check(shape: ModelShape, work: Workload, setup: Setup) -> None:
             f"{setup.rollout_gpus} engine GPUs and {setup.train_gpus} training GPUs: both must be "
             "at least 1 (disaggregated: --rollout-gpus below --gpus)"
         )
+    gpus = f"--gpus {setup.rollout_gpus}" if setup.colocated else (
+        f"--rollout-gpus {setup.rollout_gpus}")  # fmt: skip
+    fits = [t for t in range(1, min(setup.rollout_gpus, shape.heads) + 1)
+            if setup.rollout_gpus % t == 0 and shape.heads % t == 0
+            and engine_tp_splits_kv(shape, t)][-4:]  # fmt: skip
+    use = f"; use --engine-tp {' or '.join(map(str, fits))}" if fits else ""
     if setup.rollout_gpus % setup.engine_tp:
-        raise UserError(
-            f"--engine-tp {setup.engine_tp} does not divide --rollout-gpus {setup.rollout_gpus}"
-        )
+        raise UserError(f"--engine-tp {setup.engine_tp} does not divide {gpus}{use}")
     _check_methods(work, setup)
     if setup.colocated and (setup.mode != "sync" or setup.rollout_gpus != setup.train_gpus):
         raise UserError(
@@ -76,12 +56,14 @@ def check(shape: ModelShape, work: Workload, setup: Setup) -> None:
             "engines GPUs of their own with --rollout-gpus N for one_step or async"
         )
     if shape.heads % setup.engine_tp:
-        raise UserError(f"--engine-tp {setup.engine_tp} does not divide {shape.heads} heads")
+        raise UserError(
+            f"--engine-tp {setup.engine_tp} does not divide {shape.name}'s {shape.heads} heads{use}"
+        )
     if not engine_tp_splits_kv(shape, setup.engine_tp):
         raise UserError(
             f"--engine-tp {setup.engine_tp} must divide {shape.name}'s {shape.kv_heads} KV heads "
             "or be a multiple of them (vLLM splits the KV heads over the GPUs, or gives each GPU "
-            "whole copies)"
+            f"whole copies){use}"
         )
     if not (0 <= setup.staleness <= MAX_STALENESS):  # also refuses NaN
         raise UserError(f"--staleness {setup.staleness:g} must be in 0..{MAX_STALENESS}")
@@ -143,6 +125,37 @@ def _check_training(shape: ModelShape, work: Workload, setup: Setup) -> None:
             "--updates-per-sync streams a step's groups to a trainer of its own: give the "
             "engines GPUs of their own with --rollout-gpus N"
         )
+
+
+def check_work(work: Workload) -> None:
+    """Raises UserError, naming the option to change, for a step's work that cannot run,
+    wherever it is placed (``treadle plan`` checks it with no engine role too)."""
+    if work.prompts < 1 or work.samples_per_prompt < 1 or work.batch > MAX_BATCH:
+        raise UserError(
+            f"--prompts {work.prompts} x --samples {work.samples_per_prompt}: both must be at "
+            f"least 1 and their product at most {MAX_BATCH:,}"
+        )
+    if work.minibatches > work.batch:
+        raise UserError(
+            f"--minibatches {work.minibatches}: more optimizer steps than the step's {work.batch} "
+            f"samples (--prompts x --samples); at most {work.batch}"
+        )
+    if work.prompt_tokens < 1 or work.lengths.max < 1:
+        raise UserError("--prompt-tokens and --max-response must be at least 1 token")
+    if not (0 < work.lengths.mean <= work.lengths.max):
+        raise UserError(
+            f"--mean-response {work.lengths.mean:g} must be above 0 and at most --max-response "
+            f"{work.lengths.max}"
+        )
+    if not 0 <= work.lora_rank <= MAX_LORA_RANK:
+        raise UserError(f"LoRA rank {work.lora_rank} (--lora-rank, or the run's model.lora.r): "
+                        f"must be 0..{MAX_LORA_RANK:,}")  # fmt: skip
+    if work.reward_shape is not None and work.extra_forwards < 1:
+        raise UserError(f"--extra-forwards {work.extra_forwards} leaves no forward for the reward "
+                        "model: give at least 1")  # fmt: skip
+    if work.lora_sync == "adapter" and not work.lora_rank:
+        raise UserError("--lora-sync adapter sends LoRA adapters: give their rank, --lora-rank R "
+                        "(treadle's model.lora.r), or drop --lora-sync")  # fmt: skip
 
 
 def engine_tp_splits_kv(shape: ModelShape, tp: int) -> bool:

@@ -107,18 +107,21 @@ def check_layout(shape: ModelShape, layout: Layout, names: Mapping[str, str] | N
     if layout.tp < 1 or shape.heads % layout.tp:
         fits = [t for t in (1, 2, 4, 8, 16, 32, 64, 128) if shape.heads % t == 0
                 and (gpus is None or gpus % t == 0)][-4:]  # fmt: skip
+        use = f"use {names['tp']} {' or '.join(map(str, fits))}" if fits else "change --gpus"
         raise UserError(
             f"tensor parallel {layout.tp} does not divide the {shape.heads} attention heads of "
-            f"{shape.name}; use {names['tp']} {' or '.join(map(str, fits))}"
+            f"{shape.name}; {use}"
         )
     if layout.sp < 1 or shape.heads % (layout.tp * layout.sp):
         per_tp = shape.heads // layout.tp
         fits = [s for s in range(1, min(per_tp, 32) + 1) if per_tp % s == 0
                 and (gpus is None or gpus % (layout.tp * s) == 0)][-4:]  # fmt: skip
+        use = (f"use {names['sp']} {' or '.join(map(str, fits))}" if fits else
+               f"no {names['sp']} fits {names['tp']} {layout.tp} on {gpus} GPUs: change "
+               f"{names['tp']} or --gpus")  # fmt: skip
         raise UserError(
             f"sequence parallel {layout.sp} does not divide the {per_tp} attention heads per "
-            f"tensor-parallel rank of {shape.name} (Ulysses hands each GPU whole heads); use "
-            f"{names['sp']} {' or '.join(map(str, fits))}"
+            f"tensor-parallel rank of {shape.name} (Ulysses hands each GPU whole heads); {use}"
         )
     if layout.pp > shape.layers:
         raise UserError(

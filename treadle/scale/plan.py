@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 
 from treadle.core.errors import UserError
-from treadle.scale.checks import engine_tp_splits_kv
+from treadle.scale.checks import check_work, engine_tp_splits_kv
 from treadle.scale.hardware import GIB, Gpu
 from treadle.scale.memory import (
     Breakdown,
@@ -31,7 +31,7 @@ from treadle.scale.memory import (
     update_phase,
 )
 from treadle.scale.shapes import ModelShape
-from treadle.scale.simulate import Result, Setup, Workload, simulate
+from treadle.scale.simulate import Lengths, Result, Setup, Workload, simulate
 
 ROLES = ("policy", "reference", "critic", "reward", "engine")
 DEFAULT_ROLES = ("policy", "reference", "engine")
@@ -159,11 +159,16 @@ def measure(q: Question, p: Placement) -> Placement:
     seq = q.seq
 
     def size(role: str) -> Breakdown:
-        """One role's memory per GPU: the reward model at its own shape, where it has one."""
-        shape = q.work.reward_shape if role == "reward" and q.work.reward_shape else q.shape
+        """One role's memory per GPU: a reward model of its own shape sharded by FSDP over the
+        training GPUs, apart from the trainer's model parallelism (verl's reward model worker
+        has its own), so any trainer layout takes it."""
+        shape, layout = q.shape, p.layout
+        if role == "reward" and q.work.reward_shape is not None:
+            shape = q.work.reward_shape
+            layout = trainer_layout(shape, p.train_gpus, zero=p.layout.zero)
         return trainer(
             shape,
-            p.layout,
+            layout,
             q.micro_batch,
             seq,
             q.checkpointing,
@@ -280,6 +285,7 @@ def plan(q: Question, steps: int | None = 3, progress=None,
         UserError: an explicit --tp, --pp or --sp the model cannot take, or no placement fits
             (says how many GPUs of this type the smallest fitting placement needs).
     """
+    check_work(q.work)
     if q.tp or q.pp or q.sp:
         names = {n: f"--{n}" for n in ("tp", "pp", "sp")} | dict(names or {})
         check_layout(q.shape, Layout(tp=q.tp or 1, pp=q.pp or 1, sp=q.sp or 1), names, q.gpus)
@@ -337,13 +343,11 @@ def check_fits(q: Question, setup: Setup) -> Placement:
             f"{where} needs {need} per training GPU in {layout_name(layout, dp=False)} over "
             f"{setup.train_gpus} x {q.gpu.name} ({have}): {fix}"
         )
-    states = sum(b.resident for b in p.memory if b.role != "engine")
     raise UserError(  # colocated: the engine's KV cache beside the trainer's states
-        f"{where}: beside the trainer's {states / GIB:.1f} GiB of parameters, gradients and "
-        f"optimizer states per GPU, an engine of --engine-tp {setup.engine_tp} on "
-        f"{q.gpu.name} has no room for one sequence's KV cache; use a larger --engine-tp or "
-        "--train-tp, --offload the trainer's states, or give the engines GPUs of their own "
-        "(--rollout-gpus N)"
+        f"{where}: beside the trainer's {p.resident / GIB:.1f} GiB of parameters, gradients "
+        f"and optimizer states per GPU, an engine of --engine-tp {setup.engine_tp} on "
+        f"{q.gpu.name} has no room for one sequence's KV cache: {_what_fits(q, setup, kind)}, "
+        "or give the engines GPUs of their own (--rollout-gpus N)"
     )
 
 
@@ -421,11 +425,14 @@ def _nothing_fits(q: Question) -> str:
         changes = {k: v for k, v in changes.items() if "--recompute" not in k}
     fix = next((k for k, v in changes.items()
                 if any(p.fits for p in candidates(replace(q, **v)))), None)  # fmt: skip
-    lower = "--max-response or --prompt-tokens" + (" or --micro-batch" if q.micro_batch > 1
-                                                    else "")  # fmt: skip
+    # shorter sequences, where the shortest fits (a model whose states alone overflow, not)
+    tiny = replace(q, work=replace(q.work, prompt_tokens=1, lengths=Lengths(1, 1)), micro_batch=1)
+    lower = (["--max-response", "--prompt-tokens"] if any(p.fits for p in candidates(tiny))
+             else []) + (["--micro-batch"] if q.micro_batch > 1 else [])  # fmt: skip
+    lower_text = f"; or lower {' or '.join(lower)}" if lower else ""
     return (
         f"{q.shape.name} with {roles} at {q.seq:,} tokens per sequence does not fit "
         f"{q.gpus} x {q.gpu.name} ({q.gpu.memory_gib:.1f} GiB) in any placement{need}: {where}"
         + (f", or use {fix} on these" if fix else "")
-        + f"; or lower {lower}"
+        + lower_text
     )

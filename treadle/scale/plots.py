@@ -90,7 +90,7 @@ def memory(placements: list[Placement], memory_gib: float, path: Path, title: st
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    bars = [(f"#{i} {label}\n{p.kind}", terms)
+    bars = [(f"#{i} {label}\n{p.kind if p.has_engine else 'training only'}", terms)
             for i, p in enumerate(placements[:MAX_PLACEMENTS], 1)
             for label, terms in memory_bars(p)]  # fmt: skip
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(bars) + 2), 5))
