@@ -607,7 +607,8 @@ def _scale(args: argparse.Namespace) -> int:
     from treadle.jobs.scale_job import run
 
     # piped (not a terminal, no COLUMNS): wide enough that no table column is cut to "engi…"
-    wide = {} if sys.stdout.isatty() or "COLUMNS" in os.environ else {"width": 200}
+    terminal = sys.stdout is not None and sys.stdout.isatty()  # None: closed at the start
+    wide = {} if terminal or "COLUMNS" in os.environ else {"width": 200}
     try:
         return run(args, _console(stderr=True, **wide), _console(**wide))
     except UserError as e:

@@ -4,26 +4,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-from dataclasses import fields, replace
+from dataclasses import replace
 from pathlib import Path
 
 from treadle.core.errors import UserError
+from treadle.jobs.scale_output import placement_row, print_plan, print_result, progress, result_row
 from treadle.jobs.scale_runs import RunRoles, run_lengths, run_roles
 from treadle.scale.checks import MAX_LORA_RANK, MAX_SPEC_TOKENS, check
 from treadle.scale.costs import SYNC_METHODS
-from treadle.scale.hardware import GIB, GPUS, Gpu, gpu
-from treadle.scale.memory import Breakdown
+from treadle.scale.hardware import GPUS, Gpu, gpu
 from treadle.scale.plan import (
     DEFAULT_ROLES,
     MAX_GPUS,
     ROLES,
-    Placement,
     Question,
     check_fits,
     extra_forwards,
-    layout_name,
     plan,
 )
 from treadle.scale.shapes import ModelShape, resolve
@@ -31,24 +28,10 @@ from treadle.scale.simulate import (
     AUTO_TOLERANCE,
     MAX_STEPS,
     Lengths,
-    Result,
     Setup,
     Workload,
     simulate,
 )
-
-SHORT = {
-    "parameters": "params",
-    "gradients": "grads",
-    "optimizer": "optim",
-    "activations": "activ",
-    "logits": "logits",
-    "kv_cache": "KV",
-    "overhead": "other",
-}
-"""Column titles of the memory terms (``other``: CUDA context, workspaces, fragmentation)."""
-TERMS = tuple(SHORT)
-
 
 MAX_PACK_TOKENS = 2**24
 """Largest ``--pack-tokens``: a micro-batch of 16.8M tokens."""
@@ -445,7 +428,7 @@ def run(args: argparse.Namespace, console, out=None) -> int:
         q = Question(shape, g, args.gpus, work, args.micro_batch, roles, tp=args.tp,
                      pp=args.pp, sp=args.sp, offload=args.offload)  # fmt: skip
         with console.status("simulating the placements that fit") as status:
-            placements = plan(q, steps=args.steps, progress=_progress(status),
+            placements = plan(q, steps=args.steps, progress=progress(status),
                               names=args.spelled)  # fmt: skip
         if args.plot:
             from treadle.scale.plots import memory
@@ -453,9 +436,9 @@ def run(args: argparse.Namespace, console, out=None) -> int:
             title = f"{shape.name} on {g.name}"
             _save(lambda p: memory(placements, g.memory_gib, p, title), Path(args.plot), console)
         if args.json:
-            print(json.dumps([_placement_row(p) for p in placements], indent=1))
+            print(json.dumps([placement_row(p) for p in placements], indent=1))
         else:
-            _print_plan(out, placements, g.memory_gib)
+            print_plan(out, placements, g.memory_gib)
             if work.lora_rank and "reference" in roles:
                 out.print(f"LoRA rank {work.lora_rank}: the reference is the policy with its "
                           "adapters disabled, no memory of its own", markup=False)  # fmt: skip
@@ -467,16 +450,16 @@ def run(args: argparse.Namespace, console, out=None) -> int:
     if setup.offload:  # every role's states move, a critic's and a reward model's too
         setup = replace(setup, offload_bytes=placed.resident)
     with console.status("simulating") as status:
-        r = simulate(shape, work, setup, steps=args.steps, progress=_progress(status))
+        r = simulate(shape, work, setup, steps=args.steps, progress=progress(status))
     if args.plot:
         from treadle.scale.plots import timeline
 
         _save(lambda p: timeline(r, p), Path(args.plot), console)
-    row = _result_row(r)
+    row = result_row(r)
     if args.json:
         print(json.dumps([row], indent=1))
     else:
-        _print_result(out, r)
+        print_result(out, r)
     return 0
 
 
@@ -562,145 +545,3 @@ def _number(value: float | str) -> str:
         return str(value)
     short = f"{value:g}"
     return short if float(short) == value else repr(float(value))
-
-
-def _progress(status):
-    """A ``progress`` callback showing the simulation's steps on ``status`` (a rich Status)."""
-
-    def show(steps: int, error: float, label: str = "") -> None:
-        where = f"{label}: " if label else ""
-        status.update(f"simulating {where}step {steps}, step time known to {error:.1%}")
-
-    return show
-
-
-def _gib(b: Breakdown) -> dict[str, float]:
-    return {t: getattr(b, t) / GIB for t in TERMS} | {"total": b.total / GIB}
-
-
-def _result_row(r: Result) -> dict:
-    """A simulation's figures as JSON (an unknown step error, with too few steps, as null)."""
-    row = {f.name: getattr(r, f.name) for f in fields(r) if f.name != "timeline"}
-    row["step_error"] = None if math.isinf(r.step_error) else r.step_error
-    row["generate_s"] = None if math.isnan(r.generate_s) else r.generate_s
-    return row
-
-
-def _error_text(error: float) -> str:
-    """The step time's relative error in words, saying when it misses the target."""
-    if math.isinf(error):
-        return "unknown (5 steps or more give one)"
-    note = (
-        f" (above the {AUTO_TOLERANCE:.0%} target: not settled)" if error > AUTO_TOLERANCE else ""
-    )
-    return f"{error:.1%}{note}"
-
-
-def _placement_row(p: Placement) -> dict:
-    """One placement as JSON: its label, peaks (GiB per GPU), memory per role by term and the
-    simulated step."""
-    result = None if p.result is None else _result_row(p.result)
-    return {
-        "placement": p.label,
-        "kind": p.kind if p.has_engine else "training",
-        "rollout_gpus": p.rollout_gpus if p.has_engine else 0,
-        "train_gpus": p.train_gpus,
-        "train_layout": {k: getattr(p.layout, k) for k in ("dp", "tp", "pp", "sp", "ep", "zero")},
-        "engine_tp": p.engine_tp if p.has_engine else None,
-        "train_peak_gib": p.train_peak / GIB,
-        "engine_peak_gib": p.engine_peak / GIB if p.has_engine else None,
-        "memory_gib": {b.role: _gib(b) for b in p.memory},
-        "simulated": result,
-    }
-
-
-def _table(title: str, columns: list[str], left: int = 1):
-    """A compact rich table: the first ``left`` columns left-aligned, the rest right."""
-    from rich import box
-    from rich.table import Table
-
-    table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0))
-    for i, col in enumerate(columns):
-        table.add_column(col, justify="left" if i < left else "right", no_wrap=True)
-    return table
-
-
-def _print_plan(console, placements: list[Placement], memory_gib: float) -> None:
-    zero = placements[0].layout.zero  # one ZeRO stage for every placement of a question
-    table = _table(
-        "placements that fit, best first (simulated trained tokens per second)",
-        [
-            "#",
-            "placement e:t",
-            f"trainer z{zero}",
-            "engine",
-            "GiB t/e",
-            "step s",
-            "tok/s",
-            "busy e/t",
-        ],
-        left=4,
-    )
-    for i, p in enumerate(placements, 1):
-        r, lay = p.result, p.layout
-        kind = "colocated" if p.kind == "colocated" else f"disagg {p.rollout_gpus}:{p.train_gpus}"
-        engine = p.has_engine
-        kind = f"{kind} {p.mode}" if engine else "training only"
-        table.add_row(
-            str(i), kind, layout_name(lay, compact=True),
-            f"tp{p.engine_tp}" if engine else "-",
-            f"{p.train_peak / GIB:.0f}" + (f"/{p.engine_peak / GIB:.0f}" if engine else ""),
-            "-" if r is None else f"{r.step_s:.1f}",
-            "-" if r is None else f"{r.tokens_per_s:,.0f}",
-            "-" if r is None else f"{r.engine_busy * 100:.0f}/{r.trainer_busy:.0%}",
-        )  # fmt: skip
-    console.print(table)
-    if any(p.has_engine for p in placements):
-        console.print(
-            "GiB t/e: a training GPU's peak / an engine GPU's, its KV cache filling the share "
-            "of the GPU it reserves (gpu_memory_utilization); colocated: the most the update or "
-            "a rollout of one longest sequence needs / the rollout as reserved",
-            markup=False,
-        )
-    else:
-        console.print("GiB t/e: a training GPU's peak (no engine role)", markup=False)
-    results = [p.result for p in placements if p.result is not None]
-    if results:
-        worst = max(r.step_error for r in results)
-        low, high = min(r.steps for r in results), max(r.steps for r in results)
-        steps = f"{low}" if low == high else f"{low}-{high}"
-        console.print(
-            f"each simulated {steps} steps, the warm-up dropped; step time's error at most "
-            f"{_error_text(worst)}",
-            markup=False,
-        )
-    roles = _table(f"#1: GiB per GPU by role (GPUs of {memory_gib:.1f} GiB)",
-                   ["role", *SHORT.values(), "total"])  # fmt: skip
-    for b in placements[0].memory:
-        roles.add_row(b.role, *(f"{v:.2f}" for v in _gib(b).values()))
-    console.print(roles)
-
-
-def _print_result(console, r: Result) -> None:
-    table = _table("simulated RL step",
-                   ["measure", "value"])  # fmt: skip
-    rows = [
-        ("step", f"{r.step_s:.2f} s"),
-        ("trained tokens / s", f"{r.tokens_per_s:,.0f}"),
-        (
-            "generation of a batch",
-            "no batch completed" if math.isnan(r.generate_s) else f"{r.generate_s:.2f} s",
-        ),
-        ("update", f"{r.train_s:.2f} s"),
-        ("weight sync", f"{r.sync_s:.2f} s"),
-        ("engines busy", f"{r.engine_busy:.0%}"),
-        ("trainer busy", f"{r.trainer_busy:.0%}"),
-        ("staleness mean / max", f"{r.staleness_mean:.2f} / {r.staleness_max}"),
-        ("steps simulated", f"{r.steps}, the first {r.warmup_steps} as warm-up"),
-        ("step time's error", _error_text(r.step_error)),
-        ("samples dropped stale", f"{r.dropped_stale:,}"),
-        ("preemptions (KV cache full)", f"{r.preemptions:,}"),
-    ]
-    for name, value in rows:
-        table.add_row(name, value)
-    console.print(table)
