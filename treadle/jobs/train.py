@@ -214,6 +214,12 @@ def _run_parts(
         if cfg.eval.control_sft and cfg.sft.steps > 0:
             console.print(f"control: {rl_seconds:.0f} s of extra SFT from sft_model instead of RL")
             summary |= control_run(parts, data, run_dir, rl_seconds)
+            spent, steps = summary["control_sft_seconds"], summary["control_sft_steps"]
+            if spent < 0.9 * rl_seconds:  # the probe timed a slower machine than the steps had
+                console.print(
+                    f"control: its {steps} steps took {spent:.0f} s of the "
+                    f"{rl_seconds:.0f} (their count timed on a busier machine)"
+                )
     finally:
         close(parts)
     return summary
@@ -283,7 +289,9 @@ def describe(algo: AlgorithmConfig) -> str:
 
 
 def control_run(parts: RLParts, data: Dataset, run_dir: Path, seconds: float) -> dict:
-    """The control: the same wall time spent on more SFT from the SFT checkpoint instead of RL."""
+    """The control: the same wall time spent on more SFT from the SFT checkpoint instead of RL.
+    Its step count (and so its cosine schedule) is fixed by timing 2 steps first; a machine
+    whose load falls afterwards finishes them sooner, which ``control_sft_seconds`` records."""
     cfg = parts.cfg
     model, tokenizer = load_model(run_dir / "sft_model", "float32")  # as the SFT warm-up
     samples = sft_samples(cfg, data, tokenizer)
@@ -292,6 +300,7 @@ def control_run(parts: RLParts, data: Dataset, run_dir: Path, seconds: float) ->
     run_sft(probe, samples, steps=2, batch_size=cfg.sft.batch_size, seed=cfg.run.seed)
     steps = max(1, int(seconds / ((time.perf_counter() - t0) / 2)))
     backend = sft_backend(cfg, model, steps)
+    t0 = time.perf_counter()
     done = run_sft(
         backend,
         samples,
@@ -300,10 +309,12 @@ def control_run(parts: RLParts, data: Dataset, run_dir: Path, seconds: float) ->
         seed=cfg.run.seed + 1,
         max_seconds=seconds,
     )
+    spent = time.perf_counter() - t0  # below ``seconds`` where the machine sped up after the probe
     parts.engine.update_weights(backend.named_weights(), version=-1)
     result = evaluate_policy(parts)
     return {
         "control_sft_steps": done,
+        "control_sft_seconds": spent,
         "accuracy_control_sft": result.pass_at_1,
         "greedy_accuracy_control_sft": result.greedy_accuracy,
     }
