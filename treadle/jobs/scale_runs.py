@@ -48,10 +48,10 @@ def run_lengths(run_dir: Path) -> tuple[list[tuple[int, ...]], list[int]]:
     for f, path in enumerate(files):
         try:
             schema = pq.read_schema(path)
-            names = schema.names
-            columns = ["token_ids", "prompt_tokens"] + (["group"] if "group" in names else [])
-            ids_type = schema.field("token_ids").type if "token_ids" in names else None
-            table = pq.read_table(path, columns=columns).to_pydict()
+            columns = ["token_ids", "prompt_tokens"] + (["group"] if "group" in schema.names
+                                                        else [])  # fmt: skip
+            table = pq.read_table(path, columns=columns).to_pydict()  # refuses a missing column
+            ids_type = schema.field("token_ids").type
         except Exception as e:  # pyarrow raises several types for a damaged or foreign file
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UserError(f"--lengths-from: cannot read {path} as rollouts ({first})") from None

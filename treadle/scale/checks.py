@@ -41,14 +41,10 @@ def check(shape: ModelShape, work: Workload, setup: Setup) -> None:
             f"{setup.rollout_gpus} engine GPUs and {setup.train_gpus} training GPUs: both must be "
             "at least 1 (disaggregated: --rollout-gpus below --gpus)"
         )
-    gpus = f"--gpus {setup.rollout_gpus}" if setup.colocated else (
-        f"--rollout-gpus {setup.rollout_gpus}")  # fmt: skip
-    fits = [t for t in range(1, min(setup.rollout_gpus, shape.heads) + 1)
-            if setup.rollout_gpus % t == 0 and shape.heads % t == 0
-            and engine_tp_splits_kv(shape, t)][-4:]  # fmt: skip
-    use = f"; use --engine-tp {' or '.join(map(str, fits))}" if fits else ""
     if setup.rollout_gpus % setup.engine_tp:
-        raise UserError(f"--engine-tp {setup.engine_tp} does not divide {gpus}{use}")
+        gpus = "--gpus" if setup.colocated else "--rollout-gpus"
+        raise UserError(f"--engine-tp {setup.engine_tp} does not divide {gpus} "
+                        f"{setup.rollout_gpus}{_engine_tp_hint(shape, setup)}")  # fmt: skip
     _check_methods(work, setup)
     if setup.colocated and (setup.mode != "sync" or setup.rollout_gpus != setup.train_gpus):
         raise UserError(
@@ -57,13 +53,14 @@ def check(shape: ModelShape, work: Workload, setup: Setup) -> None:
         )
     if shape.heads % setup.engine_tp:
         raise UserError(
-            f"--engine-tp {setup.engine_tp} does not divide {shape.name}'s {shape.heads} heads{use}"
+            f"--engine-tp {setup.engine_tp} does not divide {shape.name}'s {shape.heads} heads"
+            f"{_engine_tp_hint(shape, setup)}"
         )
     if not engine_tp_splits_kv(shape, setup.engine_tp):
         raise UserError(
             f"--engine-tp {setup.engine_tp} must divide {shape.name}'s {shape.kv_heads} KV heads "
             "or be a multiple of them (vLLM splits the KV heads over the GPUs, or gives each GPU "
-            f"whole copies){use}"
+            f"whole copies){_engine_tp_hint(shape, setup)}"
         )
     if not (0 <= setup.staleness <= MAX_STALENESS):  # also refuses NaN
         raise UserError(f"--staleness {setup.staleness:g} must be in 0..{MAX_STALENESS}")
@@ -74,6 +71,16 @@ def check(shape: ModelShape, work: Workload, setup: Setup) -> None:
     if setup.mode == "async" and setup.staleness <= 0 and setup.partial:
         raise UserError("--partial needs --staleness above 0 (eta = 0 is synchronous)")
     _check_kv_cache(shape, work, setup)
+
+
+def _engine_tp_hint(shape: ModelShape, setup: Setup) -> str:
+    """``; use --engine-tp ...``: the largest engine TPs (up to 4 of them) that divide the
+    engines' GPUs and the heads and split the KV heads as vLLM does; "" where none does."""
+    n = setup.rollout_gpus
+    fits = [t for t in range(1, min(n, shape.heads) + 1)
+            if n % t == 0 and shape.heads % t == 0
+            and engine_tp_splits_kv(shape, t)][-4:]  # fmt: skip
+    return f"; use --engine-tp {' or '.join(map(str, fits))}" if fits else ""
 
 
 def _check_training(shape: ModelShape, work: Workload, setup: Setup) -> None:

@@ -47,8 +47,8 @@ class Lengths:
         """Raises ValueError for a measured prompt with no lengths, which no group can draw
         from (the ranges of mean, max and sigma are the checks' of
         :mod:`treadle.scale.checks`, which name the options)."""
-        if any(not group for group in self.measured):
-            empty = next(k for k, group in enumerate(self.measured) if not group)
+        empty = next((k for k, group in enumerate(self.measured) if not group), None)
+        if empty is not None:
             raise ValueError(
                 f"Lengths(measured=...): prompt {empty} has no lengths; leave out prompts "
                 "with no response"

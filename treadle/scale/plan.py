@@ -394,13 +394,17 @@ MAX_GPUS = 16384
 """The most GPUs a refusal searches for a placement that fits."""
 
 
+def _fits(q: Question) -> bool:
+    """Whether any placement of :func:`candidates` fits ``q``."""
+    return any(p.fits for p in candidates(q))
+
+
 def _nothing_fits(q: Question) -> str:
     """One line: what does not fit, and the smallest GPU count of this type that would (every
     count to 64, then whole nodes to 1,024, then steps of 1,024 to MAX_GPUS), if any."""
     node = q.gpu.per_node
     counts = [*range(1, 65), *range(64 + node, 1025, node), *range(2048, MAX_GPUS + 1, 1024)]
-    fits = next((n for n in counts if n > q.gpus and any(
-        p.fits for p in candidates(replace(q, gpus=n)))), None)  # fmt: skip
+    fits = next((n for n in counts if n > q.gpus and _fits(replace(q, gpus=n))), None)
     best = min(candidates(q), key=lambda p: p.train_peak, default=None)
     need = ""
     if best is not None and best.train_peak > q.gpu.memory_bytes:
@@ -413,22 +417,19 @@ def _nothing_fits(q: Question) -> str:
     roles = ", ".join(q.roles)
     where = (f"it fits {fits} GPUs" if fits else
              f"no placement fits up to {MAX_GPUS:,} GPUs either")  # fmt: skip
-    # only what fits as given: each alone, then both
-    changes = {
-        "--offload": {"offload": True},
-        "--recompute full": {"recompute": "full"},
-        "--offload --recompute full": {"offload": True, "recompute": "full"},
-    }
-    if q.offload:
-        changes = {k: v for k, v in changes.items() if "--offload" not in k}
-    if q.checkpointing == "full":
-        changes = {k: v for k, v in changes.items() if "--recompute" not in k}
-    fix = next((k for k, v in changes.items()
-                if any(p.fits for p in candidates(replace(q, **v)))), None)  # fmt: skip
+    # only what fits as given: each change not already made alone, then both
+    changes = {}
+    if not q.offload:
+        changes["--offload"] = {"offload": True}
+    if q.checkpointing != "full":
+        changes["--recompute full"] = {"recompute": "full"}
+    if len(changes) == 2:
+        changes["--offload --recompute full"] = {"offload": True, "recompute": "full"}
+    fix = next((k for k, v in changes.items() if _fits(replace(q, **v))), None)
     # shorter sequences, where the shortest fits (a model whose states alone overflow, not)
     tiny = replace(q, work=replace(q.work, prompt_tokens=1, lengths=Lengths(1, 1)), micro_batch=1)
-    lower = (["--max-response", "--prompt-tokens"] if any(p.fits for p in candidates(tiny))
-             else []) + (["--micro-batch"] if q.micro_batch > 1 else [])  # fmt: skip
+    lower = (["--max-response", "--prompt-tokens"] if _fits(tiny) else []) + (
+        ["--micro-batch"] if q.micro_batch > 1 else [])  # fmt: skip
     lower_text = f"; or lower {' or '.join(lower)}" if lower else ""
     return (
         f"{q.shape.name} with {roles} at {q.seq:,} tokens per sequence does not fit "
