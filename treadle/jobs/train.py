@@ -214,15 +214,28 @@ def _run_parts(
         if cfg.eval.control_sft and cfg.sft.steps > 0:
             console.print(f"control: {rl_seconds:.0f} s of extra SFT from sft_model instead of RL")
             summary |= control_run(parts, data, run_dir, rl_seconds)
-            spent, steps = summary["control_sft_seconds"], summary["control_sft_steps"]
-            if spent < 0.9 * rl_seconds:  # the probe timed a slower machine than the steps had
-                console.print(
-                    f"control: its {steps} steps took {spent:.0f} s of the "
-                    f"{rl_seconds:.0f} (their count timed on a busier machine)"
-                )
+            say_control_timing(summary, rl_seconds, console)
     finally:
         close(parts)
     return summary
+
+
+def say_control_timing(summary: dict, rl_seconds: float, console: Console) -> None:
+    """A line where the control's steps, counted by its probe, took under 0.9x the RL phase's
+    seconds (the machine sped up) or were cut by the time limit before 0.9x of them ran (it
+    slowed down)."""
+    spent, done = summary["control_sft_seconds"], summary["control_sft_steps"]
+    planned = summary["control_sft_planned_steps"]
+    if spent < 0.9 * rl_seconds:  # the probe timed a slower machine than the steps had
+        console.print(
+            f"control: its {done} steps took {spent:.0f} s of the "
+            f"{rl_seconds:.0f} (their count timed on a busier machine)"
+        )
+    elif done < 0.9 * planned:  # the probe timed a faster machine
+        console.print(
+            f"control: its {rl_seconds:.0f} s ran out after {done} of its {planned} steps "
+            "(their count timed on a less busy machine; the schedule's last steps not taken)"
+        )
 
 
 def evaluate_before_rl(parts: RLParts, console: Console, done: int) -> dict:
@@ -290,15 +303,25 @@ def describe(algo: AlgorithmConfig) -> str:
 
 def control_run(parts: RLParts, data: Dataset, run_dir: Path, seconds: float) -> dict:
     """The control: the same wall time spent on more SFT from the SFT checkpoint instead of RL.
-    Its step count (and so its cosine schedule) is fixed by timing 2 steps first; a machine
-    whose load falls afterwards finishes them sooner, which ``control_sft_seconds`` records."""
+    Its step count (and so its cosine schedule) is fixed by timing steps 3-6 of a probe (the
+    first two pay one-off costs, allocation and kernel selection: 0.46 and 0.34 s against
+    0.22 s later, on a 2-core AMD EPYC, which counted about 10% fewer steps than fit); where
+    the machine's load falls afterwards they finish sooner, which ``control_sft_seconds``
+    records, and where it rises the time runs out before the schedule's last steps."""
     cfg = parts.cfg
     model, tokenizer = load_model(run_dir / "sft_model", "float32")  # as the SFT warm-up
     samples = sft_samples(cfg, data, tokenizer)
-    probe = sft_backend(cfg, copy.deepcopy(model), 2)
-    t0 = time.perf_counter()
-    run_sft(probe, samples, steps=2, batch_size=cfg.sft.batch_size, seed=cfg.run.seed)
-    steps = max(1, int(seconds / ((time.perf_counter() - t0) / 2)))
+    probe = sft_backend(cfg, copy.deepcopy(model), 6)
+    timed: list[float] = []
+    run_sft(
+        probe,
+        samples,
+        steps=6,
+        batch_size=cfg.sft.batch_size,
+        seed=cfg.run.seed,
+        on_step=lambda step, m: timed.append(m["time/step_s"]),
+    )
+    steps = control_steps(seconds, timed)
     backend = sft_backend(cfg, model, steps)
     t0 = time.perf_counter()
     done = run_sft(
@@ -314,10 +337,24 @@ def control_run(parts: RLParts, data: Dataset, run_dir: Path, seconds: float) ->
     result = evaluate_policy(parts)
     return {
         "control_sft_steps": done,
+        "control_sft_planned_steps": steps,
         "control_sft_seconds": spent,
         "accuracy_control_sft": result.pass_at_1,
         "greedy_accuracy_control_sft": result.greedy_accuracy,
     }
+
+
+def control_steps(seconds: float, probe_step_seconds: list[float]) -> int:
+    """The control's step count: ``seconds`` of wall time over the mean seconds of the probe's
+    steps after its first two (their one-off costs left out); at least 1.
+
+    Raises:
+        ValueError: a probe of fewer than 3 steps.
+    """
+    timed = probe_step_seconds[2:]
+    if not timed:
+        raise ValueError(f"the control's probe timed {len(probe_step_seconds)} steps; needs 3+")
+    return max(1, int(seconds / (sum(timed) / len(timed))))
 
 
 def _tool_use(result: EvalResult, when: str) -> dict:
