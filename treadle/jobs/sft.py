@@ -182,15 +182,17 @@ def run_sft(
     return steps
 
 
-def sft_backend(cfg: Config, model: PreTrainedModel, steps: int) -> TorchBackend:
+def sft_backend(
+    cfg: Config, model: PreTrainedModel, steps: int, schedule: str = "cosine"
+) -> TorchBackend:
     """A backend for ``steps`` SFT steps in this process (:func:`in_one_process`): ``sft.lr``
-    with a warmup and cosine decay, one optimizer step per batch; over LoRA adapters of
-    ``model`` with ``model.lora.sft``."""
+    with a warmup and then ``schedule`` (``trainer.lr_schedule``'s values), one optimizer step
+    per batch; over LoRA adapters of ``model`` with ``model.lora.sft``."""
     trainer = dataclasses.replace(
         in_one_process(cfg.trainer),
         lr=cfg.sft.lr,
         warmup_steps=cfg.sft.warmup_steps,
-        lr_schedule="cosine",
+        lr_schedule=schedule,
         mini_batches=1,
     )
     if cfg.model.lora.r > 0 and cfg.model.lora.sft:

@@ -20,11 +20,12 @@ The run's parts are built by :mod:`treadle.jobs.compose`; the RL steps are
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
+import math
 import shutil
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -213,29 +214,10 @@ def _run_parts(
         summary |= evaluate_after_rl(parts, console, rl_seconds)
         if cfg.eval.control_sft and cfg.sft.steps > 0:
             console.print(f"control: {rl_seconds:.0f} s of extra SFT from sft_model instead of RL")
-            summary |= control_run(parts, data, run_dir, rl_seconds)
-            say_control_timing(summary, rl_seconds, console)
+            summary |= control_run(parts, data, run_dir, rl_seconds, console)
     finally:
         close(parts)
     return summary
-
-
-def say_control_timing(summary: dict, rl_seconds: float, console: Console) -> None:
-    """A line where the control's steps, counted by its probe, took under 0.9x the RL phase's
-    seconds (the machine sped up) or were cut by the time limit before 0.9x of them ran (it
-    slowed down)."""
-    spent, done = summary["control_sft_seconds"], summary["control_sft_steps"]
-    planned = summary["control_sft_planned_steps"]
-    if spent < 0.9 * rl_seconds:  # the probe timed a slower machine than the steps had
-        console.print(
-            f"control: its {done} steps took {spent:.0f} s of the "
-            f"{rl_seconds:.0f} (their count timed on a busier machine)"
-        )
-    elif done < 0.9 * planned:  # the probe timed a faster machine
-        console.print(
-            f"control: its {rl_seconds:.0f} s ran out after {done} of its {planned} steps "
-            "(their count timed on a less busy machine; the schedule's last steps not taken)"
-        )
 
 
 def evaluate_before_rl(parts: RLParts, console: Console, done: int) -> dict:
@@ -301,60 +283,60 @@ def describe(algo: AlgorithmConfig) -> str:
     return f"{algo.advantage} advantages, {algo.policy_loss} loss, {algo.loss_agg}"
 
 
-def control_run(parts: RLParts, data: Dataset, run_dir: Path, seconds: float) -> dict:
-    """The control: the same wall time spent on more SFT from the SFT checkpoint instead of RL.
-    Its step count (and so its cosine schedule) is fixed by timing steps 3-6 of a probe (the
-    first two pay one-off costs, allocation and kernel selection: 0.46 and 0.34 s against
-    0.22 s later, on a 2-core AMD EPYC, which counted about 10% fewer steps than fit); where
-    the machine's load falls afterwards they finish sooner, which ``control_sft_seconds``
-    records, and where it rises the time runs out before the schedule's last steps."""
+def control_run(
+    parts: RLParts, data: Dataset, run_dir: Path, seconds: float, console: Console
+) -> dict:
+    """The control: the same wall time spent on more SFT from the SFT checkpoint instead of RL,
+    its learning rate warmed up over ``sft.warmup_steps`` and decayed by a cosine over those
+    ``seconds`` (:func:`timed_cosine`), so it anneals whatever the machine's load. (A cosine
+    over a step count timed beforehand ran out of time at 537 of 1,177 steps, its learning rate
+    still at half, on a machine whose load rose.) A line every 60 s shows its progress."""
     cfg = parts.cfg
     model, tokenizer = load_model(run_dir / "sft_model", "float32")  # as the SFT warm-up
     samples = sft_samples(cfg, data, tokenizer)
-    probe = sft_backend(cfg, copy.deepcopy(model), 6)
-    timed: list[float] = []
-    run_sft(
-        probe,
-        samples,
-        steps=6,
-        batch_size=cfg.sft.batch_size,
-        seed=cfg.run.seed,
-        on_step=lambda step, m: timed.append(m["time/step_s"]),
-    )
-    steps = control_steps(seconds, timed)
-    backend = sft_backend(cfg, model, steps)
-    t0 = time.perf_counter()
+    # Warm-up by steps (a constant rate after it), times the cosine over time set each step.
+    backend = sft_backend(cfg, model, 1, schedule="constant")
+    decay = timed_cosine(seconds)
+    t0 = last = time.perf_counter()
+
+    def on_step(step: int, metrics: dict[str, float]) -> None:
+        nonlocal last
+        factor = decay()  # the schedule has just set the next step's rate: scale it
+        for group in backend.optimizer.param_groups:
+            group["lr"] *= factor
+        if time.perf_counter() - last >= 60:
+            last = time.perf_counter()
+            console.print(f"control: {last - t0:.0f} of {seconds:.0f} s, {step + 1} steps")
+
     done = run_sft(
         backend,
         samples,
-        steps=steps,
+        steps=sys.maxsize,
         batch_size=cfg.sft.batch_size,
         seed=cfg.run.seed + 1,
         max_seconds=seconds,
+        on_step=on_step,
     )
-    spent = time.perf_counter() - t0  # below ``seconds`` where the machine sped up after the probe
+    spent = time.perf_counter() - t0
     parts.engine.update_weights(backend.named_weights(), version=-1)
     result = evaluate_policy(parts)
     return {
         "control_sft_steps": done,
-        "control_sft_planned_steps": steps,
         "control_sft_seconds": spent,
         "accuracy_control_sft": result.pass_at_1,
         "greedy_accuracy_control_sft": result.greedy_accuracy,
     }
 
 
-def control_steps(seconds: float, probe_step_seconds: list[float]) -> int:
-    """The control's step count: ``seconds`` of wall time over the mean seconds of the probe's
-    steps after its first two (their one-off costs left out); at least 1.
-
-    Raises:
-        ValueError: a probe of fewer than 3 steps.
-    """
-    timed = probe_step_seconds[2:]
-    if not timed:
-        raise ValueError(f"the control's probe timed {len(probe_step_seconds)} steps; needs 3+")
-    return max(1, int(seconds / (sum(timed) / len(timed))))
+def timed_cosine(
+    seconds: float, clock: Callable[[], float] = time.perf_counter
+) -> Callable[[], float]:
+    """A learning-rate factor over wall time: ``(1 + cos(pi min(1, t / seconds))) / 2``, t the
+    seconds since this was made (cosine decay, Loshchilov and Hutter 2017, arXiv 1608.03983,
+    Eq. 5 with one cycle and a floor of 0, over seconds instead of steps): 1 at the start, 0
+    from ``seconds`` on."""
+    start = clock()
+    return lambda: 0.5 * (1.0 + math.cos(math.pi * min(1.0, (clock() - start) / seconds)))
 
 
 def _tool_use(result: EvalResult, when: str) -> dict:
