@@ -415,7 +415,7 @@ def for_this_machine(
     cfg = resolved(cfg, choice)
     own = not engine_here and engine_in_own_process(cfg)
     choice = with_preload(choice, own, cfg.rollout.preload)
-    console.print(choice.describe())
+    console.print(choice.describe(), soft_wrap=True)  # one line in a log; a terminal wraps it
     return cfg, choice
 
 
