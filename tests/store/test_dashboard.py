@@ -124,6 +124,34 @@ def test_a_panel_whose_metric_was_not_logged_says_so() -> None:
     assert len(panels["Loss"].texts) == 0 and len(panels["Loss"].get_lines()) == 1
 
 
+def test_without_a_reference_kl_the_kl_panel_names_the_mismatch() -> None:
+    # GRPO with algorithm.kl.coef 0 (the default recipe) logs only the engine/trainer mismatch:
+    # its one curve is named in a legend and the title, not read as the KL to the reference.
+    rows = [{k: v for k, v in _step_row(s).items() if not k.startswith("kl/")} for s in (1, 2)]
+    fig = build_dashboard(rows, "demo")
+    ax = fig.axes[TITLES.index("KL")]
+    assert ax.get_title() == "KL, engine vs trainer (no reference KL logged)"
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["engine vs trainer (k3)"]
+    assert list(ax.get_lines()[0].get_ydata()) == [0.001, 0.001]
+    # with the reference KL logged: both curves, the plain title
+    both = _panels(_full_run())["KL"]
+    assert [t.get_text() for t in both.get_legend().get_texts()] == [
+        "to reference (k3)",
+        "engine vs trainer (k3)",
+    ]
+
+
+def test_legends_keep_a_half_percent() -> None:
+    # 200 held-out prompts move in halves of a percent: 0.985 is "98.5%" as in summary.json,
+    # not "98%" (round half to even) or "99%"; whole percentages stay whole
+    rows = _full_run()
+    rows[-2] |= {"eval/pass@k": 0.985}
+    rows[-1] |= {"control/pass@1": 0.4625}  # 462.5 tenths, rounded to even: 46.2%, as summary.json
+    labels = [line.get_label() for line in _panels(rows)["Accuracy"].get_lines()]
+    assert labels[3] == "held-out pass@k: 20% → 98.5%"
+    assert labels[4] == "control: SFT for the same time, pass@1: 46.2%"
+
+
 def test_an_empty_run_marks_every_panel() -> None:
     fig = build_dashboard([], "empty")
     assert [ax.get_title() for ax in fig.axes] == TITLES

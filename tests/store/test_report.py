@@ -121,6 +121,7 @@ def test_plot_of_a_missing_file_is_a_user_error(tmp_path: Path) -> None:
         ("eval/greedy_accuracy_after", 0.5, "50.0%"),
         ("correct_fraction", 1.0, "100.0%"),
         ("time/total_s", 1234.56, "1234.6 s"),
+        ("control_sft_seconds", 92.514, "92.5 s"),
         ("steps", 200, "200"),
         ("reward/mean_final", 0.012345, "0.01235"),
         ("model", "Qwen/Qwen3-0.6B", "Qwen/Qwen3-0.6B"),

@@ -133,7 +133,7 @@ def format_summary_value(name: str, value: float | str | None) -> str:
     """Format one summary entry for display, choosing the unit from the name.
 
     - ``None`` (not measured) as ``-``; text as is; ``int`` as an integer;
-    - names ending in ``_s`` are seconds: ``12.34`` -> ``"12.3 s"``;
+    - names ending in ``_s`` or ``_seconds`` are seconds: ``12.34`` -> ``"12.3 s"``;
     - names containing ``accuracy``, ``pass@``, ``pass_at_``, ``fraction`` or ``_frac`` are
       fractions in [0, 1] shown as percentages: ``0.4567`` -> ``"45.7%"``;
     - other numbers get 4 significant digits: ``0.012345`` -> ``"0.01235"``.
@@ -147,7 +147,7 @@ def format_summary_value(name: str, value: float | str | None) -> str:
     value = float(value)
     if not math.isfinite(value):
         return str(value)
-    if name.endswith("_s"):
+    if name.endswith(("_s", "_seconds")):
         return f"{value:.1f} s"
     if any(marker in name for marker in _FRACTION_MARKERS):
         return f"{value:.1%}"
