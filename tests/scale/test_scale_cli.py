@@ -239,6 +239,30 @@ def test_lengths_from_a_damaged_config_is_one_line_naming_it_and_roles(tmp_path,
     assert main([*roles, "--lora-rank", "0", "--no-greedy-baseline"]) == 0
 
 
+def test_lengths_from_a_run_whose_lora_keys_are_given_does_not_read_them(tmp_path, capsys):
+    # the run's model.lora.r 5000 is refused (above 4,096) only while it would be used: with
+    # --lora-rank given the file's rank is neither read nor checked, with or without --roles
+    from treadle.cli import _parse
+    from treadle.jobs.scale_job import _roles_and_forwards
+
+    _buffer(tmp_path, [10] * 16, 20, group_size=4)
+    (tmp_path / "config.yaml").write_bytes(b"model: {lora: {r: 5000, sync: adapter}}")
+    assert main([*RUN_ARGV, str(tmp_path)]) == 2
+    assert "model.lora.r 5000 is above the largest LoRA rank" in capsys.readouterr().err
+    for roles in ([], ["--roles", "policy,engine", "--no-greedy-baseline"]):
+        args = _parse([*RUN_ARGV, str(tmp_path), "--lora-rank", "8", *roles])
+        run = _roles_and_forwards(args)[0]
+        assert (run.lora_rank, run.lora_sync) == (0, "adapter")  # the file's sync still read
+        assert main([*RUN_ARGV, str(tmp_path), "--lora-rank", "8", *roles]) == 0
+        assert "LoRA rank 8, its adapters synced alone" in capsys.readouterr().err
+    # --lora-sync alone leaves the rank the file's: still refused
+    assert main([*RUN_ARGV, str(tmp_path), "--lora-sync", "merged"]) == 2
+    assert "model.lora.r 5000" in capsys.readouterr().err
+    # both given: a model.lora that is no section is not read either
+    (tmp_path / "config.yaml").write_bytes(b"model: {lora: [1]}")
+    assert main([*RUN_ARGV, str(tmp_path), "--lora-rank", "8", "--lora-sync", "merged"]) == 0
+
+
 def test_lengths_from_an_older_runs_config_reads_only_the_keys_it_needs(tmp_path):
     # a key this treadle does not know (another version's) is no reason to refuse
     import yaml

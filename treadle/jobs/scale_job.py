@@ -285,6 +285,13 @@ def _roles(text: str | None, command: str) -> tuple[str, ...]:
     return roles
 
 
+def _lora_given(args: argparse.Namespace) -> tuple[str, ...]:
+    """The run config's LoRA keys the command line gives (``--lora-rank``, ``--lora-sync``):
+    :func:`run_roles` neither reads nor checks the file's."""
+    options = (("model.lora.r", args.lora_rank), ("model.lora.sync", args.lora_sync))
+    return tuple(key for key, value in options if value is not None)
+
+
 def _roles_and_forwards(args: argparse.Namespace) -> tuple[RunRoles, bool, str]:
     """``--roles`` (or, with ``--lengths-from`` and no ``--roles``, the run's own roles, its
     forwards, ReMax baseline and LoRA rank), whether those are the run's (then the forwards
@@ -301,7 +308,7 @@ def _roles_and_forwards(args: argparse.Namespace) -> tuple[RunRoles, bool, str]:
             run = run_roles(args.lengths_from, fix="with --roles it is still read for the run's "
                             "LoRA rank and sync and ReMax baseline, unless --lora-rank 0 (or a "
                             "rank and --lora-sync) and --greedy-baseline or "
-                            "--no-greedy-baseline are given")  # fmt: skip
+                            "--no-greedy-baseline are given", given=_lora_given(args))  # fmt: skip
         keep = (run.greedy_baseline, run.lora_rank, run.lora_sync) if run else (
             False, 0, "merged")  # fmt: skip
         kept = [what for what, given, value in (
@@ -312,7 +319,7 @@ def _roles_and_forwards(args: argparse.Namespace) -> tuple[RunRoles, bool, str]:
         path = args.lengths_from / "config.yaml"
         source = f"--roles, with {path}'s {' and '.join(kept)}" if kept else ""
         return RunRoles(roles, extra_forwards(roles), *keep), False, source
-    run = run_roles(args.lengths_from)
+    run = run_roles(args.lengths_from, given=_lora_given(args))
     if run is None:
         where = f"{args.lengths_from} has no config.yaml: the default roles"
         return RunRoles(DEFAULT_ROLES, extra_forwards(DEFAULT_ROLES)), False, where

@@ -5,6 +5,7 @@ config.yaml. Read only."""
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from functools import partial
 from pathlib import Path
 from typing import NamedTuple
@@ -89,14 +90,16 @@ def _token_list(arrow_type) -> bool:
 
 
 def run_roles(run_dir: Path, fix: str = "pass --roles (and --extra-forwards) to give the run's "
-              "roles instead") -> RunRoles | None:  # fmt: skip
+              "roles instead", given: Collection[str] = ()) -> RunRoles | None:  # fmt: skip
     """The roles, the forwards besides the update's and ReMax's greedy baseline of the treadle
     run in ``run_dir``, as its ``config.yaml`` sets them: a policy and an engine, a reference
     where ``algorithm.kl.coef`` > 0, a critic for ``algorithm.advantage=gae`` and a reward model
     where a ``reward.functions`` entry is ``reward_model``; forwards: the old policy's logprobs
     unless ``algorithm.importance_sampling`` is none, and one for each of the others; a greedy
     response a prompt for ``algorithm.advantage=remax``; ``model.lora.r`` and ``.sync``. Only
-    those keys are read (a run saved by another treadle version still answers). None where the
+    those keys are read (a run saved by another treadle version still answers), less those in
+    ``given`` (``"model.lora.r"``, ``"model.lora.sync"``: the command line gives them, so the
+    file's are neither read nor checked, and the result holds their defaults). None where the
     run has no config.yaml (a buffer copied alone).
 
     Raises:
@@ -112,11 +115,13 @@ def run_roles(run_dir: Path, fix: str = "pass --roles (and --extra-forwards) to 
     raw = _run_config(path, fix)
     section = partial(_section, path=path, fix=fix)
     algo, reward = section(raw, "algorithm"), section(raw, "reward")
-    lora = section(section(raw, "model"), "lora", "model.lora")
+    both = {"model.lora.r", "model.lora.sync"} <= set(given)
+    lora = {} if both else section(section(raw, "model"), "lora", "model.lora")
     picked = {"algorithm.kl.coef": section(algo, "kl", "algorithm.kl").get("coef"),
               "algorithm.advantage": algo.get("advantage"),
               "algorithm.importance_sampling": algo.get("importance_sampling"),
               "model.lora.r": lora.get("r"), "model.lora.sync": lora.get("sync")}  # fmt: skip
+    picked = {key: value for key, value in picked.items() if key not in given}
     for key, value in picked.items():  # a list or mapping (a YAML alias bomb) is not expanded
         if value is not None and not isinstance(value, str | int | float):
             raise UserError(f"--lengths-from: {path}: {key} is a {type(value).__name__}, not a "
