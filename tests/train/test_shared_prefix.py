@@ -141,6 +141,42 @@ def test_shared_prefix_update_equals_plain_packing(tiny_qwen2):
     assert (shared.model.lm_head.weight - tiny_qwen2(0).lm_head.weight).abs().max() > 1e-5
 
 
+def _indexings(root: torch.Tensor) -> list[torch.Tensor]:
+    """The index tensors of every ``x[index]`` (IndexBackward0) in ``root``'s autograd graph:
+    the backward of each is an index_put with accumulate, on CPU atomic adds from several
+    threads wherever an index repeats."""
+    seen, todo, found = set(), [root.grad_fn], []
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "IndexBackward0":
+            found += [i for i in node._saved_indices if i is not None]
+        todo += [fn for fn, _ in node.next_functions]
+    return found
+
+
+@pytest.mark.parametrize("logits_to_keep", [True, False])
+def test_no_gradient_is_summed_into_a_repeated_row_by_indexing(tiny_qwen2, logits_to_keep):
+    # A shared prompt's last position predicts the first token of each of its samples, so the
+    # positions scored repeat. Indexed with repeats (logits_to_keep=sources or out[sources]),
+    # their gradients were summed by atomic adds in the threads' order: the default run's
+    # update differed in its last bits under load (replayed on 2 threads beside a busy
+    # process: 3 of 3 replays of one step off the idle one, now 4 of 4 equal). Every indexing
+    # left in the graph has distinct indices; the repeats go through index_select.
+    b = TorchBackend(tiny_qwen2(0), TrainerConfig(micro_batch_tokens=64), 1)
+    b._logits_to_keep = logits_to_keep
+    repeated = 0
+    for mb in b._micro_batches(batch()):
+        sources = mb.prev[(mb.prev >= 0) & mb.loss_mask]
+        repeated += sources.numel() - sources.unique().numel()
+        out = b.forward(mb, loss_tokens_only=True)
+        for index in _indexings(out.logprobs):
+            assert index.unique().numel() == index.numel(), index
+    assert repeated > 0  # the batch's shared prompts make repeats: the check above has work
+
+
 @torch.no_grad()
 def test_shared_prefix_values_equal_each_sample_alone(tiny_value_model):
     model = tiny_value_model.eval()

@@ -305,7 +305,10 @@ class MegatronBackend(TorchBackend):
         sources = mb.prev[targets]  # [K] the position whose output predicts each of them
         m = self.model
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16_autocast):
-            h = self._hidden(mb)[sources]  # [K, 1, H]
+            # index_select, not [sources]: a shared prompt's last position repeats in sources,
+            # and indexing's backward sums repeats by atomic adds in the threads' order
+            # (TorchBackend.forward)
+            h = self._hidden(mb).index_select(0, sources)  # [K, 1, H]
             weight = m.shared_embedding_or_output_weight() if self.shape.tied else None
             logits = m.output_layer(h, weight=weight)[0][:, 0]  # [K, V/P]
         logits = logits.float()

@@ -150,11 +150,18 @@ class TorchBackend:
             scored = scored & mb.loss_mask
         targets = torch.nonzero(scored).squeeze(1)  # [K] tokens to score
         sources = mb.prev[targets]  # [K] the position whose output predicts each of them
-        keep = sources if self.head == "lm" and self._logits_to_keep else None
+        # A shared prompt's last position predicts the first token of each of its samples, so
+        # ``sources`` repeats it. Indexing with repeats backpropagates through index_put with
+        # accumulate, which on CPU adds into a repeated row with atomic adds from several
+        # threads in whatever order they run: the gradients' last bits then followed the
+        # machine's load. The rows are kept once each (``keep``: every row written once, an
+        # exact sum) and repeated by index_select, whose backward, index_add, adds in order.
+        keep, rows = torch.unique(sources, return_inverse=True)  # [U], [K]: sources = keep[rows]
+        if not (self.head == "lm" and self._logits_to_keep):
+            keep, rows = None, sources
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16_autocast):
-            out = self._model_forward(mb, keep)[0]  # [N or K, V]
-        if keep is None:
-            out = out[sources]  # [K, V]
+            out = self._model_forward(mb, keep)[0]  # [N or U, V]
+        out = out.index_select(0, rows)  # [K, V]
         zeros = torch.zeros(ids.shape[0], device=out.device)
         if self.head == "value":  # the value of the state before each token
             return TokenOutputs(None, None, zeros.index_put((targets,), out[:, 0].float()))
