@@ -110,7 +110,9 @@ def train(cfg: Config, resume: Path | None = None, console: Console | None = Non
     plot_run(run_dir / "metrics.jsonl", run_dir / "plot.png", summary=summary)
     write_summary(run_dir, summary)  # last: a summary marks the run finished
     print_summary(console, summary)
-    console.print(f"run directory: {run_dir} (metrics.jsonl, plot.png, final_model/, ...)")
+    console.print(
+        f"run directory: {run_dir} (metrics.jsonl, plot.png, final_model/, ...)", soft_wrap=True
+    )  # one line in a log, as the machine: line
     return summary
 
 
