@@ -68,11 +68,11 @@ VERL_ASYNC = Workload(
 # (NeMo-RL's colocated mode: offload_before_refit / offload_after_refit); the one-step recipe
 # (grpo-deepseek-v3-64n8g-async-1off.yaml): 32 generation nodes and 32 training nodes,
 # max_trajectory_age_steps 1, in_flight_weight_updates true, the refit broadcast from training
-# rank 0 (NCCL, non-colocated default). Assumed: 150-token prompts (OpenMathInstruct-2 problems
-# in a chat template), responses lognormal with sigma 0.8 and mean 600 before the 1,386-token cap
-# (547 after it: 697 in all), a reference and an old-logprob forward, and the recipes' MTP
-# speculative decoding (one draft token) accepted 85% of the time (the DeepSeek-V3 report, arXiv
-# 2412.19437, Sec. 5.4.3: 85-90% for the second token; RL samples at temperature 1)
+# rank 0 (NCCL, non-colocated default). The v0.6.0 recipes (tag of 2026-04-29) generate without
+# speculative decoding: MTP (speculative_config deepseek_mtp) came into them on 2026-06-24, and
+# v0.6.0's DeepSeek guide sets num_nextn_predict_layers to 0. Assumed: 150-token prompts
+# (OpenMathInstruct-2 problems in a chat template), responses lognormal with sigma 0.8 and mean
+# 600 before the 1,386-token cap (547 after it: 697 in all), a reference and an old-logprob forward
 NEMO = Workload(
     32, 16, 150, Lengths(600, 1386, 0.8), extra_forwards=2, pack_tokens=1536, recompute="full"
 )
@@ -105,16 +105,14 @@ def _verl_async(half: int, published: float) -> Row:
 
 
 def _nemo(gpus: int, published: float, mode: Literal["sync", "one_step"]) -> Row:
-    mtp = {"spec_tokens": 1, "spec_accept": 0.85}
     if mode == "sync":
         setup = Setup(gpu("h100"), gpus, gpus, colocated=True, engine_tp=32, train_pp=16,
-                      sync_method="gathered", sync_seconds=NEMO_REFIT_S, offload=True,
-                      **mtp)  # fmt: skip
+                      sync_method="gathered", sync_seconds=NEMO_REFIT_S, offload=True)  # fmt: skip
         name = f"NeMo-RL DeepSeek-V3 colocated, {gpus} H100"
     else:  # the engines on half the GPUs; in-flight weight updates: eta 1, partial rollouts
         half = gpus // 2
         setup = Setup(gpu("h100"), half, half, engine_tp=32, train_pp=16, mode="async",
-                      staleness=1, partial=True, **mtp)  # fmt: skip
+                      staleness=1, partial=True)  # fmt: skip
         name = f"NeMo-RL DeepSeek-V3 one-step off-policy {half}:{half}, in-flight updates"
     return Row(name, published, "s", "deepseek-v3", NEMO, setup)
 
