@@ -373,6 +373,15 @@ def test_lengths_from_a_damaged_buffer_file_is_one_line_exit_2(tmp_path, capsys)
         (["simulate", "qwen2.5-0.5b", "--train-sp", "4"], "must divide qwen2.5-0.5b's 14 atten"),
         (["simulate", "qwen2.5-0.5b", "--train-sp", "3"], "x --train-sp 3 must be at least 1"),
         (["simulate", "qwen2.5-0.5b", "--train-sp", "1.5"], "invalid int value: '1.5'"),
+        # expert parallel: a dense model has no experts; Qwen3-30B-A3B's 128 experts over 8
+        # data-parallel ranks take 1, 2, 4 or 8
+        (["simulate", "qwen2.5-0.5b", "--train-ep", "2"], "has no experts; leave --train-ep out"),
+        (
+            ["simulate", "qwen3-30b-a3b", "--train-ep", "16"],
+            "--train-ep 16 must divide the trainer's 8 data-parallel ranks and qwen3-30b-a3b's "
+            "128 experts: use --train-ep 1 or 2 or 4 or 8",
+        ),
+        (["simulate", "qwen3-30b-a3b", "--train-ep", "-2"], "use --train-ep 1 or 2 or 4 or 8"),
         # a micro-batch of packed sequences holds one whole: 512 + 4,096 tokens by default
         (["simulate", "qwen2.5-0.5b", "--pack-tokens", "4000"], "less than one prompt + longest"),
         (["simulate", "qwen2.5-0.5b", "--pack-tokens", "-1"], "--pack-tokens -1: must be 0..16,7"),

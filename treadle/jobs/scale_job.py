@@ -174,6 +174,11 @@ def _simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train-sp", type=int, default=1,
                         help="trainer's Ulysses sequence parallel: splits each sequence's "
                         "activations, adds all-to-alls (1)")  # fmt: skip
+    parser.add_argument("--train-ep", type=int, default=0,
+                        help="trainer's expert parallel over its data-parallel ranks "
+                        "(Megatron's expert_model_parallel_size): a MoE model's experts a rank "
+                        "holds and where its tokens' all-to-alls go (default: the most that "
+                        "divides the ranks and the experts)")  # fmt: skip
     parser.add_argument("--oversample", type=float, default=0.0,
                         help="extra prompts a step, as a fraction (0.25: 25%% more); a step "
                         "trains the first --prompts groups to complete (0)")  # fmt: skip
@@ -478,7 +483,8 @@ def _setup(args: argparse.Namespace, g: Gpu) -> Setup:
     staleness = (1.0 if args.mode == "async" else 0.0) if args.staleness is None else args.staleness
     return Setup(g, rollout, args.gpus - rollout if not colocated else args.gpus, colocated,
                  engine_tp=args.engine_tp, train_tp=args.train_tp, train_pp=args.train_pp,
-                 train_sp=args.train_sp, mode=args.mode, staleness=staleness,
+                 train_sp=args.train_sp, train_ep=args.train_ep, mode=args.mode,
+                 staleness=staleness,
                  partial=args.partial, oversample=args.oversample,
                  sync_method=args.sync_method, updates_per_sync=args.updates_per_sync,
                  drop_stale=args.drop_stale, offload=args.offload,
@@ -512,7 +518,7 @@ def simulate_argv(shape: str, work: Workload, setup: Setup,
     options = {"--minibatches": w.minibatches,
                "--reward-seconds": w.reward_s, "--pack-tokens": w.pack_tokens,
                "--engine-tp": s.engine_tp, "--train-tp": s.train_tp, "--train-pp": s.train_pp,
-               "--train-sp": s.train_sp, "--oversample": s.oversample,
+               "--train-sp": s.train_sp, "--train-ep": s.train_ep, "--oversample": s.oversample,
                "--updates-per-sync": s.updates_per_sync,
                "--spec-tokens": s.spec_tokens, "--recompute": w.recompute}  # fmt: skip
     parser = argparse.ArgumentParser()

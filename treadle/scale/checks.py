@@ -83,6 +83,24 @@ def _engine_tp_hint(shape: ModelShape, setup: Setup) -> str:
     return f"; use --engine-tp {' or '.join(map(str, fits))}" if fits else ""
 
 
+def _check_expert_parallel(shape: ModelShape, setup: Setup) -> None:
+    """``--train-ep``: 0 (the default), or a degree that divides both the trainer's
+    data-parallel ranks and a MoE model's experts, as Megatron requires."""
+    ep = setup.train_ep
+    if ep == 0:
+        return
+    if not shape.experts:
+        raise UserError(f"--train-ep {ep}: {shape.name} has no experts; leave --train-ep out")
+    dp = setup.train_gpus // (setup.train_tp * setup.train_pp * setup.train_sp)
+    if ep < 0 or dp % ep or shape.experts % ep:
+        fits = [n for n in range(1, dp + 1) if dp % n == 0 and shape.experts % n == 0][-4:]
+        raise UserError(
+            f"--train-ep {ep} must divide the trainer's {dp} data-parallel ranks and "
+            f"{shape.name}'s {shape.experts} experts: use --train-ep "
+            f"{' or '.join(map(str, fits))}"
+        )
+
+
 def _check_training(shape: ModelShape, work: Workload, setup: Setup) -> None:
     """The trainer's part of :func:`check`: its layout and streamed updates."""
     tp, pp, sp = setup.train_tp, setup.train_pp, setup.train_sp
@@ -116,6 +134,7 @@ def _check_training(shape: ModelShape, work: Workload, setup: Setup) -> None:
         )
     if setup.train_pp > shape.layers:
         raise UserError(f"--train-pp {setup.train_pp}: more stages than {shape.layers} layers")
+    _check_expert_parallel(shape, setup)
     k = setup.updates_per_sync
     if not (1 <= k <= MAX_UPDATES_PER_SYNC) or work.prompts % k:
         raise UserError(

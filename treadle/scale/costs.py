@@ -155,6 +155,11 @@ class Setup:
     data-parallel ranks are ``train_gpus / (train_tp x train_pp x train_sp)``, pipeline stages
     add the 1F1B schedule's bubble, sequence parallelism its all-to-alls and tensor parallelism
     its all-reduces (:func:`train_s`)."""
+    train_ep: int = 0
+    """The trainer's expert-parallel degree over its data-parallel ranks (Megatron's
+    expert_model_parallel_size): each rank holds ``experts / train_ep`` experts and a token's
+    hidden state goes to the ranks of its experts (:func:`expert_alltoall_s`); 0: the most that
+    divides both the ranks and the experts (:meth:`ModelShape.expert_parallel`)."""
     mode: Mode = "sync"
     staleness: float = 0.0
     """eta for ``async``: batches the engines may run ahead of the trainer (AReaL's eta;
@@ -356,11 +361,12 @@ def train_flops(shape: ModelShape, work: Workload, lengths: list[int]) -> float:
 
 
 def train_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, lengths: list[int],
-            tp: int = 1, pp: int = 1, sp: int = 1) -> float:  # fmt: skip
+            tp: int = 1, pp: int = 1, sp: int = 1, ep: int = 0) -> float:  # fmt: skip
     """Seconds to train on one batch: :func:`train_flops` on ``gpus`` GPUs at the MFU that the
     tokens per GPU and optimizer step reach, stretched by the pipeline bubble of ``pp`` stages,
     plus :func:`ulysses_s` for ``sp`` > 1, :func:`train_tp_s` for ``tp`` > 1,
-    :func:`expert_alltoall_s` for a mixture of experts and the fixed ``train_overhead_s``.
+    :func:`expert_alltoall_s` for a mixture of experts (over ``ep`` expert-parallel ranks; 0:
+    the most that divide) and the fixed ``train_overhead_s``.
 
     The bubble: each of the ``gpus / (tp x pp x sp)`` data-parallel ranks pushes its share of
     an optimizer step's samples through the stages one sample a micro-batch, or packed into
@@ -382,7 +388,7 @@ def train_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, lengths: lis
     comms = (ulysses_s(shape, gpu, gpus, work, tokens, tp, sp)
              + train_tp_s(shape, gpu, gpus, work, tokens, tp)
              + expert_alltoall_s(shape, gpu, gpus, work, tokens, tp * pp * sp,
-                                 tp * sp))  # fmt: skip
+                                 tp * sp, ep))  # fmt: skip
     return compute + comms + e.train_overhead_s
 
 
@@ -409,11 +415,11 @@ def collective_passes(work: Workload) -> int:
 
 
 def expert_alltoall_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, tokens: float,
-                      replica: int, node_group: int) -> float:  # fmt: skip
+                      replica: int, node_group: int, ep: int = 0) -> float:  # fmt: skip
     """Seconds of a trainer's expert-parallel all-to-alls for training on ``tokens`` tokens
     (Lepikhin et al. 2020, GShard, arXiv 2006.16668, Sec. 2.2; Megatron's all-to-all token
     dispatcher): the experts sharded over ``ep`` of the ``gpus / replica`` data-parallel ranks
-    (:meth:`~treadle.scale.shapes.ModelShape.expert_parallel`, as
+    (0: the most that divide, :meth:`~treadle.scale.shapes.ModelShape.expert_parallel`, as
     :func:`~treadle.scale.memory.trainer_layout` shards them), each token's bf16 hidden state
     goes to each of its ``experts_active`` experts and comes back, ``2 x 2 x k x hidden``
     bytes a token and MoE layer, of which (ep - 1) / ep leave its GPU. A GPU holds
@@ -422,7 +428,7 @@ def expert_alltoall_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, to
     ranks, ``node_group`` = tp x sp) crosses its own NIC, the rest NVLink, the slower of the
     two setting the time; for the passes of :func:`collective_passes`. Not overlapped with
     compute. 0 for a dense model or one data-parallel rank."""
-    ep = shape.expert_parallel(gpus // replica)
+    ep = ep or shape.expert_parallel(gpus // replica)
     if ep <= 1:
         return 0.0
     local = min(ep, max(1, gpu.per_node // node_group))  # expert ranks on a GPU's node
@@ -499,7 +505,7 @@ def offload_s(shape: ModelShape, setup: Setup, lora_rank: int = 0) -> float:
     if setup.offload_bytes is not None:
         return 2 * setup.offload_bytes / (setup.gpu.efficiency.pcie_gbps * 1e9)
     layout = memory.trainer_layout(shape, setup.train_gpus, setup.train_tp, setup.train_pp,
-                                   setup.train_sp)  # fmt: skip
+                                   setup.train_sp, ep=setup.train_ep)  # fmt: skip
     # resident states do not depend on the sequences a pass holds: one token of one
     policy = memory.trainer(shape, layout, 1, 1, lora_rank=lora_rank).resident
     reference = 0.0 if lora_rank else memory.trainer(shape, layout, 1, 1, role="reference",

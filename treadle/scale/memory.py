@@ -90,12 +90,12 @@ class Breakdown:
 
 
 def trainer_layout(shape: ModelShape, gpus: int, tp: int = 1, pp: int = 1, sp: int = 1,
-                   zero: int = 3) -> Layout:  # fmt: skip
+                   zero: int = 3, ep: int = 0) -> Layout:  # fmt: skip
     """A trainer's layout over ``gpus``: tp x pp x sp model- and sequence-parallel, ZeRO
-    ``zero`` (FSDP at 3) over the data-parallel rest, a MoE model's experts sharded over those
-    ranks."""
+    ``zero`` (FSDP at 3) over the data-parallel rest, a MoE model's experts sharded over ``ep``
+    of those ranks (0: the most that divide the ranks and the experts)."""
     dp = max(1, gpus // (tp * pp * sp))
-    return Layout(dp=dp, tp=tp, pp=pp, sp=sp, ep=shape.expert_parallel(dp), zero=zero)
+    return Layout(dp=dp, tp=tp, pp=pp, sp=sp, ep=ep or shape.expert_parallel(dp), zero=zero)
 
 
 def check_layout(shape: ModelShape, layout: Layout, names: Mapping[str, str] | None = None,

@@ -220,10 +220,11 @@ def candidates(q: Question) -> list[Placement]:
 
 
 def _measured(q: Question, kind: str, rollout: int, train: int, tp: int, pp: int,
-              engine_tp: int, sp: int = 1) -> Placement:  # fmt: skip
+              engine_tp: int, sp: int = 1, ep: int = 0) -> Placement:  # fmt: skip
     """:func:`measure` of one placement: the trainer in tp x pp x sp over ``train`` GPUs, data
-    parallel (ZeRO ``q.zero``, experts sharded over the data-parallel ranks) over the rest."""
-    layout = trainer_layout(q.shape, train, tp, pp, sp, q.zero)
+    parallel (ZeRO ``q.zero``, experts sharded over ``ep`` of the data-parallel ranks, 0: the
+    most that divide) over the rest."""
+    layout = trainer_layout(q.shape, train, tp, pp, sp, q.zero, ep)
     mode = _mode(q, kind)
     if q.work.pack_tokens:  # fewer data-parallel ranks pack more of a step into a micro-batch
         q = replace(q, micro_batch=packed_micro_batch(q, layout))
@@ -328,7 +329,7 @@ def check_fits(q: Question, setup: Setup) -> Placement:
     """
     kind = "colocated" if setup.colocated else "disaggregated"
     p = _measured(q, kind, setup.rollout_gpus, setup.train_gpus, setup.train_tp, setup.train_pp,
-                  setup.engine_tp, setup.train_sp)  # fmt: skip
+                  setup.engine_tp, setup.train_sp, setup.train_ep)  # fmt: skip
     layout = p.layout
     if p.fits:
         return p
@@ -366,7 +367,8 @@ def _what_fits(q: Question, setup: Setup, kind: str) -> str:
     def as_given(changed: Question) -> bool:
         """Whether ``changed`` fits in the setup's own layout and engine TP."""
         return _measured(changed, kind, setup.rollout_gpus, setup.train_gpus, setup.train_tp,
-                         setup.train_pp, setup.engine_tp, setup.train_sp).fits  # fmt: skip
+                         setup.train_pp, setup.engine_tp, setup.train_sp,
+                         setup.train_ep).fits  # fmt: skip
 
     # the trainer's states in host memory while the engine generates; each layer recomputed
     if kind == "colocated" and not q.offload and as_given(replace(q, offload=True)):

@@ -166,6 +166,8 @@ NAMED: dict[str, ModelShape] = {
         ModelShape("qwen2.5-math-7b", 28, 3584, 28, 4, 128, 18944, 152064, False, True),
         ModelShape("qwen2.5-32b", 64, 5120, 40, 8, 128, 27648, 152064, False, True),
         ModelShape("llama3.1-70b", 80, 8192, 64, 8, 128, 28672, 128256),
+        ModelShape("qwen3-30b-a3b", 48, 2048, 32, 4, 128, 6144, 151936,
+                   experts=128, experts_active=8, expert_intermediate=768),
         ModelShape(
             "deepseek-v3", 61, 7168, 128, 128, 128, 18432, 129280,
             experts=256, experts_active=8, shared_experts=1, expert_intermediate=2048,

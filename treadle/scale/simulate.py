@@ -436,7 +436,8 @@ class _Simulation:
         setup = self.setup
         duration = self.offload + train_s(self.shape, setup.gpu, setup.train_gpus,
                                           self.update_work, lengths, setup.train_tp,
-                                          setup.train_pp, setup.train_sp)  # fmt: skip
+                                          setup.train_pp, setup.train_sp,
+                                          setup.train_ep)  # fmt: skip
         self.trainer_free = False
         self.train_times.append(duration)
         end = time + duration
