@@ -382,6 +382,23 @@ def test_lengths_from_a_damaged_buffer_file_is_one_line_exit_2(tmp_path, capsys)
             "128 experts: use --train-ep 1 or 2 or 4 or 8",
         ),
         (["simulate", "qwen3-30b-a3b", "--train-ep", "-2"], "use --train-ep 1 or 2 or 4 or 8"),
+        # a trainer that does not fit: the layout named instead, Ulysses 2, leaves 4 data-parallel
+        # ranks, too few for the 8 expert ranks given, so it names the degree it was sized at
+        (
+            [
+                "simulate",
+                "qwen3-30b-a3b",
+                "--gpus",
+                "16",
+                "--rollout-gpus",
+                "8",
+                "--train-ep",
+                "8",
+                "--mode",
+                "async",
+            ],
+            "over 8 x h100 (79.6 GiB): --train-tp 1 --train-pp 1 --train-sp 2 --train-ep 4 fits",
+        ),
         # a micro-batch of packed sequences holds one whole: 512 + 4,096 tokens by default
         (["simulate", "qwen2.5-0.5b", "--pack-tokens", "4000"], "less than one prompt + longest"),
         (["simulate", "qwen2.5-0.5b", "--pack-tokens", "-1"], "--pack-tokens -1: must be 0..16,7"),

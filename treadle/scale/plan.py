@@ -363,6 +363,8 @@ def _what_fits(q: Question, setup: Setup, kind: str) -> str:
         other = _smallest_fit(free, kind, setup.rollout_gpus, setup.train_gpus)
         engine = "" if other is None else f"--engine-tp {other.engine_tp} "
     fixes = [f"{engine}{layout_options(other.layout)}"] if other is not None and other.fits else []
+    if fixes and setup.train_ep and other.layout.ep != setup.train_ep:  # the degree it was sized at
+        fixes[0] += f" --train-ep {other.layout.ep}"
 
     def as_given(changed: Question) -> bool:
         """Whether ``changed`` fits in the setup's own layout and engine TP."""
