@@ -31,7 +31,8 @@ VERL_SIGMAS = (1.0, 1.8)  # 1.0 is the table's; 1.8 puts more responses at the 2
 def verl_lengths() -> None:
     """Print the six verl rows' errors for each assumed response-length distribution."""
     rows = [r for r in ROWS if r.setting.startswith("verl")]
-    names = [r.setting.removeprefix("verl ").removesuffix(" H20") for r in rows]
+    names = [r.setting.removeprefix("verl ").removesuffix(" H20").replace("colocated sync,",
+             "colocated").replace("fully async", "async") for r in rows]  # fmt: skip
     print(f"| mean, sigma | {' | '.join(names)} | within 20% |\n|---|{'---|' * (len(rows) + 1)}")
     for mean in VERL_MEANS:
         for sigma in VERL_SIGMAS:

@@ -325,6 +325,15 @@ def test_lengths_from_a_damaged_buffer_file_is_one_line_exit_2(tmp_path, capsys)
     assert "cannot read" in line and "step_000001.parquet" in line
 
 
+def test_expert_parallel_1_on_a_dense_model_is_no_expert_parallelism(capsys):
+    # Megatron's default expert_model_parallel_size, copied from a dense model's recipe: the
+    # same simulation as without it (any other degree is refused: the model has no experts)
+    assert main(["simulate", "qwen2.5-0.5b", "--json"]) == 0
+    plain = capsys.readouterr().out
+    assert main(["simulate", "qwen2.5-0.5b", "--train-ep", "1", "--json"]) == 0
+    assert capsys.readouterr().out == plain
+
+
 @pytest.mark.parametrize(
     ("argv", "says"),
     [
@@ -382,6 +391,18 @@ def test_lengths_from_a_damaged_buffer_file_is_one_line_exit_2(tmp_path, capsys)
             "128 experts: use --train-ep 1 or 2 or 4 or 8",
         ),
         (["simulate", "qwen3-30b-a3b", "--train-ep", "-2"], "use --train-ep 1 or 2 or 4 or 8"),
+        # a layout refused with --train-ep 32 given names the tensor-parallel degrees that leave
+        # 32 data-parallel ranks for it: tp 1 only, not 4, 8, 16 or 32
+        (
+            ["simulate", "qwen3-30b-a3b", "--gpus", "32", "--train-ep", "32", "--train-tp", "3"],
+            "divide the 32 training GPUs; with --train-pp 1 --train-sp 1: --train-tp 1",
+        ),
+        # a trainer that does not fit at 16 GPUs, in a layout whose 16 ranks take the given
+        # --train-ep 2: the fix keeps it (a smaller engine TP leaves room)
+        (
+            ["simulate", "qwen3-30b-a3b", "--gpus", "16", "--train-ep", "2"],
+            "(79.6 GiB): --engine-tp 2 --train-tp 1 --train-pp 1 fits, or --offload",
+        ),
         # a trainer that does not fit: the layout named instead, Ulysses 2, leaves 4 data-parallel
         # ranks, too few for the 8 expert ranks given, so it names the degree it was sized at
         (

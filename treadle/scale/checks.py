@@ -83,11 +83,18 @@ def _engine_tp_hint(shape: ModelShape, setup: Setup) -> str:
     return f"; use --engine-tp {' or '.join(map(str, fits))}" if fits else ""
 
 
+def _splits(gpus: int, model_parallel: int, ep: int) -> bool:
+    """Whether ``model_parallel`` GPUs a data-parallel rank divide ``gpus``, leaving ranks that
+    ``ep`` expert-parallel ranks divide (``ep`` 0: any)."""
+    return gpus % model_parallel == 0 and (ep <= 0 or gpus // model_parallel % ep == 0)
+
+
 def _check_expert_parallel(shape: ModelShape, setup: Setup) -> None:
     """``--train-ep``: 0 (the default), or a degree that divides both the trainer's
-    data-parallel ranks and a MoE model's experts, as Megatron requires."""
+    data-parallel ranks and a MoE model's experts, as Megatron requires (1 on a dense model,
+    Megatron's default, is no expert parallelism)."""
     ep = setup.train_ep
-    if ep == 0:
+    if ep == 0 or (ep == 1 and not shape.experts):
         return
     if not shape.experts:
         raise UserError(f"--train-ep {ep}: {shape.name} has no experts; leave --train-ep out")
@@ -104,11 +111,12 @@ def _check_expert_parallel(shape: ModelShape, setup: Setup) -> None:
 def _check_training(shape: ModelShape, work: Workload, setup: Setup) -> None:
     """The trainer's part of :func:`check`: its layout and streamed updates."""
     tp, pp, sp = setup.train_tp, setup.train_pp, setup.train_sp
+    ep = setup.train_ep if shape.experts else 0  # the hints keep a given expert-parallel degree
     if min(tp, pp, sp) < 1 or setup.train_gpus % (tp * pp * sp):
         n = setup.train_gpus
-        tps = [t for t in range(1, n + 1) if n % (t * pp * sp) == 0 and shape.heads % (t * sp) == 0
-               ] if min(pp, sp) >= 1 else []  # fmt: skip
-        pps = [p for p in range(1, min(n, shape.layers) + 1) if n % (tp * p * sp) == 0
+        tps = [t for t in range(1, n + 1) if _splits(n, t * pp * sp, ep)
+               and shape.heads % (t * sp) == 0] if min(pp, sp) >= 1 else []  # fmt: skip
+        pps = [p for p in range(1, min(n, shape.layers) + 1) if _splits(n, tp * p * sp, ep)
                ] if min(tp, sp) >= 1 and not tps else []  # fmt: skip
         hint = (f"; with --train-pp {pp} --train-sp {sp}: --train-tp "
                 f"{' or '.join(map(str, tps[-4:]))}" if tps else
@@ -121,11 +129,11 @@ def _check_training(shape: ModelShape, work: Workload, setup: Setup) -> None:
     if shape.heads % (tp * sp):
         if shape.heads % tp:  # the tensor-parallel degrees the heads and GPUs take, at this sp
             fits = [t for t in range(1, setup.train_gpus + 1) if shape.heads % (t * sp) == 0
-                    and setup.train_gpus % (t * pp * sp) == 0]  # fmt: skip
+                    and _splits(setup.train_gpus, t * pp * sp, ep)]  # fmt: skip
             option, given = "--train-tp", f"--train-sp {sp}"
         else:
             fits = [s for s in range(1, shape.heads // tp + 1) if shape.heads % (tp * s) == 0
-                    and setup.train_gpus % (tp * pp * s) == 0]  # fmt: skip
+                    and _splits(setup.train_gpus, tp * pp * s, ep)]  # fmt: skip
             option, given = "--train-sp", f"--train-tp {tp}"
         hint = f"; with {given}: {option} {' or '.join(map(str, fits[-4:]))}" if fits else ""
         raise UserError(

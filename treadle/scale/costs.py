@@ -157,9 +157,11 @@ class Setup:
     its all-reduces (:func:`train_s`)."""
     train_ep: int = 0
     """The trainer's expert-parallel degree over its data-parallel ranks (Megatron's
-    expert_model_parallel_size): each rank holds ``experts / train_ep`` experts and a token's
-    hidden state goes to the ranks of its experts (:func:`expert_alltoall_s`); 0: the most that
-    divides both the ranks and the experts (:meth:`ModelShape.expert_parallel`)."""
+    expert_model_parallel_size): a token's hidden state goes to the ranks of its experts, inside
+    its node or across it (:func:`expert_alltoall_s`), and below ZeRO stage 3 each rank keeps
+    ``experts / train_ep`` experts' weights and gradients (:func:`memory.trainer`; at stage 3
+    every state is sharded over all the data-parallel ranks whatever the degree); 0: the most
+    that divides both the ranks and the experts (:meth:`ModelShape.expert_parallel`)."""
     mode: Mode = "sync"
     staleness: float = 0.0
     """eta for ``async``: batches the engines may run ahead of the trainer (AReaL's eta;

@@ -352,6 +352,16 @@ def check_fits(q: Question, setup: Setup) -> Placement:
     )
 
 
+def _keeps_ep(q: Question, kind: str, setup: Setup, other: Placement) -> bool:
+    """Whether ``other``, a layout :func:`_what_fits` names, fits with the expert-parallel
+    degree ``setup`` gives (it divides the layout's data-parallel ranks and the experts)."""
+    ep, lay = setup.train_ep, other.layout
+    if lay.dp % ep or q.shape.experts % ep:
+        return False
+    return _measured(q, kind, other.rollout_gpus, other.train_gpus, lay.tp, lay.pp,
+                     other.engine_tp, lay.sp, ep).fits  # fmt: skip
+
+
 def _what_fits(q: Question, setup: Setup, kind: str) -> str:
     """What a refusal of ``setup``'s trainer names: the least parallel trainer layout that fits
     (and the engine TP it needs, where the given one leaves too little room), then ``--offload``
@@ -363,8 +373,8 @@ def _what_fits(q: Question, setup: Setup, kind: str) -> str:
         other = _smallest_fit(free, kind, setup.rollout_gpus, setup.train_gpus)
         engine = "" if other is None else f"--engine-tp {other.engine_tp} "
     fixes = [f"{engine}{layout_options(other.layout)}"] if other is not None and other.fits else []
-    if fixes and setup.train_ep and other.layout.ep != setup.train_ep:  # the degree it was sized at
-        fixes[0] += f" --train-ep {other.layout.ep}"
+    if fixes and setup.train_ep and not _keeps_ep(q, kind, setup, other):
+        fixes[0] += f" --train-ep {other.layout.ep}"  # the degree it was sized at
 
     def as_given(changed: Question) -> bool:
         """Whether ``changed`` fits in the setup's own layout and engine TP."""
