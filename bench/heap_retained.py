@@ -25,13 +25,12 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scale_own_runs import MEMORY_RUN, REPO, lengths
-from shapes import SHAPES
+from scale_own_runs import MEMORY_RUN, REPO, lengths, shape_overrides
 
 from treadle.scale.calibrate import cpu_run_bytes
+from treadle.scale.hardware import GIB
 from treadle.scale.shapes import from_hf_config
 
-GIB = 2**30
 # Run inside the training process: reads VmRSS around malloc_trim(0) as the first generate
 # phase starts, writes both (bytes) to the file named by argv[1], then runs treadle's CLI.
 PROBE = """
@@ -52,15 +51,6 @@ from treadle._entry import main
 sys.argv = ["treadle", *sys.argv[2:]]
 main()
 """
-
-
-def shape_overrides(size: str) -> list[str]:
-    if size == "default":
-        return []
-    hidden, inter, layers, heads, kv = SHAPES[size]
-    return [f"model.tiny.hidden_size={hidden}", f"model.tiny.intermediate_size={inter}",
-            f"model.tiny.num_hidden_layers={layers}", f"model.tiny.num_attention_heads={heads}",
-            f"model.tiny.num_key_value_heads={kv}"]  # fmt: skip
 
 
 def measure(size: str, out: Path) -> dict:

@@ -82,18 +82,23 @@ def train_run(run: Path, args: list[str]) -> None:
         sys.exit(f"treadle {' '.join(args)} failed ({proc.returncode}); see {log}")
 
 
+def shape_overrides(size: str) -> list[str]:
+    """The ``model.tiny`` overrides of bench/shapes.py's shape ``size`` ("default": none, the
+    default recipe's own model)."""
+    if size == "default":
+        return []
+    hidden, inter, layers, heads, kv = SHAPES[size]
+    return [f"model.tiny.hidden_size={hidden}", f"model.tiny.intermediate_size={inter}",
+            f"model.tiny.num_hidden_layers={layers}", f"model.tiny.num_attention_heads={heads}",
+            f"model.tiny.num_key_value_heads={kv}"]  # fmt: skip
+
+
 def memory_runs(train: bool) -> dict:
     """Per size: the model config, the engine's dtype, and per step the peaks of each phase
     and the tokens the update computed (with ``train``, fresh runs; else the last ones)."""
     out, runs = REPO / "bench" / "out" / "scale_memory", {}
     for size in MEMORY_SIZES:
-        shape = []
-        if size != "default":
-            hidden, inter, layers, heads, kv = SHAPES[size]
-            shape = [f"model.tiny.hidden_size={hidden}", f"model.tiny.intermediate_size={inter}",
-                     f"model.tiny.num_hidden_layers={layers}",
-                     f"model.tiny.num_attention_heads={heads}",
-                     f"model.tiny.num_key_value_heads={kv}"]  # fmt: skip
+        shape = shape_overrides(size)
         run = out / size
         args = ["train", str(REPO / "recipes" / "default.yaml"), f"run.output_dir={out}",
                 f"run.name={size}", *MEMORY_RUN, *shape]  # fmt: skip

@@ -181,7 +181,11 @@ def test_a_given_expert_parallel_degree_sets_the_all_to_alls_and_the_expert_shar
     # of the bytes to the 3 other nodes over the GPU's 50 GB/s NIC: 1.47456 s a pass, 8.42606 s
     shape, h100 = NAMED["qwen3-30b-a3b"], gpu("h100")
     work = Workload(64, 32, 150, Lengths(3946, 3946), extra_forwards=2)
-    assert shape.params() == 30_532_110_336  # its config.json's 30.5B
+    # its 30.5B: a layer's attention 2,048 x (4,096 + 512 + 512) + 4,096 x 2,048 = 18,874,368,
+    # experts 128 x 3 x 2,048 x 768 = 603,979,776, router 2,048 x 128 = 262,144 and 2 norms
+    # 4,096: 623,120,384, x 48 = 29,909,778,432; untied embeddings 2 x 151,936 x 2,048 =
+    # 622,329,856 and the final norm 2,048
+    assert shape.params() == 30_532_110_336
     assert expert_alltoall_s(shape, h100, 32, work, 1e6, 1, 1, ep=8) == pytest.approx(
         1.09227, rel=1e-5
     )
