@@ -196,6 +196,28 @@ def test_lengths_from_a_buffer_without_a_config_uses_the_default_roles(tmp_path,
 
 
 @pytest.mark.parametrize(
+    "argv",
+    [
+        ["simulate", "qwen2.5-0.5b", "--train-pp", "3"],  # check(): the layout
+        ["simulate", "qwen2.5-0.5b", "--gpus", "1", "--prompt-tokens", "400000"],  # check_fits
+        ["plan", "qwen2.5-0.5b", "--ep", "2"],  # a dense model
+        ["plan", "qwen2.5-0.5b", "--tp", "3"],  # 14 heads
+    ],
+)
+def test_a_refusal_with_lengths_from_is_one_line_without_the_roles_note(tmp_path, capsys, argv):
+    # the line saying where the roles came from is printed once the input is known good: a
+    # refusal stays the one line on stderr; a plan that runs prints the note once
+    run = _run_dir(tmp_path)
+    assert main([*argv, "--lengths-from", str(run)]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("treadle: error: ") and "roles from" not in line, line
+    plan = ["plan", "qwen2.5-0.5b", "--steps", "2", "--json", "--lengths-from", str(run)]
+    assert main(plan) == 0
+    assert capsys.readouterr().err == (f"roles from {run / 'config.yaml'}: policy, engine; "
+                                       "forwards besides the update's: 0\n")  # fmt: skip
+
+
+@pytest.mark.parametrize(
     ("text", "says"),
     [
         (b"\xff\xfe", "cannot read"),  # not UTF-8
@@ -475,7 +497,7 @@ def test_expert_parallel_1_on_a_dense_model_is_no_expert_parallelism(capsys):
                 "--max-response",
                 "1386",
             ],
-            "84.1 GiB per training GPU in tp1 pp16 over 256 x h100 (79.6 GiB): --engine-tp 64 "
+            "84.1 GiB per training GPU in tp1 pp16 ep16 over 256 x h100 (79.6 GiB): --engine-tp 64 "
             "--train-tp 1 --train-pp 1 fits, or --offload",
         ),
         # vLLM splits Qwen2.5-7B's 4 KV heads over 2 or 4 GPUs, or copies them whole onto 8
@@ -577,6 +599,16 @@ def test_expert_parallel_1_on_a_dense_model_is_no_expert_parallelism(capsys):
         (["plan", "qwen2.5-7b", "--plot", "no_such_folder/m.png"], "does not exist"),
         (["plan", "qwen2.5-7b", "--plot", "m.txt"], "ending in .png"),
         (["plan", "qwen2.5-7b", "--prompt-tokens", "10000000"], "no placement fits up to"),
+        # expert parallel: a degree that divides the 128 experts, on 8 GPUs at most 8
+        (["plan", "qwen3-30b-a3b", "--ep", "3"], "use --ep 1 or 2 or 4 or 8"),
+        (["plan", "qwen2.5-7b", "--train-ep", "2"], "has no experts; leave --train-ep out"),
+        # 24 GPUs split 6:18, 12:12 and 18:6 (or all 24 colocated): no 16 data-parallel ranks;
+        # ep 8 divides the colocated 24
+        (
+            ["plan", "qwen3-30b-a3b", "--gpus", "24", "--ep", "16"],
+            "tokens per sequence and --ep 16 does not fit 24 x h100 (79.6 GiB) in any placement: "
+            "it fits 32 GPUs, or use --ep 8 on these",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, says, capsys):
@@ -853,6 +885,36 @@ def test_plan_pins_the_pipeline_stages_and_names_the_option_as_typed(capsys):
     assert main(["simulate", "qwen2.5-0.5b", "--train-pp", "3"]) == 2
     assert capsys.readouterr().err.endswith("; with --train-tp 1 --train-sp 1: --train-pp 1 or 2 "
                                             "or 4 or 8\n")  # fmt: skip
+
+
+def test_plan_pins_the_expert_parallel_degree_and_simulates_it(capsys):
+    # Qwen3-30B-A3B's 128 experts on 32 H100s: --ep 8 keeps the layouts whose data-parallel
+    # ranks 8 divides (dp32, dp16, dp24; not the 24:8 split's dp4 sp2, which takes ep 4 by
+    # default), each named with its ep, and simulates them at that degree: the colocated
+    # placement's step is simulate's with --train-ep 8 (a token's 8 expert ranks within its
+    # 8-GPU node, its all-to-alls over NVLink), shorter than at the default ep 32
+    argv = ["plan", "qwen3-30b-a3b", "--gpus", "32", "--steps", "3", "--json"]
+    assert main(argv) == 0
+    default = {r["placement"]: r for r in json.loads(capsys.readouterr().out)}
+    assert main([*argv, "--ep", "8"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["train_layout"]["ep"] for r in rows} == {8}
+    assert all(r["train_layout"]["dp"] % 8 == 0 for r in rows)
+    assert "disaggregated 24:8 async | train dp4 tp1 pp1 sp2 ep4 zero3 | engine tp1" in default
+    assert len(rows) == len(default) - 1
+    colocated = next(r for r in rows if r["kind"] == "colocated")
+    assert colocated["placement"] == "colocated sync | train dp32 tp1 pp1 ep8 zero3 | engine tp2"
+    assert main(["simulate", "qwen3-30b-a3b", "--gpus", "32", "--engine-tp", "2",
+                 "--train-ep", "8", "--steps", "3", "--json"]) == 0  # fmt: skip
+    (row,) = json.loads(capsys.readouterr().out)
+    assert colocated["simulated"]["step_s"] == pytest.approx(row["step_s"])
+    at_32 = default["colocated sync | train dp32 tp1 pp1 ep32 zero3 | engine tp2"]
+    assert colocated["simulated"]["step_s"] < at_32["simulated"]["step_s"]
+    # the spelling typed names a bad degree; 1 on a dense model is no expert parallelism
+    assert main(["plan", "qwen3-30b-a3b", "--train-ep", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "treadle: error: --train-ep 0: must be 1..1,024"
+    assert main(["plan", "qwen2.5-7b", "--ep", "1", "--steps", "2", "--json"]) == 0
+    assert {r["train_layout"]["ep"] for r in json.loads(capsys.readouterr().out)} == {1}
 
 
 def test_a_plan_without_an_engine_shows_training_alone(tmp_path, capsys):

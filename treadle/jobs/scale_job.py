@@ -21,7 +21,8 @@ from treadle.scale.plan import (
     Question,
     check_fits,
     extra_forwards,
-    plan,
+    fitting,
+    rank,
 )
 from treadle.scale.shapes import ModelShape, resolve
 from treadle.scale.simulate import (
@@ -138,6 +139,10 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sp", "--train-sp", type=int, dest="sp", action=_Spelled,
                         help="training Ulysses sequence-parallel degree (simulate's "
                         "--train-sp)")  # fmt: skip
+    parser.add_argument("--ep", "--train-ep", type=int, dest="ep", action=_Spelled,
+                        help="a MoE model's training expert-parallel degree over the "
+                        "data-parallel ranks (simulate's --train-ep; default: in each layout, "
+                        "the most that divides the ranks and the experts)")  # fmt: skip
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per pass")
     # the spellings typed (_Spelled); no packing: plan's memory takes --micro-batch
     parser.set_defaults(spelled={}, pack_tokens=0)
@@ -220,7 +225,7 @@ def _check(args: argparse.Namespace) -> None:
     if args.command == "plan":
         bounds += [("--micro-batch", args.micro_batch, 1, 4096)]
         bounds += [(args.spelled.get(n, f"--{n}"), getattr(args, n), 1, 1024)
-                   for n in ("tp", "pp", "sp") if getattr(args, n) is not None]  # fmt: skip
+                   for n in ("tp", "pp", "sp", "ep") if getattr(args, n) is not None]  # fmt: skip
     else:
         bounds += [("--pack-tokens", args.pack_tokens, 0, MAX_PACK_TOKENS),
                    ("--oversample", args.oversample, 0, 4)]  # fmt: skip
@@ -432,16 +437,16 @@ def run(args: argparse.Namespace, console, out=None) -> int:
     run, from_run, source = _roles_and_forwards(args)
     roles = run.roles
     shape, g = resolve(args.model), gpu(args.gpu.lower())
-    work = _workload(args, roles, run)  # the run's buffer read: then the note
-    if source:
-        console.print(_role_note(source, run, from_run, work, args), markup=False,
-                      soft_wrap=True)  # fmt: skip
+    work = _workload(args, roles, run)
+    # where the roles came from, once the input is known good (no note above a refusal)
+    note = _role_note(source, run, from_run, work, args) if source else ""
     if args.command == "plan":
         q = Question(shape, g, args.gpus, work, args.micro_batch, roles, tp=args.tp,
-                     pp=args.pp, sp=args.sp, offload=args.offload)  # fmt: skip
+                     pp=args.pp, sp=args.sp, ep=args.ep, offload=args.offload)  # fmt: skip
+        fits = fitting(q, names=args.spelled)
+        _say(console, note)
         with console.status("simulating the placements that fit") as status:
-            placements = plan(q, steps=args.steps, progress=progress(status),
-                              names=args.spelled)  # fmt: skip
+            placements = rank(q, fits, steps=args.steps, progress=progress(status))
         if args.plot:
             from treadle.scale.plots import memory
 
@@ -461,6 +466,7 @@ def run(args: argparse.Namespace, console, out=None) -> int:
                         setup)  # fmt: skip
     if setup.offload:  # every role's states move, a critic's and a reward model's too
         setup = replace(setup, offload_bytes=placed.resident)
+    _say(console, note)
     with console.status("simulating") as status:
         r = simulate(shape, work, setup, steps=args.steps, progress=progress(status))
     if args.plot:
@@ -473,6 +479,12 @@ def run(args: argparse.Namespace, console, out=None) -> int:
     else:
         print_result(out, r)
     return 0
+
+
+def _say(console, note: str) -> None:
+    """``note`` on ``console`` (stderr) as one line, where there is one."""
+    if note:
+        console.print(note, markup=False, soft_wrap=True)
 
 
 def _setup(args: argparse.Namespace, g: Gpu) -> Setup:

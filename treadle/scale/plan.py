@@ -72,6 +72,10 @@ class Question:
     """Training pipeline stages; None: the fewest that fit."""
     sp: int | None = None
     """Training Ulysses sequence-parallel degree; None: the smallest that fits."""
+    ep: int | None = None
+    """A MoE model's training expert-parallel degree over the data-parallel ranks (Megatron's
+    ``expert_model_parallel_size``); None: in each layout, the most that divides the ranks and
+    the experts. Layouts whose data-parallel ranks it does not divide are left out."""
     zero: int = 3
     offload: bool = False
     """Colocated: the trainer's resident states go to host memory while the engine generates
@@ -137,12 +141,12 @@ class Placement:
 
 
 def layout_name(lay: Layout, dp: bool = True, compact: bool = False) -> str:
-    """``dp8 tp1 pp1``, with `` sp4`` where sequence parallel (``compact``: the degrees above
-    1 only, ``dp8 sp4``)."""
+    """``dp8 tp1 pp1``, with `` sp4`` where sequence parallel and `` ep8`` where a MoE model's
+    experts are split (``compact``: the degrees above 1 only, ``dp8 sp4``)."""
     degrees = [("dp", lay.dp)] if dp else []
-    degrees += [("tp", lay.tp), ("pp", lay.pp), ("sp", lay.sp)]
+    degrees += [("tp", lay.tp), ("pp", lay.pp), ("sp", lay.sp), ("ep", lay.ep)]
     return " ".join(f"{name}{n}" for name, n in degrees
-                    if n > 1 or name == "dp" or (name != "sp" and not compact))  # fmt: skip
+                    if n > 1 or name == "dp" or (name in ("tp", "pp") and not compact))  # fmt: skip
 
 
 def layout_options(lay: Layout) -> str:
@@ -263,10 +267,12 @@ def _smallest_fit(q: Question, kind: str, rollout: int, train: int,
     for pp, tp, sp in itertools.product(pps, tps, sps):
         if train % (tp * pp * sp) or pp > q.shape.layers or q.shape.heads % (tp * sp):
             continue
+        if q.ep and train // (tp * pp * sp) % q.ep:  # the expert ranks split the data-parallel
+            continue
         for etp in engine_tps or [1]:
             if rollout % etp:
                 continue
-            placed = _measured(q, kind, rollout, train, tp, pp, etp, sp)
+            placed = _measured(q, kind, rollout, train, tp, pp, etp, sp, q.ep or 0)
             if placed.fits:
                 return placed
             if tried is None or placed.train_peak < tried.train_peak:
@@ -276,19 +282,29 @@ def _smallest_fit(q: Question, kind: str, rollout: int, train: int,
 
 def plan(q: Question, steps: int | None = 3, progress=None,
          names: Mapping[str, str] | None = None) -> list[Placement]:  # fmt: skip
-    """The placements that fit, best first by simulated trained tokens per second (colocated:
-    sync; disaggregated: asynchronous, staleness 1, partial rollouts, or sync with ReMax's
-    greedy baseline; without an engine role, by training memory per GPU). ``names``: the
-    options a refusal names for "tp", "pp" and "sp" (default ``--tp``, ``--pp``, ``--sp``;
-    the CLI passes the spelling typed, ``--train-tp`` or ``--tp``).
+    """The placements that fit, best first by simulated trained tokens per second:
+    :func:`rank` of :func:`fitting` (see both; ``names`` as :func:`fitting` takes them).
 
     Raises:
-        UserError: an explicit --tp, --pp or --sp the model cannot take, or no placement fits
-            (says how many GPUs of this type the smallest fitting placement needs).
+        UserError: as :func:`fitting` does.
+    """
+    return rank(q, fitting(q, names), steps, progress)
+
+
+def fitting(q: Question, names: Mapping[str, str] | None = None) -> list[Placement]:
+    """The placements of :func:`candidates` that fit, not yet simulated. ``names``: the
+    options a refusal names for "tp", "pp", "sp" and "ep" (default ``--tp``, ``--pp``,
+    ``--sp``, ``--ep``; the CLI passes the spelling typed, ``--train-tp`` or ``--tp``).
+
+    Raises:
+        UserError: an explicit --tp, --pp, --sp or --ep the model cannot take, or no placement
+            fits (says how many GPUs of this type the smallest fitting placement needs).
     """
     check_work(q.work)
+    names = {n: f"--{n}" for n in ("tp", "pp", "sp", "ep")} | dict(names or {})
+    if q.ep is not None:
+        _check_ep(q.shape, q.ep, names["ep"], q.gpus)
     if q.tp or q.pp or q.sp:
-        names = {n: f"--{n}" for n in ("tp", "pp", "sp")} | dict(names or {})
         check_layout(q.shape, Layout(tp=q.tp or 1, pp=q.pp or 1, sp=q.sp or 1), names, q.gpus)
         replica = (q.tp or 1) * (q.pp or 1) * (q.sp or 1)
         if q.gpus % replica:
@@ -300,13 +316,24 @@ def plan(q: Question, steps: int | None = 3, progress=None,
             )
     fits = [p for p in candidates(q) if p.fits]
     if not fits:
-        raise UserError(_nothing_fits(q))
+        raise UserError(_nothing_fits(q, names["ep"]))
+    return fits
+
+
+def rank(q: Question, fits: list[Placement], steps: int | None = 3,
+         progress=None) -> list[Placement]:  # fmt: skip
+    """``fits`` (placements of ``q``), each simulated for ``steps`` steps (None: to the steady
+    state), best first by trained tokens per second (colocated: sync; disaggregated:
+    asynchronous, staleness 1, partial rollouts, or sync with ReMax's greedy baseline; without
+    an engine role, not simulated, by training memory per GPU). ``progress(steps, error,
+    label=...)`` hears of each simulated step: the steps run so far and the step time's
+    relative error, for the placement ``label`` names."""
     work = replace(q.work, critic="critic" in q.roles, recompute=q.checkpointing)
     for p in fits:
         setup = Setup(
             q.gpu, p.rollout_gpus, p.train_gpus, colocated=p.kind == "colocated",
             engine_tp=p.engine_tp, train_tp=p.layout.tp, train_pp=p.layout.pp,
-            train_sp=p.layout.sp,
+            train_sp=p.layout.sp, train_ep=p.layout.ep if q.shape.experts else 0,
             mode=p.mode, staleness=0 if p.mode == "sync" else 1, partial=p.mode == "async",
             offload=q.offload and p.kind == "colocated", offload_bytes=p.resident,
         )  # fmt: skip
@@ -314,6 +341,24 @@ def plan(q: Question, steps: int | None = 3, progress=None,
             show = None if progress is None else partial(progress, label=p.label.split(" |")[0])
             p.result = simulate(q.shape, work, setup, steps=steps, progress=show)
     return sorted(fits, key=lambda p: -p.result.tokens_per_s if p.result else p.train_peak)
+
+
+def _check_ep(shape: ModelShape, ep: int, option: str, gpus: int) -> None:
+    """Raises UserError for an expert-parallel degree ``ep`` (given as ``option``) that
+    ``shape`` cannot take: any but 1 on a dense model, or one that does not divide its
+    experts, naming the largest that do, up to ``gpus`` (whether it divides a layout's
+    data-parallel ranks, each layout says)."""
+    if not shape.experts:
+        if ep != 1:  # 1, Megatron's default, is no expert parallelism
+            raise UserError(f"{option} {ep}: {shape.name} has no experts; leave {option} out")
+        return
+    if ep < 1 or shape.experts % ep:
+        fits = [n for n in range(1, min(gpus, shape.experts) + 1) if shape.experts % n == 0]
+        fits = fits[-4:]
+        raise UserError(
+            f"{option} {ep} must divide {shape.name}'s {shape.experts} experts: use {option} "
+            f"{' or '.join(map(str, fits))}"
+        )
 
 
 def check_fits(q: Question, setup: Setup) -> Placement:
@@ -413,9 +458,10 @@ def _fits(q: Question) -> bool:
     return any(p.fits for p in candidates(q))
 
 
-def _nothing_fits(q: Question) -> str:
+def _nothing_fits(q: Question, ep_option: str = "--ep") -> str:
     """One line: what does not fit, and the smallest GPU count of this type that would (every
-    count to 64, then whole nodes to 1,024, then steps of 1,024 to MAX_GPUS), if any."""
+    count to 64, then whole nodes to 1,024, then steps of 1,024 to MAX_GPUS), if any; with
+    the expert-parallel degree given (as ``ep_option``), where it holds."""
     node = q.gpu.per_node
     counts = [*range(1, 65), *range(64 + node, 1025, node), *range(2048, MAX_GPUS + 1, 1024)]
     fits = next((n for n in counts if n > q.gpus and _fits(replace(q, gpus=n))), None)
@@ -429,15 +475,21 @@ def _nothing_fits(q: Question) -> str:
             f"engines' KV cache cannot hold one sequence beside their weights ({best.label})"
         )
     roles = ", ".join(q.roles)
+    given_ep = f" and {ep_option} {q.ep}" if q.ep and q.shape.experts else ""
     where = (f"it fits {fits} GPUs" if fits else
              f"no placement fits up to {MAX_GPUS:,} GPUs either")  # fmt: skip
-    # only what fits as given: each change not already made alone, then both
+    # only what fits as given: each change not already made alone, then both; first another
+    # expert-parallel degree (the largest that fits), where one was given
     changes = {}
+    if given_ep:
+        eps = [e for e in range(q.shape.experts, 0, -1) if q.shape.experts % e == 0 and e != q.ep]
+        ep = next((e for e in eps if e <= q.gpus and _fits(replace(q, ep=e))), None)
+        changes |= {f"{ep_option} {ep}": {"ep": ep}} if ep else {}
     if not q.offload:
         changes["--offload"] = {"offload": True}
     if q.checkpointing != "full":
         changes["--recompute full"] = {"recompute": "full"}
-    if len(changes) == 2:
+    if "--offload" in changes and "--recompute full" in changes:
         changes["--offload --recompute full"] = {"offload": True, "recompute": "full"}
     fix = next((k for k, v in changes.items() if _fits(replace(q, **v))), None)
     # shorter sequences, where the shortest fits (a model whose states alone overflow, not)
@@ -446,7 +498,7 @@ def _nothing_fits(q: Question) -> str:
         ["--micro-batch"] if q.micro_batch > 1 else [])  # fmt: skip
     lower_text = f"; or lower {' or '.join(lower)}" if lower else ""
     return (
-        f"{q.shape.name} with {roles} at {q.seq:,} tokens per sequence does not fit "
+        f"{q.shape.name} with {roles} at {q.seq:,} tokens per sequence{given_ep} does not fit "
         f"{q.gpus} x {q.gpu.name} ({q.gpu.memory_gib:.1f} GiB) in any placement{need}: {where}"
         + (f", or use {fix} on these" if fix else "")
         + lower_text
