@@ -272,9 +272,16 @@ MISSED = {
         "and 17.7 s: DeepSeek-V3's MoE kernels at these batches are slower than their bytes "
         "and FLOPs (SCALE.md)",
     ),
-    "NeMo-RL Qwen3-30B-A3B colocated, 32 H100": "-41%: beyond the issue's list; NeMo-RL's MoE "
-    "rows run slower than the model at 2,048 sequences of 3.2k tokens too, not only at "
-    "DeepSeek-V3's small batches (SCALE.md)",
+    **dict.fromkeys(
+        (
+            "NeMo-RL Qwen3-30B-A3B colocated, 32 H100",
+            "NeMo-RL Qwen3-30B-A3B 1-step off-policy 16:16, in-flight updates",
+            "NeMo-RL Qwen3-30B-A3B 8-step off-policy 64:128, in-flight updates",
+        ),
+        "-41/-36/-24%: beyond the issue's list; NeMo-RL's MoE rows run slower than the model "
+        "at 2,048 sequences of 3.2k tokens too, not only at DeepSeek-V3's small batches, while "
+        "the one-step row's speedup lands (SCALE.md)",
+    ),
 }
 """Published rows the simulator misses by more than 20%, with why: strict, so a change that
 brings one within 20% fails here until it is moved out of this list."""
@@ -308,6 +315,15 @@ def test_published_step_times_and_throughputs_within_20_percent(row):
 def test_areal_speedups_of_staleness_over_synchronous(row, published):
     # published 47.8k / 27.1k = 1.76x at staleness 1, 52.0k / 27.1k = 1.92x at 16
     assert ROWS[row].predict() / ROWS[0].predict() == pytest.approx(published, rel=0.20)
+
+
+def test_nemo_rl_qwen3_one_step_off_policy_speedup():
+    # beyond the issue's list: NeMo-RL's Qwen3-30B-A3B on 32 H100s, on-policy colocated 192 s
+    # and one-step off-policy on 16 : 16 GPUs 152 s, 192 / 152 = 1.26x; simulated 113.3 / 97.0
+    # = 1.17x (-7.5%), where each step time reads 36-41% low
+    on, off = (next(r for r in ROWS if r.setting.startswith(f"NeMo-RL Qwen3-30B-A3B {k}"))
+               for k in ("colocated", "1-step"))  # fmt: skip
+    assert on.predict() / off.predict() == pytest.approx(192 / 152, rel=0.20)
 
 
 def test_engines_share_the_requests_as_a_router_would():

@@ -126,10 +126,21 @@ def _nemo(gpus: int, published: float, mode: Literal["sync", "one_step"]) -> Row
     return Row(name, published, "s", "deepseek-v3", NEMO, setup)
 
 
-def _nemo_qwen3() -> Row:
-    setup = Setup(gpu("h100"), 32, 32, colocated=True, engine_tp=2, train_ep=8, offload=True)
-    return Row("NeMo-RL Qwen3-30B-A3B colocated, 32 H100", 192.0, "s", "qwen3-30b-a3b",
-               NEMO_QWEN3, setup)  # fmt: skip
+def _nemo_qwen3(off: int, published: float) -> Row:
+    """``off`` 0: on-policy, colocated on 32 GPUs; 1 (grpo-qwen3-30ba3b-4n8g-async-1off.yaml):
+    16 generation and 16 training GPUs, training PP 2; 8 (...-24n8g-async-8off.yaml): 64
+    generation and 128 training GPUs; both max_trajectory_age_steps ``off`` with in-flight
+    weight updates (eta ``off``, partial rollouts) and NCCL's broadcast refit."""
+    h100 = gpu("h100")
+    if off == 0:
+        setup = Setup(h100, 32, 32, colocated=True, engine_tp=2, train_ep=8, offload=True)
+        return Row("NeMo-RL Qwen3-30B-A3B colocated, 32 H100", published, "s", "qwen3-30b-a3b",
+                   NEMO_QWEN3, setup)  # fmt: skip
+    rollout, train, pp = (16, 16, 2) if off == 1 else (64, 128, 1)
+    setup = Setup(h100, rollout, train, engine_tp=2, train_pp=pp, train_ep=8, mode="async",
+                  staleness=off, partial=True)  # fmt: skip
+    return Row(f"NeMo-RL Qwen3-30B-A3B {off}-step off-policy {rollout}:{train}, in-flight updates",
+               published, "s", "qwen3-30b-a3b", NEMO_QWEN3, setup)  # fmt: skip
 
 
 ROWS: tuple[Row, ...] = (
@@ -145,6 +156,8 @@ ROWS: tuple[Row, ...] = (
     _nemo(512, 111.0, "sync"),
     _nemo(256, 134.0, "sync"),
     _nemo(512, 64.1, "one_step"),
-    _nemo_qwen3(),
+    _nemo_qwen3(0, 192.0),
+    _nemo_qwen3(1, 152.0),
+    _nemo_qwen3(8, 34.5),
 )
 """Every published figure of SCALE.md's step-time table, in its order."""
