@@ -67,10 +67,11 @@ VERL_ASYNC = Workload(
 # "gathered"), the trainer's states offloaded to host memory while the colocated engines generate
 # (NeMo-RL's colocated mode: offload_before_refit / offload_after_refit); the one-step recipe
 # (grpo-deepseek-v3-64n8g-async-1off.yaml): 32 generation nodes and 32 training nodes,
-# max_trajectory_age_steps 1, in_flight_weight_updates true, the refit broadcast from training
-# rank 0 (NCCL, non-colocated default). The v0.6.0 recipes (tag of 2026-04-29) generate without
-# speculative decoding: MTP (speculative_config deepseek_mtp) came into them on 2026-06-24, and
-# v0.6.0's DeepSeek guide sets num_nextn_predict_layers to 0. Assumed: 150-token prompts
+# max_trajectory_age_steps 1, in_flight_weight_updates true, the refit broadcast from the training
+# ranks (NCCL, the non-colocated default) as NeMo-RL measured it (NEMO_NCCL_REFIT_S). The v0.6.0
+# recipes (tag of 2026-04-29) generate without speculative decoding: MTP (speculative_config
+# deepseek_mtp) came into them on 2026-06-24, and v0.6.0's DeepSeek guide sets
+# num_nextn_predict_layers to 0. Assumed: 150-token prompts
 # (OpenMathInstruct-2 problems in a chat template), responses lognormal with sigma 0.8 and mean
 # 600 before the 1,386-token cap (547 after it: 697 in all), a reference and an old-logprob forward
 NEMO = Workload(
@@ -82,6 +83,13 @@ NEMO = Workload(
 # EP 64 x PP 8 training), where the bytes alone take 3.3 s at full bandwidth; assumed the same
 # in v0.6
 NEMO_REFIT_S = 47.2
+# NeMo-RL's non-colocated refit of DeepSeek-V3 as NeMo-RL measured it: the NCCL collective update
+# path (the non-colocated default, every full tensor broadcast to the generation ranks) from
+# Megatron TP1 x PP16 x EP16 to vLLM engines of TP 32 (async engine), 14.21 s on the dedicated
+# async refit timer (docs/guides/checkpoint-engine-refit.md, "DeepSeek-V3 Benchmark", the NCCL
+# column beside NIXL's, NeMo-RL of 2026-07; 32 policy nodes, 4 rollout nodes); assumed the same
+# in v0.6, where the model's bytes give 6.8 s
+NEMO_NCCL_REFIT_S = 14.21
 # Beyond the issue's list, the same v0.6 table's Qwen3-30B-A3B on-policy row on 32 H100s: GRPO 64
 # prompts x 32 (G-GBS 2,048) in 4 optimizer steps of 512 (T-GBS), max sequence 4,096, average
 # 3,203; v0.6.0's grpo-qwen3-30ba3b-4n8g.yaml over grpo_math_1B.yaml: colocated, engines of TP
@@ -121,7 +129,7 @@ def _nemo(gpus: int, published: float, mode: Literal["sync", "one_step"]) -> Row
     else:  # the engines on half the GPUs; in-flight weight updates: eta 1, partial rollouts
         half = gpus // 2
         setup = Setup(gpu("h100"), half, half, engine_tp=32, train_pp=16, mode="async",
-                      staleness=1, partial=True)  # fmt: skip
+                      staleness=1, partial=True, sync_seconds=NEMO_NCCL_REFIT_S)  # fmt: skip
         name = f"NeMo-RL DeepSeek-V3 one-step off-policy {half}:{half}, in-flight updates"
     return Row(name, published, "s", "deepseek-v3", NEMO, setup)
 
