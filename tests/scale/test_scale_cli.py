@@ -599,15 +599,36 @@ def test_expert_parallel_1_on_a_dense_model_is_no_expert_parallelism(capsys):
         (["plan", "qwen2.5-7b", "--plot", "no_such_folder/m.png"], "does not exist"),
         (["plan", "qwen2.5-7b", "--plot", "m.txt"], "ending in .png"),
         (["plan", "qwen2.5-7b", "--prompt-tokens", "10000000"], "no placement fits up to"),
-        # expert parallel: a degree that divides the 128 experts, on 8 GPUs at most 8
+        # expert parallel: a degree that divides the 128 experts, on 8 GPUs at most 8 (none of
+        # them fits Qwen3-30B-A3B on 8 H100s: every divisor named)
         (["plan", "qwen3-30b-a3b", "--ep", "3"], "use --ep 1 or 2 or 4 or 8"),
         (["plan", "qwen2.5-7b", "--train-ep", "2"], "has no experts; leave --train-ep out"),
+        # DeepSeek-V3 in 16 pipeline stages on 256 GPUs: of the degrees that divide its 256
+        # experts, the placements that fit (the 128:128 split's 8 data-parallel ranks) take 8 at
+        # most, not the 16 ranks of the colocated layout, which does not fit, nor 32..256
+        (
+            ["plan", "deepseek-v3", "--gpus", "256", "--pp", "16", "--ep", "3", "--offload"],
+            "--ep 3 must divide deepseek-v3's 256 experts: use --ep 1 or 2 or 4 or 8",
+        ),
+        # with --tp 8 the data-parallel ranks 8 divides are multiples of 64 GPUs
+        (
+            ["plan", "qwen3-30b-a3b", "--gpus", "12", "--tp", "8", "--ep", "8"],
+            "--tp 8 takes the trainer's GPUs 8 at a time, which --gpus 12 does not divide: with "
+            "--ep 8, use --gpus 64",
+        ),
         # 24 GPUs split 6:18, 12:12 and 18:6 (or all 24 colocated): no 16 data-parallel ranks;
         # ep 8 divides the colocated 24
         (
             ["plan", "qwen3-30b-a3b", "--gpus", "24", "--ep", "16"],
-            "tokens per sequence and --ep 16 does not fit 24 x h100 (79.6 GiB) in any placement: "
-            "it fits 32 GPUs, or use --ep 8 on these",
+            "tokens per sequence and --ep 16 does not fit 24 x h100 (79.6 GiB) in any placement; "
+            "no trainer layout on 24 GPUs has data-parallel ranks that --ep 16 divides: it fits "
+            "32 GPUs, or use --ep 8 on these",
+        ),
+        # beyond 1,024 GPUs the count is searched in steps of 1,024, then node by node: tp 4 x
+        # pp 3 takes 12 GPUs a rank, and 128 ranks' expert groups need 12 x 128 = 1,536 GPUs
+        (
+            ["plan", "qwen3-30b-a3b", "--gpus", "1032", "--tp", "4", "--pp", "3", "--ep", "128"],
+            "divides: it fits 1536 GPUs, or use --ep 2 on these",
         ),
     ],
 )
@@ -912,9 +933,36 @@ def test_plan_pins_the_expert_parallel_degree_and_simulates_it(capsys):
     assert colocated["simulated"]["step_s"] < at_32["simulated"]["step_s"]
     # the spelling typed names a bad degree; 1 on a dense model is no expert parallelism
     assert main(["plan", "qwen3-30b-a3b", "--train-ep", "0"]) == 2
-    assert capsys.readouterr().err.strip() == "treadle: error: --train-ep 0: must be 1..1,024"
+    assert capsys.readouterr().err.strip() == "treadle: error: --train-ep 0: must be 1..16,384"
     assert main(["plan", "qwen2.5-7b", "--ep", "1", "--steps", "2", "--json"]) == 0
     assert {r["train_layout"]["ep"] for r in json.loads(capsys.readouterr().out)} == {1}
+
+
+def test_a_moe_layout_names_its_expert_degree_1_too(capsys):
+    # Qwen3-30B-A3B on 8 H200s at --ep 1: every rank holds every expert; the label says ep1,
+    # since the default there is ep 8, and simulate's --train-ep 1 reproduces the step
+    argv = ["plan", "qwen3-30b-a3b", "--gpu", "h200", "--gpus", "8", "--ep", "1", "--offload",
+            "--steps", "3", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    rows = {r["placement"]: r for r in json.loads(capsys.readouterr().out)}
+    colocated = rows["colocated sync | train dp8 tp1 pp1 ep1 zero3 | engine tp1"]
+    simulate = ["simulate", "qwen3-30b-a3b", "--gpu", "h200", "--gpus", "8", "--offload",
+                "--steps", "3", "--json"]  # fmt: skip
+    assert main([*simulate, "--train-ep", "1"]) == 0
+    (one,) = json.loads(capsys.readouterr().out)
+    assert colocated["simulated"]["step_s"] == pytest.approx(one["step_s"])
+    assert main(simulate) == 0  # the default, ep 8: a token's experts spread over the node
+    (default,) = json.loads(capsys.readouterr().out)
+    assert default["step_s"] != pytest.approx(one["step_s"])
+    # a dense model's layouts name no ep; --ep's bound is the GPU count's, not --tp's 1,024
+    assert main(["plan", "qwen2.5-7b", "--steps", "2", "--json"]) == 0
+    assert all(" ep" not in r["placement"] for r in json.loads(capsys.readouterr().out))
+    assert main(["plan", "qwen3-30b-a3b", "--ep", "16385"]) == 2
+    assert capsys.readouterr().err.strip().endswith("--ep 16385: must be 1..16,384")
+    # a hint is named only where it fits: a micro-batch of 1 does not bring --ep 256's 256
+    # data-parallel ranks to 8 GPUs
+    assert main(["plan", "deepseek-v3", "--ep", "256", "--micro-batch", "2"]) == 2
+    assert capsys.readouterr().err.strip().endswith("--ep 256 divides: it fits 512 GPUs")
 
 
 def test_a_plan_without_an_engine_shows_training_alone(tmp_path, capsys):

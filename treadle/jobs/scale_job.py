@@ -224,7 +224,8 @@ def _check(args: argparse.Namespace) -> None:
         bounds += [("--steps", args.steps, 2, MAX_STEPS)]
     if args.command == "plan":
         bounds += [("--micro-batch", args.micro_batch, 1, 4096)]
-        bounds += [(args.spelled.get(n, f"--{n}"), getattr(args, n), 1, 1024)
+        bounds += [(args.spelled.get(n, f"--{n}"), getattr(args, n), 1,
+                    MAX_GPUS if n == "ep" else 1024)
                    for n in ("tp", "pp", "sp", "ep") if getattr(args, n) is not None]  # fmt: skip
     else:
         bounds += [("--pack-tokens", args.pack_tokens, 0, MAX_PACK_TOKENS),

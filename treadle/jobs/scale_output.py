@@ -109,7 +109,7 @@ def print_plan(console, placements: list[Placement], memory_gib: float) -> None:
         engine = p.has_engine
         kind = f"{kind} {p.mode}" if engine else "training only"
         table.add_row(
-            str(i), kind, layout_name(lay, compact=True),
+            str(i), kind, layout_name(lay, compact=True, moe=p.moe),
             f"tp{p.engine_tp}" if engine else "-",
             f"{p.train_peak / GIB:.0f}" + (f"/{p.engine_peak / GIB:.0f}" if engine else ""),
             "-" if r is None else f"{r.step_s:.1f}",

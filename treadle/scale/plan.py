@@ -103,6 +103,8 @@ class Placement:
     layout: Layout
     engine_tp: int
     mode: str
+    moe: bool = False
+    """Whether the model has experts: its labels name the expert-parallel degree, 1 too."""
     memory: list[Breakdown] = field(default_factory=list)
     """Per role, bytes per GPU of the GPUs that hold it."""
     train_peak: float = 0.0
@@ -132,21 +134,23 @@ class Placement:
         """One line naming the placement, its split and layouts."""
         lay = self.layout
         if not self.has_engine:
-            return f"training only | train {layout_name(lay)} zero{lay.zero}"
+            return f"training only | train {layout_name(lay, moe=self.moe)} zero{lay.zero}"
         split = "" if self.kind == "colocated" else f" {self.rollout_gpus}:{self.train_gpus}"
         return (
-            f"{self.kind}{split} {self.mode} | train {layout_name(lay)} zero{lay.zero} | "
+            f"{self.kind}{split} {self.mode} | train {layout_name(lay, moe=self.moe)} "
+            f"zero{lay.zero} | "
             f"engine tp{self.engine_tp}"
         )
 
 
-def layout_name(lay: Layout, dp: bool = True, compact: bool = False) -> str:
-    """``dp8 tp1 pp1``, with `` sp4`` where sequence parallel and `` ep8`` where a MoE model's
-    experts are split (``compact``: the degrees above 1 only, ``dp8 sp4``)."""
+def layout_name(lay: Layout, dp: bool = True, compact: bool = False, moe: bool = False) -> str:
+    """``dp8 tp1 pp1``, with `` sp4`` where sequence parallel and, for a MoE model (``moe``),
+    its expert-parallel degree, `` ep8`` (``ep1`` too: the default is the most that divides)
+    (``compact``: the degrees above 1 only, and a MoE model's ep, ``dp8 sp4 ep8``)."""
     degrees = [("dp", lay.dp)] if dp else []
-    degrees += [("tp", lay.tp), ("pp", lay.pp), ("sp", lay.sp), ("ep", lay.ep)]
-    return " ".join(f"{name}{n}" for name, n in degrees
-                    if n > 1 or name == "dp" or (name in ("tp", "pp") and not compact))  # fmt: skip
+    degrees += [("tp", lay.tp), ("pp", lay.pp), ("sp", lay.sp)] + ([("ep", lay.ep)] if moe else [])
+    shown = {"dp", "ep"} | (set() if compact else {"tp", "pp"})
+    return " ".join(f"{name}{n}" for name, n in degrees if n > 1 or name in shown)
 
 
 def layout_options(lay: Layout) -> str:
@@ -232,7 +236,7 @@ def _measured(q: Question, kind: str, rollout: int, train: int, tp: int, pp: int
     mode = _mode(q, kind)
     if q.work.pack_tokens:  # fewer data-parallel ranks pack more of a step into a micro-batch
         q = replace(q, micro_batch=packed_micro_batch(q, layout))
-    return measure(q, Placement(kind, rollout, train, layout, engine_tp, mode))
+    return measure(q, Placement(kind, rollout, train, layout, engine_tp, mode, q.shape.experts > 0))
 
 
 def _mode(q: Question, kind: str) -> str:
@@ -302,18 +306,21 @@ def fitting(q: Question, names: Mapping[str, str] | None = None) -> list[Placeme
     """
     check_work(q.work)
     names = {n: f"--{n}" for n in ("tp", "pp", "sp", "ep")} | dict(names or {})
-    if q.ep is not None:
-        _check_ep(q.shape, q.ep, names["ep"], q.gpus)
     if q.tp or q.pp or q.sp:
         check_layout(q.shape, Layout(tp=q.tp or 1, pp=q.pp or 1, sp=q.sp or 1), names, q.gpus)
         replica = (q.tp or 1) * (q.pp or 1) * (q.sp or 1)
         if q.gpus % replica:
             given = " x ".join(f"{names[n]} {v}" for n, v in (("tp", q.tp), ("pp", q.pp),
                                                                ("sp", q.sp)) if v)  # fmt: skip
+            # a given expert-parallel degree needs data-parallel ranks it divides too
+            unit = replica * (q.ep if q.ep and q.shape.experts else 1)
+            also = f"with {names['ep']} {q.ep}, " if unit > replica else ""
             raise UserError(
                 f"{given} takes the trainer's GPUs {replica} at a time, which --gpus {q.gpus} "
-                f"does not divide: use --gpus {(q.gpus // replica + 1) * replica}"
+                f"does not divide: {also}use --gpus {(q.gpus // unit + 1) * unit}"
             )
+    if q.ep is not None:
+        _check_ep(q, names["ep"])
     fits = [p for p in candidates(q) if p.fits]
     if not fits:
         raise UserError(_nothing_fits(q, names["ep"]))
@@ -343,21 +350,24 @@ def rank(q: Question, fits: list[Placement], steps: int | None = 3,
     return sorted(fits, key=lambda p: -p.result.tokens_per_s if p.result else p.train_peak)
 
 
-def _check_ep(shape: ModelShape, ep: int, option: str, gpus: int) -> None:
-    """Raises UserError for an expert-parallel degree ``ep`` (given as ``option``) that
-    ``shape`` cannot take: any but 1 on a dense model, or one that does not divide its
-    experts, naming the largest that do, up to ``gpus`` (whether it divides a layout's
-    data-parallel ranks, each layout says)."""
+def _check_ep(q: Question, option: str) -> None:
+    """Raises UserError for an expert-parallel degree ``q.ep`` (given as ``option``) that the
+    model cannot take: any but 1 on a dense model, or one that does not divide its experts,
+    naming the largest that do and that a placement of ``q`` fits at (else those that divide
+    the data-parallel ranks ``q.gpus`` and its given --tp, --pp and --sp leave). Whether it
+    divides a layout's data-parallel ranks, each layout says."""
+    shape, ep = q.shape, q.ep
     if not shape.experts:
         if ep != 1:  # 1, Megatron's default, is no expert parallelism
             raise UserError(f"{option} {ep}: {shape.name} has no experts; leave {option} out")
         return
     if ep < 1 or shape.experts % ep:
-        fits = [n for n in range(1, min(gpus, shape.experts) + 1) if shape.experts % n == 0]
-        fits = fits[-4:]
+        ranks = q.gpus // ((q.tp or 1) * (q.pp or 1) * (q.sp or 1))
+        divisors = [n for n in range(1, min(ranks, shape.experts) + 1) if shape.experts % n == 0]
+        fits = [n for n in divisors if _fits(replace(q, ep=n))] or divisors
         raise UserError(
             f"{option} {ep} must divide {shape.name}'s {shape.experts} experts: use {option} "
-            f"{' or '.join(map(str, fits))}"
+            f"{' or '.join(map(str, fits[-4:]))}"
         )
 
 
@@ -386,7 +396,8 @@ def check_fits(q: Question, setup: Setup) -> Placement:
         need, have = _two_sizes(p.train_peak, memory)
         fix = _what_fits(q, setup, kind)
         raise UserError(
-            f"{where} needs {need} per training GPU in {layout_name(layout, dp=False)} over "
+            f"{where} needs {need} per training GPU in "
+            f"{layout_name(layout, dp=False, moe=p.moe)} over "
             f"{setup.train_gpus} x {q.gpu.name} ({have}): {fix}"
         )
     raise UserError(  # colocated: the engine's KV cache beside the trainer's states
@@ -458,15 +469,32 @@ def _fits(q: Question) -> bool:
     return any(p.fits for p in candidates(q))
 
 
-def _nothing_fits(q: Question, ep_option: str = "--ep") -> str:
-    """One line: what does not fit, and the smallest GPU count of this type that would (every
-    count to 64, then whole nodes to 1,024, then steps of 1,024 to MAX_GPUS), if any; with
-    the expert-parallel degree given (as ``ep_option``), where it holds."""
+def _fewest_gpus(q: Question) -> int | None:
+    """The fewest GPUs of ``q``'s type above ``q.gpus`` that a placement fits, if any up to
+    MAX_GPUS: every count to 64, then whole nodes (to 1,024, and beyond it between the steps
+    of 1,024 where one of those fits)."""
     node = q.gpu.per_node
     counts = [*range(1, 65), *range(64 + node, 1025, node), *range(2048, MAX_GPUS + 1, 1024)]
-    fits = next((n for n in counts if n > q.gpus and _fits(replace(q, gpus=n))), None)
-    best = min(candidates(q), key=lambda p: p.train_peak, default=None)
+    below = q.gpus
+    for n in (n for n in counts if n > q.gpus):
+        if _fits(replace(q, gpus=n)):
+            whole = range(below - below % node + node, n, node)  # the nodes between the steps
+            return next((m for m in whole if m > q.gpus and _fits(replace(q, gpus=m))), n)
+        below = n
+    return None
+
+
+def _nothing_fits(q: Question, ep_option: str = "--ep") -> str:
+    """One line: what does not fit, and the smallest GPU count of this type that would
+    (:func:`_fewest_gpus`), if any; with the expert-parallel degree given (as ``ep_option``),
+    where it holds."""
+    fits = _fewest_gpus(q)
+    tried = candidates(q)
+    best = min(tried, key=lambda p: p.train_peak, default=None)
     need = ""
+    if not tried and q.ep and q.shape.experts:  # no layout's data-parallel ranks take it
+        need = (f"; no trainer layout on {q.gpus} GPUs has data-parallel ranks that "
+                f"{ep_option} {q.ep} divides")  # fmt: skip
     if best is not None and best.train_peak > q.gpu.memory_bytes:
         need = f"; the closest needs {best.train_peak / GIB:.1f} GiB a training GPU ({best.label})"
     elif best is not None:  # the trainer fits; the engine's cache does not hold a sequence
@@ -494,8 +522,9 @@ def _nothing_fits(q: Question, ep_option: str = "--ep") -> str:
     fix = next((k for k, v in changes.items() if _fits(replace(q, **v))), None)
     # shorter sequences, where the shortest fits (a model whose states alone overflow, not)
     tiny = replace(q, work=replace(q.work, prompt_tokens=1, lengths=Lengths(1, 1)), micro_batch=1)
+    smaller = q.micro_batch > 1 and _fits(replace(q, micro_batch=1))
     lower = (["--max-response", "--prompt-tokens"] if _fits(tiny) else []) + (
-        ["--micro-batch"] if q.micro_batch > 1 else [])  # fmt: skip
+        ["--micro-batch"] if smaller else [])  # fmt: skip
     lower_text = f"; or lower {' or '.join(lower)}" if lower else ""
     return (
         f"{q.shape.name} with {roles} at {q.seq:,} tokens per sequence{given_ep} does not fit "
