@@ -913,7 +913,7 @@ def test_plan_pins_the_expert_parallel_degree_and_simulates_it(capsys):
     # ranks 8 divides (dp32, dp16, dp24; not the 24:8 split's dp4 sp2, which takes ep 4 by
     # default), each named with its ep, and simulates them at that degree: the colocated
     # placement's step is simulate's with --train-ep 8 (a token's 8 expert ranks within its
-    # 8-GPU node, its all-to-alls over NVLink), shorter than at the default ep 32
+    # 8-GPU node, its all-to-alls over NVLink), shorter than at ep 32, simulate's default
     argv = ["plan", "qwen3-30b-a3b", "--gpus", "32", "--steps", "3", "--json"]
     assert main(argv) == 0
     default = {r["placement"]: r for r in json.loads(capsys.readouterr().out)}
@@ -925,12 +925,18 @@ def test_plan_pins_the_expert_parallel_degree_and_simulates_it(capsys):
     assert len(rows) == len(default) - 1
     colocated = next(r for r in rows if r["kind"] == "colocated")
     assert colocated["placement"] == "colocated sync | train dp32 tp1 pp1 ep8 zero3 | engine tp2"
-    assert main(["simulate", "qwen3-30b-a3b", "--gpus", "32", "--engine-tp", "2",
-                 "--train-ep", "8", "--steps", "3", "--json"]) == 0  # fmt: skip
-    (row,) = json.loads(capsys.readouterr().out)
-    assert colocated["simulated"]["step_s"] == pytest.approx(row["step_s"])
-    at_32 = default["colocated sync | train dp32 tp1 pp1 ep32 zero3 | engine tp2"]
-    assert colocated["simulated"]["step_s"] < at_32["simulated"]["step_s"]
+    simulate = ["simulate", "qwen3-30b-a3b", "--gpus", "32", "--engine-tp", "2", "--steps", "3",
+                "--json"]  # fmt: skip
+    assert main([*simulate, "--train-ep", "8"]) == 0
+    (at_8,) = json.loads(capsys.readouterr().out)
+    assert colocated["simulated"]["step_s"] == pytest.approx(at_8["step_s"])
+    assert main(simulate) == 0
+    (at_32,) = json.loads(capsys.readouterr().out)
+    assert at_8["step_s"] < at_32["step_s"]
+    # without --ep, plan simulates each placement at the default degree and within a node
+    # (the most up to 8 that divides the ranks and experts) and keeps the faster: the
+    # colocated one at 8, as --ep 8 gives it
+    assert default[colocated["placement"]]["simulated"] == colocated["simulated"]
     # the spelling typed names a bad degree; 1 on a dense model is no expert parallelism
     assert main(["plan", "qwen3-30b-a3b", "--train-ep", "0"]) == 2
     assert capsys.readouterr().err.strip() == "treadle: error: --train-ep 0: must be 1..16,384"

@@ -332,22 +332,51 @@ def rank(q: Question, fits: list[Placement], steps: int | None = 3,
     """``fits`` (placements of ``q``), each simulated for ``steps`` steps (None: to the steady
     state), best first by trained tokens per second (colocated: sync; disaggregated:
     asynchronous, staleness 1, partial rollouts, or sync with ReMax's greedy baseline; without
-    an engine role, not simulated, by training memory per GPU). ``progress(steps, error,
-    label=...)`` hears of each simulated step: the steps run so far and the step time's
-    relative error, for the placement ``label`` names."""
+    an engine role, not simulated, by training memory per GPU). A MoE model's placement
+    without ``q.ep`` is also simulated with its experts over one node's GPUs at most (the
+    largest degree up to ``gpu.per_node`` that divides its data-parallel ranks and the
+    experts: its tokens' all-to-alls over NVLink, not the NICs) where that degree differs
+    from the default and fits; the faster stands. ``progress(steps, error, label=...)`` hears
+    of each simulated step: the steps run so far and the step time's relative error, for the
+    placement ``label`` names."""
     work = replace(q.work, critic="critic" in q.roles, recompute=q.checkpointing)
+    if "engine" not in q.roles:
+        return sorted(fits, key=lambda p: p.train_peak)
+    ranked = []
     for p in fits:
-        setup = Setup(
-            q.gpu, p.rollout_gpus, p.train_gpus, colocated=p.kind == "colocated",
-            engine_tp=p.engine_tp, train_tp=p.layout.tp, train_pp=p.layout.pp,
-            train_sp=p.layout.sp, train_ep=p.layout.ep if q.shape.experts else 0,
-            mode=p.mode, staleness=0 if p.mode == "sync" else 1, partial=p.mode == "async",
-            offload=q.offload and p.kind == "colocated", offload_bytes=p.resident,
-        )  # fmt: skip
-        if "engine" in q.roles:
-            show = None if progress is None else partial(progress, label=p.label.split(" |")[0])
-            p.result = simulate(q.shape, work, setup, steps=steps, progress=show)
-    return sorted(fits, key=lambda p: -p.result.tokens_per_s if p.result else p.train_peak)
+        show = None if progress is None else partial(progress, label=p.label.split(" |")[0])
+        options = [p, *_within_a_node(q, p)]
+        for option in options:
+            option.result = simulate(q.shape, work, _setup(q, option), steps=steps,
+                                     progress=show)  # fmt: skip
+        ranked.append(max(options, key=lambda o: o.result.tokens_per_s))
+    return sorted(ranked, key=lambda p: -p.result.tokens_per_s)
+
+
+def _setup(q: Question, p: Placement) -> Setup:
+    """The simulated setup of placement ``p`` of ``q``."""
+    return Setup(
+        q.gpu, p.rollout_gpus, p.train_gpus, colocated=p.kind == "colocated",
+        engine_tp=p.engine_tp, train_tp=p.layout.tp, train_pp=p.layout.pp,
+        train_sp=p.layout.sp, train_ep=p.layout.ep if q.shape.experts else 0,
+        mode=p.mode, staleness=0 if p.mode == "sync" else 1, partial=p.mode == "async",
+        offload=q.offload and p.kind == "colocated", offload_bytes=p.resident,
+    )  # fmt: skip
+
+
+def _within_a_node(q: Question, p: Placement) -> list[Placement]:
+    """``p`` with a MoE model's experts over at most one node's GPUs, where ``q`` gives no
+    expert-parallel degree, that degree is not ``p``'s and it fits; else none."""
+    lay = p.layout
+    if not q.shape.experts or q.ep is not None:
+        return []
+    ep = max(e for e in range(1, q.gpu.per_node + 1)
+             if lay.dp % e == 0 and q.shape.experts % e == 0)  # fmt: skip
+    if ep == lay.ep:
+        return []
+    other = _measured(q, p.kind, p.rollout_gpus, p.train_gpus, lay.tp, lay.pp, p.engine_tp,
+                      lay.sp, ep)  # fmt: skip
+    return [other] if other.fits else []
 
 
 def _check_ep(q: Question, option: str) -> None:
