@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -269,6 +270,12 @@ def _check(args: argparse.Namespace) -> None:
             raise UserError(f"--plot {path}: the folder {path.parent} does not exist")
         if path.is_dir():
             raise UserError(f"--plot {path}: a folder has that name; give a file name")
+        try:  # writable before the work, not after it (a read-only folder, /proc)
+            with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".treadle-plot-"):
+                pass
+        except OSError as e:
+            raise UserError(f"--plot {path}: cannot write in {path.parent} "
+                            f"({e.strerror or e})") from None  # fmt: skip
 
 
 def _roles(text: str | None, command: str) -> tuple[str, ...]:
