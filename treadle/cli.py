@@ -33,6 +33,7 @@ import argparse
 import contextlib
 import errno
 import logging
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -602,18 +603,27 @@ def _inspect(args: argparse.Namespace, console) -> int:
 
 
 def _scale(args: argparse.Namespace) -> int:
-    """``treadle plan`` / ``treadle simulate``; 2 with one line on bad input, 130 on Ctrl-C."""
+    """``treadle plan`` / ``treadle simulate``; 2 with one line on bad input, 130 on Ctrl-C, 143
+    on SIGTERM (a plot being written is removed, not left half-written)."""
     from treadle.core.errors import UserError
     from treadle.jobs.scale_job import run
+    from treadle.jobs.stopping import Stopped, stop_on_signal
 
     # piped (not a terminal, no COLUMNS): wide enough that no table column is cut to "engi…"
     terminal = sys.stdout is not None and sys.stdout.isatty()  # None: closed at the start
     wide = {} if terminal or "COLUMNS" in os.environ else {"width": 200}
     try:
-        return run(args, _console(stderr=True, **wide), _console(**wide))
+        with stop_on_signal():  # SIGTERM, as Ctrl-C: the plot's temporary file removed
+            return run(args, _console(stderr=True, **wide), _console(**wide))
     except UserError as e:
         _say(f"treadle: error: {e}")
         return 2
+    except Stopped as e:
+        if e.signum != signal.SIGINT:
+            _say(f"treadle: {_stopped(e, args)}")
+            return e.exit_code
+        _say("treadle: interrupted")
+        return 130
     except KeyboardInterrupt:
         _say("treadle: interrupted")
         return 130

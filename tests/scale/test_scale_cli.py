@@ -777,6 +777,51 @@ def test_plot_with_json_keeps_stdout_json_and_replaces_the_file_whole(tmp_path, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.png"]  # no temporary left
 
 
+def test_a_sigterm_while_the_plot_is_written_leaves_no_file(tmp_path, capsys, monkeypatch):
+    # SIGTERM (what timeout, kill and schedulers send) lands while the plot's temporary file
+    # is being written: one line, 128 + 15, and neither the plot nor its temporary file left
+    import os
+    import signal
+
+    from treadle.scale import plots
+
+    def timeline(result, path):
+        with open(path, "wb") as f:
+            f.write(b"\x89PNG half")
+        os.kill(os.getpid(), signal.SIGTERM)  # its handler raises here, mid-write
+
+    monkeypatch.setattr(plots, "timeline", timeline)
+    before = signal.getsignal(signal.SIGTERM)
+    argv = ["simulate", "qwen2.5-0.5b", "--gpus", "2", "--prompts", "8", "--steps", "2",
+            "--plot", str(tmp_path / "t.png")]  # fmt: skip
+    assert main(argv) == 143
+    assert capsys.readouterr().err == ("treadle: stopped by SIGTERM at once; nothing on disk is "
+                                       "half-written\n")  # fmt: skip
+    assert list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGTERM) == before  # the handler put back
+
+
+def test_a_plot_another_user_owns_in_a_sticky_folder_is_refused_first(tmp_path, capsys,
+                                                                       monkeypatch):  # fmt: skip
+    # /tmp's case: the folder lets anyone make files, but only a file's owner (or the
+    # folder's) replace it, so the plot's rename would fail after the work; as seen by a user
+    # who owns neither (geteuid: another uid than the one that made them)
+    import os
+    import stat
+
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    (folder / "t.png").write_bytes(b"theirs")
+    folder.chmod(0o1777)
+    assert folder.stat().st_mode & stat.S_ISVTX
+    monkeypatch.setattr(os, "geteuid", lambda: folder.stat().st_uid + 1)
+    assert main(["plan", "qwen2.5-0.5b", "--plot", str(folder / "t.png")]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.endswith("it is another user's, in a sticky folder that only lets its owner "
+                         "replace it; give another file name")  # fmt: skip
+    assert sorted(p.name for p in folder.iterdir()) == ["t.png"]  # no probe left
+
+
 def test_disaggregated_steps_without_partial_end_with_their_sync():
     # one_step drains: every asked step ends (its sync included) and the trainer is busy < 1
     setup = Setup(gpu("h100"), 6, 2, mode="one_step")
@@ -939,6 +984,14 @@ def test_plan_pins_the_expert_parallel_degree_and_simulates_it(capsys):
     # (the most up to 8 that divides the ranks and experts) and keeps the faster: the
     # colocated one at 8, as --ep 8 gives it
     assert default[colocated["placement"]]["simulated"] == colocated["simulated"]
+    # with Ulysses 2 a node holds 8 / 2 = 4 data-parallel ranks: within a node is ep 4, not 8
+    # (whose ranks span two nodes, half their all-to-alls over the NICs)
+    assert main([*argv, "--max-response", "16384"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    colocated = next(r for r in rows if r["kind"] == "colocated")
+    assert colocated["placement"] == (
+        "colocated sync | train dp16 tp1 pp1 sp2 ep4 zero3 | engine tp2"
+    )
     # the spelling typed names a bad degree; 1 on a dense model is no expert parallelism
     assert main(["plan", "qwen3-30b-a3b", "--train-ep", "0"]) == 2
     assert capsys.readouterr().err.strip() == "treadle: error: --train-ep 0: must be 1..16,384"

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import stat
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -270,12 +272,38 @@ def _check(args: argparse.Namespace) -> None:
             raise UserError(f"--plot {path}: the folder {path.parent} does not exist")
         if path.is_dir():
             raise UserError(f"--plot {path}: a folder has that name; give a file name")
-        try:  # writable before the work, not after it (a read-only folder, /proc)
-            with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".treadle-plot-"):
-                pass
-        except OSError as e:
-            raise UserError(f"--plot {path}: cannot write in {path.parent} "
-                            f"({e.strerror or e})") from None  # fmt: skip
+        _check_writable(path)
+
+
+def _check_writable(path: Path) -> None:
+    """Raises UserError where the plot ``path`` could not be written as :func:`_save` writes
+    it (a file beside it, renamed onto it), checked before the work rather than after it: a
+    probe file made, renamed and removed in its folder (a read-only folder, /proc, an
+    append-only one), and an existing ``path`` of another user's in a sticky folder (/tmp),
+    which no rename replaces."""
+    folder, own = path.parent, os.geteuid()
+    try:
+        owner, held = path.stat().st_uid, folder.stat()
+    except OSError:  # no such file yet (or none to read): the probe says the rest
+        owner, held = own, None
+    if held is not None and held.st_mode & stat.S_ISVTX and own not in (0, held.st_uid, owner):
+        raise UserError(f"--plot {path}: it is another user's, in a sticky folder that only "
+                        "lets its owner replace it; give another file name")  # fmt: skip
+    probe = None
+    try:  # made, renamed (as the plot is) and removed
+        fd, made = tempfile.mkstemp(dir=folder, prefix=".treadle-plot-probe-")
+        os.close(fd)
+        probe = Path(made)
+        probe = probe.replace(probe.with_name(probe.name + "-renamed"))
+        probe.unlink()
+        probe = None
+    except OSError as e:
+        what = "cannot write in" if probe is None else "cannot rename or remove files in"
+        raise UserError(f"--plot {path}: {what} {folder} ({e.strerror or e})") from None
+    finally:
+        if probe is not None:  # a folder that let it be made and not removed: try once more
+            with contextlib.suppress(OSError):
+                probe.unlink()
 
 
 def _roles(text: str | None, command: str) -> tuple[str, ...]:

@@ -333,12 +333,15 @@ def rank(q: Question, fits: list[Placement], steps: int | None = 3,
     state), best first by trained tokens per second (colocated: sync; disaggregated:
     asynchronous, staleness 1, partial rollouts, or sync with ReMax's greedy baseline; without
     an engine role, not simulated, by training memory per GPU). A MoE model's placement
-    without ``q.ep`` is also simulated with its experts over one node's GPUs at most (the
-    largest degree up to ``gpu.per_node`` that divides its data-parallel ranks and the
-    experts: its tokens' all-to-alls over NVLink, not the NICs) where that degree differs
-    from the default and fits; the faster stands. ``progress(steps, error, label=...)`` hears
-    of each simulated step: the steps run so far and the step time's relative error, for the
-    placement ``label`` names."""
+    without ``q.ep`` is also simulated with its expert ranks within one node (the largest
+    degree up to ``gpu.per_node / (tp x sp)``, the data-parallel ranks a node holds, that
+    divides the ranks and the experts: its tokens' all-to-alls over NVLink, not the NICs)
+    where that degree differs from the default and fits; the faster stands. Smaller degrees
+    are not tried: the model costs the tokens' all-to-alls, which shrink with the degree, but
+    not FSDP's all-gathers of the experts' weights, which grow as it falls (at ep 1 every
+    rank gathers every expert), so it would always favour ep 1. ``progress(steps, error,
+    label=...)`` hears of each simulated step: the steps run so far and the step time's
+    relative error, for the placement ``label`` names."""
     work = replace(q.work, critic="critic" in q.roles, recompute=q.checkpointing)
     if "engine" not in q.roles:
         return sorted(fits, key=lambda p: p.train_peak)
@@ -365,12 +368,15 @@ def _setup(q: Question, p: Placement) -> Setup:
 
 
 def _within_a_node(q: Question, p: Placement) -> list[Placement]:
-    """``p`` with a MoE model's experts over at most one node's GPUs, where ``q`` gives no
-    expert-parallel degree, that degree is not ``p``'s and it fits; else none."""
+    """``p`` with a MoE model's expert ranks within one node (a node holds ``per_node / (tp x
+    sp)`` data-parallel ranks, as :func:`~treadle.scale.costs.expert_alltoall_s` places them),
+    where ``q`` gives no expert-parallel degree, that degree is not ``p``'s and it fits; else
+    none."""
     lay = p.layout
     if not q.shape.experts or q.ep is not None:
         return []
-    ep = max(e for e in range(1, q.gpu.per_node + 1)
+    per_node = max(1, q.gpu.per_node // (lay.tp * lay.sp))
+    ep = max(e for e in range(1, per_node + 1)
              if lay.dp % e == 0 and q.shape.experts % e == 0)  # fmt: skip
     if ep == lay.ep:
         return []
