@@ -598,6 +598,8 @@ def test_expert_parallel_1_on_a_dense_model_is_no_expert_parallelism(capsys):
         (["simulate", "qwen2.5-7b", "--roles", "policy"], "on an engine's samples; give both"),
         (["plan", "qwen2.5-7b", "--plot", "no_such_folder/m.png"], "does not exist"),
         (["plan", "qwen2.5-7b", "--plot", "m.txt"], "ending in .png"),
+        # a file where the folder should be is named as one
+        (["plan", "qwen2.5-7b", "--plot", "README.md/m.png"], "folder README.md is a file, not"),
         # a folder nothing can be written in is refused before the work, not after it
         (["plan", "qwen2.5-7b", "--plot", "/proc/m.png"], "--plot /proc/m.png: cannot write in /p"),
         (["plan", "qwen2.5-7b", "--prompt-tokens", "10000000"], "no placement fits up to"),

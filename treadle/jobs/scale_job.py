@@ -263,13 +263,15 @@ def _check(args: argparse.Namespace) -> None:
             if path is not None:
                 Path(path).exists()
         except OSError as e:
-            raise UserError(f"{option} {str(path)[:80]}...: {e.strerror or e}") from None
+            shown = str(path) if len(str(path)) <= 80 else f"{str(path)[:80]}..."
+            raise UserError(f"{option} {shown}: {e.strerror or e}") from None
     if args.plot is not None:
         path = Path(args.plot)
         if path.suffix.lower() != ".png" or not path.stem:
             raise UserError(f"--plot {path}: give a file name ending in .png")
         if not path.parent.is_dir():
-            raise UserError(f"--plot {path}: the folder {path.parent} does not exist")
+            what = "is a file, not a folder" if path.parent.exists() else "does not exist"
+            raise UserError(f"--plot {path}: the folder {path.parent} {what}")
         if path.is_dir():
             raise UserError(f"--plot {path}: a folder has that name; give a file name")
         _check_writable(path)
