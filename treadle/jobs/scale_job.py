@@ -266,15 +266,20 @@ def _check(args: argparse.Namespace) -> None:
             shown = str(path) if len(str(path)) <= 80 else f"{str(path)[:80]}..."
             raise UserError(f"{option} {shown}: {e.strerror or e}") from None
     if args.plot is not None:
-        path = Path(args.plot)
-        if path.suffix.lower() != ".png" or not path.stem:
-            raise UserError(f"--plot {path}: give a file name ending in .png")
-        if not path.parent.is_dir():
-            what = "is a file, not a folder" if path.parent.exists() else "does not exist"
-            raise UserError(f"--plot {path}: the folder {path.parent} {what}")
-        if path.is_dir():
-            raise UserError(f"--plot {path}: a folder has that name; give a file name")
-        _check_writable(path)
+        _check_plot(Path(args.plot))
+
+
+def _check_plot(path: Path) -> None:
+    """Raises UserError for a ``--plot`` path that is no PNG file name, or whose folder is
+    missing, or that could not be written (:func:`_check_writable`)."""
+    if path.suffix.lower() != ".png" or not path.stem:
+        raise UserError(f"--plot {path}: give a file name ending in .png")
+    if not path.parent.is_dir():
+        what = "is a file, not a folder" if path.parent.exists() else "does not exist"
+        raise UserError(f"--plot {path}: the folder {path.parent} {what}")
+    if path.is_dir():
+        raise UserError(f"--plot {path}: a folder has that name; give a file name")
+    _check_writable(path)
 
 
 def _check_writable(path: Path) -> None:
