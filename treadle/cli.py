@@ -618,13 +618,10 @@ def _scale(args: argparse.Namespace) -> int:
     except UserError as e:
         _say(f"treadle: error: {e}")
         return 2
-    except Stopped as e:
-        if e.signum != signal.SIGINT:
+    except (Stopped, KeyboardInterrupt) as e:
+        if isinstance(e, Stopped) and e.signum != signal.SIGINT:
             _say(f"treadle: {_stopped(e, args)}")
             return e.exit_code
-        _say("treadle: interrupted")
-        return 130
-    except KeyboardInterrupt:
         _say("treadle: interrupted")
         return 130
 

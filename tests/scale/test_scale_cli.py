@@ -629,7 +629,8 @@ def test_expert_parallel_1_on_a_dense_model_is_no_expert_parallelism(capsys):
             "32 GPUs, or use --ep 8 on these",
         ),
         # beyond 1,024 GPUs the count is searched in steps of 1,024, then node by node: tp 4 x
-        # pp 3 takes 12 GPUs a rank, and 128 ranks' expert groups need 12 x 128 = 1,536 GPUs
+        # pp 3 takes 12 GPUs a rank, and 128 ranks' expert groups need 12 x 128 = 1,536 GPUs;
+        # on these 1,032 GPUs, 86 = 2 x 43 ranks, of the 128 experts' divisors 1 and 2 divide it
         (
             ["plan", "qwen3-30b-a3b", "--gpus", "1032", "--tp", "4", "--pp", "3", "--ep", "128"],
             "divides: it fits 1536 GPUs, or use --ep 2 on these",

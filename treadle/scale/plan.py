@@ -397,13 +397,18 @@ def _check_ep(q: Question, option: str) -> None:
             raise UserError(f"{option} {ep}: {shape.name} has no experts; leave {option} out")
         return
     if ep < 1 or shape.experts % ep:
-        ranks = q.gpus // ((q.tp or 1) * (q.pp or 1) * (q.sp or 1))
-        divisors = [n for n in range(1, min(ranks, shape.experts) + 1) if shape.experts % n == 0]
+        divisors = _ep_divisors(shape, q.gpus // ((q.tp or 1) * (q.pp or 1) * (q.sp or 1)))
         fits = [n for n in divisors if _fits(replace(q, ep=n))] or divisors
         raise UserError(
             f"{option} {ep} must divide {shape.name}'s {shape.experts} experts: use {option} "
             f"{' or '.join(map(str, fits[-4:]))}"
         )
+
+
+def _ep_divisors(shape: ModelShape, most: int) -> list[int]:
+    """The expert-parallel degrees up to ``most`` that divide ``shape``'s experts,
+    ascending."""
+    return [n for n in range(1, min(most, shape.experts) + 1) if shape.experts % n == 0]
 
 
 def check_fits(q: Question, setup: Setup) -> Placement:
@@ -545,8 +550,8 @@ def _nothing_fits(q: Question, ep_option: str = "--ep") -> str:
     # expert-parallel degree (the largest that fits), where one was given
     changes = {}
     if given_ep:
-        eps = [e for e in range(q.shape.experts, 0, -1) if q.shape.experts % e == 0 and e != q.ep]
-        ep = next((e for e in eps if e <= q.gpus and _fits(replace(q, ep=e))), None)
+        eps = reversed(_ep_divisors(q.shape, q.gpus))
+        ep = next((e for e in eps if e != q.ep and _fits(replace(q, ep=e))), None)
         changes |= {f"{ep_option} {ep}": {"ep": ep}} if ep else {}
     if not q.offload:
         changes["--offload"] = {"offload": True}
