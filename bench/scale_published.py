@@ -60,7 +60,7 @@ def main() -> None:
         return
     if args.commands:
         for row in ROWS:
-            argv = simulate_argv(row.shape, row.work, row.setup, row.roles)
+            argv = simulate_argv(row.shape, row.work, row.setup, row.roles, row.steps, row.window)
             print(f"# {row.setting}\n.venv/bin/treadle simulate {shlex.join(argv)}")
         return
     print("| setting | published | predicted | error |\n|---|---|---|---|")

@@ -607,6 +607,13 @@ def test_expert_parallel_1_on_a_dense_model_is_no_expert_parallelism(capsys):
         # them fits Qwen3-30B-A3B on 8 H100s: every divisor named)
         (["plan", "qwen3-30b-a3b", "--ep", "3"], "use --ep 1 or 2 or 4 or 8"),
         (["plan", "qwen2.5-7b", "--train-ep", "2"], "has no experts; leave --train-ep out"),
+        # --average-steps averages steps --steps simulates: 5-9 needs 9 of them at least
+        (["simulate", "qwen2.5-7b", "--average-steps", "5-9"], "give --steps 9..64"),
+        (["simulate", "qwen2.5-7b", "--steps", "8", "--average-steps", "5-9"], "--steps 9..64"),
+        (["simulate", "qwen2.5-7b", "--average-steps", "2-65"], "2-65: steps 1..64 at most"),
+        (["simulate", "qwen2.5-7b", "--average-steps", "9-5"], "'9-5' is not FIRST-LAST, as 5-9"),
+        (["simulate", "qwen2.5-7b", "--average-steps", "0-3"], "'0-3' is not FIRST-LAST"),
+        (["simulate", "qwen2.5-7b", "--average-steps", "5"], "'5' is not FIRST-LAST"),
         # DeepSeek-V3 in 16 pipeline stages on 256 GPUs: of the degrees that divide its 256
         # experts, the placements that fit (the 128:128 split's 8 data-parallel ranks) take 8 at
         # most, not the 16 ranks of the colocated layout, which does not fit, nor 32..256
@@ -839,8 +846,10 @@ def test_every_published_row_runs_from_the_command_line(row):
     from treadle.cli import _parse
     from treadle.jobs.scale_job import _check, _roles, _setup, _workload, simulate_argv
 
-    args = _parse(["simulate", *simulate_argv(row.shape, row.work, row.setup, row.roles)])
+    argv = simulate_argv(row.shape, row.work, row.setup, row.roles, row.steps, row.window)
+    args = _parse(["simulate", *argv])
     _check(args)
+    assert (args.steps, args.average_steps) == (row.steps, row.window)
     assert _roles(args.roles, "simulate") == row.roles
     assert _workload(args, row.roles) == row.work
     assert _setup(args, gpu(args.gpu)) == row.setup

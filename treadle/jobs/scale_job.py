@@ -210,7 +210,19 @@ def _simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--spec-accept", type=float,
                         help="chance each draft token is accepted, 0..1 (DeepSeek-V3 reports "
                         "0.85-0.9 for its MTP token); needed with --spec-tokens")  # fmt: skip
+    parser.add_argument("--average-steps", type=_step_range, metavar="FIRST-LAST",
+                        help="average these steps of the --steps simulated, as a benchmark "
+                        "of short runs reports them (NeMo-RL's table: 5-9 of 10 steps) "
+                        "(default: the steady state, or steps 2..N with --steps N)")  # fmt: skip
     parser.add_argument("--plot", help="write the timeline (engines and trainer) to this PNG")
+
+
+def _step_range(text: str) -> tuple[int, int]:
+    """``FIRST-LAST`` as (first, last), 1 <= first <= last. Raises ArgumentTypeError."""
+    first, dash, last = text.partition("-")
+    if not (dash and first.isdigit() and last.isdigit() and 1 <= int(first) <= int(last)):
+        raise argparse.ArgumentTypeError(f"{text!r} is not FIRST-LAST, as 5-9 (1 <= FIRST <= LAST)")
+    return int(first), int(last)
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -251,6 +263,12 @@ def _check(args: argparse.Namespace) -> None:
                 f"--spec-tokens {args.spec_tokens} needs --spec-accept A, the chance each draft "
                 "token is accepted (DeepSeek-V3 reports 0.85-0.9 for its MTP token)"
             )
+        first, last = args.average_steps or (1, 1)
+        if last > MAX_STEPS:
+            raise UserError(f"--average-steps {first}-{last}: steps 1..{MAX_STEPS} at most")
+        if args.average_steps is not None and not last <= (args.steps or 0):
+            raise UserError(f"--average-steps {first}-{last} averages simulated steps: give "
+                            f"--steps {max(2, last)}..{MAX_STEPS}")  # fmt: skip
         if args.staleness is not None and args.mode != "async":
             raise UserError(f"--staleness applies to --mode async, not {args.mode}")
         if args.rollout_gpus is not None and not 1 <= args.rollout_gpus < args.gpus:
@@ -511,7 +529,8 @@ def run(args: argparse.Namespace, console, out=None) -> int:
         setup = replace(setup, offload_bytes=placed.resident)
     _say(console, note)
     with console.status("simulating") as status:
-        r = simulate(shape, work, setup, steps=args.steps, progress=progress(status))
+        r = simulate(shape, work, setup, steps=args.steps, progress=progress(status),
+                     window=args.average_steps)  # fmt: skip
     if args.plot:
         from treadle.scale.plots import timeline
 
@@ -547,12 +566,14 @@ def _setup(args: argparse.Namespace, g: Gpu) -> Setup:
                  sync_seconds=args.sync_seconds)  # fmt: skip
 
 
-def simulate_argv(shape: str, work: Workload, setup: Setup,
-                  roles: tuple[str, ...] = DEFAULT_ROLES) -> list[str]:  # fmt: skip
+def simulate_argv(shape: str, work: Workload, setup: Setup, roles: tuple[str, ...] = DEFAULT_ROLES,
+                  steps: int | None = None,
+                  window: tuple[int, int] | None = None) -> list[str]:  # fmt: skip
     """The ``treadle simulate`` arguments that give ``setup`` and ``work`` (lognormal lengths,
-    the GPU type's own efficiencies) and whose memory check holds ``roles``, to the steady
-    state: SCALE.md's rows on the command line. Raises ValueError where ``work`` trains a
-    critic that ``roles`` does not hold, or the other way round."""
+    the GPU type's own efficiencies), whose memory check holds ``roles``, and that simulate
+    ``steps`` and average the ``window`` of them (None: to the steady state): SCALE.md's rows
+    on the command line. Raises ValueError where ``work`` trains a critic that ``roles`` does
+    not hold, or the other way round."""
     w, s = work, setup
     if w.critic != ("critic" in roles):
         raise ValueError(f"Workload.critic {w.critic} with roles {roles}: the CLI trains a critic "
@@ -601,6 +622,10 @@ def simulate_argv(shape: str, work: Workload, setup: Setup,
         argv += ["--sync-seconds", _number(s.sync_seconds)]
     if roles != DEFAULT_ROLES:
         argv += ["--roles", ",".join(roles)]
+    if steps is not None:
+        argv += ["--steps", str(steps)]
+    if window is not None:
+        argv += ["--average-steps", f"{window[0]}-{window[1]}"]
     return argv + (["--sync-method", s.sync_method] if s.sync_method else [])
 
 

@@ -39,9 +39,12 @@ def _gib(b: Breakdown) -> dict[str, float]:
 
 
 def result_row(r: Result) -> dict:
-    """A simulation's figures as JSON (an unknown step error, with too few steps, as null)."""
+    """A simulation's figures as JSON (an unknown step error, with too few steps or for a
+    window of steps, as null)."""
     row = {f.name: getattr(r, f.name) for f in fields(r) if f.name != "timeline"}
-    row["step_error"] = None if math.isinf(r.step_error) else r.step_error
+    unknown = math.isinf(r.step_error) or math.isnan(r.step_error)
+    row["step_error"] = None if unknown else r.step_error
+    row["window"] = list(r.window) if r.window else None
     row["generate_s"] = None if math.isnan(r.generate_s) else r.generate_s
     return row
 
@@ -160,8 +163,18 @@ def print_result(console, r: Result) -> None:
         ("engines busy", f"{r.engine_busy:.0%}"),
         ("trainer busy", f"{r.trainer_busy:.0%}"),
         ("staleness mean / max", f"{r.staleness_mean:.2f} / {r.staleness_max}"),
-        ("steps simulated", f"{r.steps}, the first {r.warmup_steps} as warm-up"),
-        ("step time's error", _error_text(r.step_error)),
+        (
+            "steps simulated",
+            f"{r.steps}, the first {r.warmup_steps} as warm-up"
+            if r.window is None
+            else f"{r.steps}, steps {r.window[0]}-{r.window[1]} averaged",
+        ),
+        (
+            "step time's error",
+            _error_text(r.step_error)
+            if r.window is None
+            else "none sought (--average-steps: those steps' own time)",
+        ),
         ("samples dropped stale", f"{r.dropped_stale:,}"),
         ("preemptions (KV cache full)", f"{r.preemptions:,}"),
     ]

@@ -88,7 +88,9 @@ class Result:
     """Steps not averaged into ``step_s`` and ``tokens_per_s``."""
     step_error: float = 0.0
     """Relative error of ``step_s`` over the averaged steps (:func:`steady_state`; ``inf``
-    with fewer than two pairs of steps)."""
+    with fewer than two pairs of steps; NaN for a ``window``, which seeks no steady state)."""
+    window: tuple[int, int] | None = None
+    """The steps averaged as asked, first..last (:func:`simulate`'s ``window``), or None."""
     timeline: list[tuple[str, float, float, str]] = field(default_factory=list)
     """(lane, start s, end s, kind) bars: kind is decode, train, sync or idle."""
 
@@ -485,17 +487,24 @@ def simulate(
     steps: int | None = 8,
     seed: int = 0,
     progress=None,
+    window: tuple[int, int] | None = None,
 ) -> Result:
     """Simulate ``steps`` RL steps (at least 2; the first, filling the pipeline, is not
     averaged), or with ``steps=None`` until the steady state: at least
     :data:`AUTO_MIN_STEPS`, then one more at a time until the step time after
     :func:`steady_state`'s warm-up has a relative error of at most :data:`AUTO_TOLERANCE`, or
     :data:`MAX_STEPS` have run. ``progress(steps, error)`` is called after each added step.
-    Deterministic for a seed.
+    ``window`` (first, last), 1-based and inclusive, averages those steps of the ``steps``
+    instead, as a benchmark that reports them does (NeMo-RL's performance table: 5 steps of
+    10-step runs); its ``step_error`` is NaN, the figure being those steps' own. A step's
+    time does not depend on how many steps follow it. Deterministic for a seed.
 
     Raises:
         UserError: a setup :func:`check` refuses.
+        ValueError: a ``window`` outside 1..``steps``, or without ``steps``.
     """
+    if window is not None and not (steps is not None and 1 <= window[0] <= window[1] <= steps):
+        raise ValueError(f"window {window}: steps first..last of 1..{steps} simulated")
     check(shape, work, setup)
     auto = steps is None
     sim = _Simulation(shape, work, setup, AUTO_MIN_STEPS if auto else max(2, steps), seed)
@@ -507,10 +516,11 @@ def simulate(
         dropped, _, error = steady_state(sim.step_ends)
         if progress is not None:
             progress(sim.steps, error)
-    warm = dropped if auto else 0  # --steps N averages steps 2..N
-    ends, k = sim.step_ends[warm:], setup.updates_per_sync
-    step = (ends[-1] - ends[0]) / (len(ends) - 1)
-    total = ends[-1]
+    # the steps averaged: --steps N's 2..N, the steady state's after the warm-up, or the window
+    first, last = window or ((dropped if auto else 0) + 2, len(sim.step_ends))
+    starts, k = [0.0, *sim.step_ends], setup.updates_per_sync  # step j: starts[j - 1..j]
+    step = (starts[last] - starts[first - 1]) / (last - first + 1)
+    total = sim.step_ends[-1]
     mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
     decoding = sum(  # engine seconds decoding up to the last step's end
         min(end, total) - start
@@ -519,7 +529,9 @@ def simulate(
     )
     return Result(
         step_s=step,
-        tokens_per_s=k * mean(sim.trained_tokens[k * (warm + 1) :]) / step,
+        tokens_per_s=k
+        * mean(sim.trained_tokens[k * (first - 1) : None if window is None else k * last])
+        / step,
         engine_busy=decoding / (len(sim.engines) * total),
         trainer_busy=sum(sim.train_times) / total,
         staleness_mean=mean(sim.staleness),
@@ -530,7 +542,8 @@ def simulate(
         train_s=k * mean(sim.train_times),
         sync_s=sim.sync,
         steps=sim.steps,
-        warmup_steps=warm + 1,
-        step_error=error,
+        warmup_steps=first - 1,
+        step_error=math.nan if window else error,
+        window=window,
         timeline=sim.timeline,
     )
