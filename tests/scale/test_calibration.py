@@ -343,6 +343,10 @@ def test_a_window_of_steps_averages_those_steps_alone():
         simulate(shape, row.work, row.setup, 10).step_s, rel=1e-12
     )
     assert ten.warmup_steps == 4 and ten.window == (5, 9) and math.isnan(ten.step_error)
+    # the span the timeline shades: from step 4's end, 112.0 + 10.3 + 10.4 + 10.6 = 143.3 s,
+    # over the 5 steps
+    start, end = ten.averaged_s
+    assert start == pytest.approx(143.3, abs=0.1) and end - start == pytest.approx(5 * ten.step_s)
     with pytest.raises(ValueError, match=r"steps first\.\.last of 1\.\.8"):
         simulate(shape, row.work, row.setup, 8, window=(5, 9))
 

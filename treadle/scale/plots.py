@@ -16,14 +16,17 @@ MAX_ENGINES = 16
 
 
 def timeline(result: Result, path: Path, title: str = "") -> Path:
-    """Write ``path`` (PNG): bars of decode, train and sync over seconds; gaps are idle."""
+    """Write ``path`` (PNG): bars of decode, train and sync over seconds, gaps idle, the first
+    :data:`MAX_ENGINES` engines' lanes (the label says how many of how many), and the span of
+    the steps averaged shaded."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    engines = sorted({b[0] for b in result.timeline if b[0] != "trainer"},
-                     key=lambda lane: int(lane.split()[1]))[:MAX_ENGINES]  # fmt: skip
+    every = sorted({b[0] for b in result.timeline if b[0] != "trainer"},
+                   key=lambda lane: int(lane.split()[1]))  # fmt: skip
+    engines = every[:MAX_ENGINES]
     lanes = ["trainer", *engines]
     fig, ax = plt.subplots(figsize=(11, 0.4 * len(lanes) + 1.5))
     bars: dict[tuple[str, str], list[tuple[float, float]]] = {}
@@ -35,21 +38,27 @@ def timeline(result: Result, path: Path, title: str = "") -> Path:
             # an edge as wide as a pixel keeps bars thinner than one (a 2 s sync) in sight
             ax.broken_barh(spans, (row - 0.4, 0.8), facecolors=COLORS[kind],
                            edgecolors=COLORS[kind], linewidths=0.6)  # fmt: skip
+    start, end = result.averaged_s
+    ax.axvspan(start, end, color="0.9", zorder=0)  # behind the bars
     ax.set_xlim(left=0)
     ax.set_yticks(range(len(lanes)), lanes)
+    if len(every) > len(engines):
+        ax.set_ylabel(f"the first {len(engines)} of {len(every)} engines")
     ax.invert_yaxis()
     ax.set_xlabel("seconds")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in [*COLORS.values(), "0.9"]]
+    first, last = result.window or (result.warmup_steps + 1, result.steps)
     ax.legend(
         handles,
-        list(COLORS),
+        [*COLORS, f"steps {first}-{last}, averaged"],
         loc="lower right",
         bbox_to_anchor=(1.0, 1.0),
-        ncol=3,
+        ncol=4,
         fontsize=8,
         frameon=False,
     )  # above the lanes, clear of the bars
-    ax.set_title(title or f"step {result.step_s:.1f} s, staleness mean {result.staleness_mean:.2f}")
+    ax.set_title(title or f"step {result.step_s:.1f} s, staleness mean {result.staleness_mean:.2f}",
+                 loc="left")  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -91,6 +91,9 @@ class Result:
     with fewer than two pairs of steps; NaN for a ``window``, which seeks no steady state)."""
     window: tuple[int, int] | None = None
     """The steps averaged as asked, first..last (:func:`simulate`'s ``window``), or None."""
+    averaged_s: tuple[float, float] = (0.0, 0.0)
+    """Seconds from the start between which the averaged steps ran (the timeline's span that
+    ``step_s`` and ``tokens_per_s`` describe)."""
     timeline: list[tuple[str, float, float, str]] = field(default_factory=list)
     """(lane, start s, end s, kind) bars: kind is decode, train, sync or idle."""
 
@@ -545,5 +548,6 @@ def simulate(
         warmup_steps=first - 1,
         step_error=math.nan if window else error,
         window=window,
+        averaged_s=(starts[first - 1], starts[last]),
         timeline=sim.timeline,
     )
