@@ -337,6 +337,13 @@ def _stdout_failed(error: OSError) -> int:
     return 2
 
 
+def _error_line(error: Exception) -> str:
+    """A refusal as the one line it is meant to be: a line break inside it (a model folder
+    whose name holds one) written as ``\\n``."""
+    text = str(error).replace("\r", "\\r").replace("\n", "\\n")
+    return f"treadle: error: {text}"
+
+
 def _say(message: str) -> None:
     """Print ``message`` to stderr; a stderr whose reader has gone loses it, not the exit
     status that follows it."""
@@ -411,7 +418,7 @@ def _main(argv: list[str] | None) -> int:
         with stop_on_signal():  # SIGTERM stops any command at once; train waits for its step
             return _run(args)
     except UserError as e:
-        _say(f"treadle: error: {e}")
+        _say(_error_line(e))
         return 2
     except Stopped as e:
         _say(f"treadle: {_stopped(e, args)}")
@@ -616,7 +623,7 @@ def _scale(args: argparse.Namespace) -> int:
         with stop_on_signal():  # SIGTERM, as Ctrl-C: the plot's temporary file removed
             return run(args, _console(stderr=True, **wide), _console(**wide))
     except UserError as e:
-        _say(f"treadle: error: {e}")
+        _say(_error_line(e))
         return 2
     except (Stopped, KeyboardInterrupt) as e:
         if isinstance(e, Stopped) and e.signum != signal.SIGINT:
@@ -638,7 +645,7 @@ def _config(name: str | None) -> int:
     try:
         rows = select_keys(name)
     except UserError as e:
-        _say(f"treadle: error: {e}")
+        _say(_error_line(e))
         return 2
     console = _console()
     if len(rows) == 1 and name is not None:

@@ -353,6 +353,20 @@ def test_a_window_of_steps_averages_those_steps_alone():
         simulate(shape, row.work, row.setup, 8, window=(5, 9))
 
 
+def test_the_mean_response_after_the_cap_is_the_lognormals_limited_expectation():
+    # mean 4,096 before the cap at 4,096, sigma 0.8: mu = ln 4096 - 0.32, so
+    # E[min(X, M)] = 4096 Phi((0.32 - 0.64) / 0.8) + 4096 (1 - Phi(0.32 / 0.8))
+    # = 4096 (Phi(-0.4) + Phi(-0.4)) = 4096 x 2 x 0.34458 = 2,822.8 tokens, not 4,096
+    import random
+
+    lengths = Lengths(4096, 4096, 0.8)
+    assert lengths.capped_mean() == pytest.approx(2822.8, abs=0.1)
+    drawn = lengths.draw(random.Random(0), 2000, 100)
+    assert sum(drawn) / len(drawn) == pytest.approx(2822.8, rel=0.005)
+    # measured lengths: their own mean, each capped (3 + 5 + 5) / 3
+    assert Lengths(0, 5, measured=((3, 9), (7,))).capped_mean() == pytest.approx(13 / 3)
+
+
 def _qwen3_moe_decode_step() -> float:
     """The model's mean decode step (seconds) in vLLM PR 23151's benchmark (beyond the issue's
     list, apart from any RL row): Qwen3-30B-A3B in BF16 on one H100 (TP 1), 10 concurrent

@@ -602,7 +602,22 @@ def test_expert_parallel_1_on_a_dense_model_is_no_expert_parallelism(capsys):
         (["plan", "qwen2.5-7b", "--plot", "README.md/m.png"], "folder README.md is a file, not"),
         # a folder nothing can be written in is refused before the work, not after it
         (["plan", "qwen2.5-7b", "--plot", "/proc/m.png"], "--plot /proc/m.png: cannot write in /p"),
-        (["plan", "qwen2.5-7b", "--prompt-tokens", "10000000"], "no placement fits up to"),
+        # the layouts the planner tries, named where none fits (sp 7 or pp 28 might)
+        (
+            ["plan", "qwen2.5-7b", "--prompt-tokens", "10000000"],
+            "no placement with tp and sp of 1, 2, 4 or 8, pp of 1, 2, 4, 8 or 16 (--tp, --pp and "
+            "--sp try others) fits up to 16,384 GPUs either",
+        ),
+        # a layout the GPUs do not divide: the fewest GPUs that are a multiple of it and fit,
+        # not merely the next multiple (4 GPUs need 329.9 GiB a GPU, 20 still 93.3 GiB)
+        (["plan", "llama3.1-70b", "--gpus", "2", "--tp", "4"], "does not divide: use --gpus 24"),
+        # a degree the model cannot take is named before the GPU count
+        (["plan", "llama3.1-70b", "--gpus", "2", "--tp", "4", "--ep", "4"], "has no experts"),
+        (["simulate", "qwen2.5-7b", "--steps", "4", "--average-steps", "1-²"], "'1-²' is not"),
+        (
+            ["plan", "qwen2.5-1.5b", "--roles", "policy,reward,engine", "--reward-model", ""],
+            "--reward-model: model '': not a named shape",
+        ),
         # expert parallel: a degree that divides the 128 experts, on 8 GPUs at most 8 (none of
         # them fits Qwen3-30B-A3B on 8 H100s: every divisor named)
         (["plan", "qwen3-30b-a3b", "--ep", "3"], "use --ep 1 or 2 or 4 or 8"),
@@ -640,7 +655,7 @@ def test_expert_parallel_1_on_a_dense_model_is_no_expert_parallelism(capsys):
         # on these 1,032 GPUs, 86 = 2 x 43 ranks, of the 128 experts' divisors 1 and 2 divide it
         (
             ["plan", "qwen3-30b-a3b", "--gpus", "1032", "--tp", "4", "--pp", "3", "--ep", "128"],
-            "divides: it fits 1536 GPUs, or use --ep 2 on these",
+            "divides: it fits 1,536 GPUs, or use --ep 2 on these",
         ),
     ],
 )
@@ -652,6 +667,37 @@ def test_bad_input_is_one_line_and_exit_2(argv, says, capsys):
     assert code == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("treadle: error: ") and says in line, line
+
+
+QWEN_05B_CONFIG = {"num_attention_heads": 14, "num_key_value_heads": 2, "hidden_size": 896,
+                   "num_hidden_layers": 24, "intermediate_size": 4864, "vocab_size": 151936,
+                   "tie_word_embeddings": True}  # fmt: skip
+
+
+def test_a_folder_named_like_a_shape_is_read_not_shadowed(tmp_path, monkeypatch):
+    # as transformers' from_pretrained: ./qwen2.5-7b/config.json (here a 0.5B's) is the model
+    from treadle.scale.shapes import NAMED, resolve
+
+    (tmp_path / "qwen2.5-7b").mkdir()
+    (tmp_path / "qwen2.5-7b" / "config.json").write_text(json.dumps(QWEN_05B_CONFIG))
+    monkeypatch.chdir(tmp_path)
+    folder = resolve("qwen2.5-7b")  # 24 layers of 896, not the 7B's 28 of 3,584
+    assert (folder.layers, folder.hidden) == (24, 896) != (NAMED["qwen2.5-7b"].layers, 3584)
+    (tmp_path / "qwen2.5-7b" / "config.json").unlink()  # a folder without one: the name
+    assert resolve("qwen2.5-7b") is NAMED["qwen2.5-7b"]
+
+
+def test_a_model_folders_odd_name_is_one_line_and_drawn_as_written(tmp_path, capsys):
+    # a line break in the name stays inside the one line; a $ is no formula in the plot title
+    for name in ("nl\nmodel", "m$\\frac$"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(QWEN_05B_CONFIG))
+    assert main(["plan", str(tmp_path / "nl\nmodel"), "--gpus", "2", "--tp", "3"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "nl\\nmodel; use --tp 1 or 2" in line
+    plot = tmp_path / "m.png"
+    assert main(["plan", str(tmp_path / "m$\\frac$"), "--gpus", "2", "--plot", str(plot)]) == 0
+    assert plot.stat().st_size > 10_000
 
 
 TWO_LAYER_MOE = {"num_attention_heads": 32, "hidden_size": 4096, "num_hidden_layers": 2,

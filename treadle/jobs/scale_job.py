@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import stat
 import tempfile
 from dataclasses import replace
@@ -50,7 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--samples", type=int, default=8, help="samples per prompt (8)")
     parser.add_argument("--prompt-tokens", type=int, help="tokens (default 512, or the run's)")
     parser.add_argument("--max-response", type=int, help="tokens (default 4096)")
-    parser.add_argument("--mean-response", type=float, help="tokens (default max / 3)")
+    parser.add_argument("--mean-response", type=float,
+                        help="mean of the lognormal response lengths before they are cut at "
+                        "--max-response, tokens (default max / 3); treadle simulate prints the "
+                        "mean after the cut")  # fmt: skip
     parser.add_argument("--length-sigma", type=float,
                         help="spread (sigma) of the lognormal response lengths (0.8)")  # fmt: skip
     parser.add_argument("--extra-forwards", type=int,
@@ -219,10 +223,10 @@ def _simulate_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _step_range(text: str) -> tuple[int, int]:
     """``FIRST-LAST`` as (first, last), 1 <= first <= last. Raises ArgumentTypeError."""
-    first, dash, last = text.partition("-")
-    if not (dash and first.isdigit() and last.isdigit() and 1 <= int(first) <= int(last)):
+    match = re.fullmatch(r"([0-9]+)-([0-9]+)", text)
+    if not (match and 1 <= int(match[1]) <= int(match[2])):
         raise argparse.ArgumentTypeError(f"{text!r} is not FIRST-LAST, as 5-9 (1 <= FIRST <= LAST)")
-    return int(first), int(last)
+    return int(match[1]), int(match[2])
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -461,7 +465,8 @@ def _reward_shape(args: argparse.Namespace, roles: tuple[str, ...]) -> ModelShap
     try:
         return resolve(args.model if args.reward_model is None else args.reward_model)
     except UserError as e:
-        raise UserError(f"--reward-model: {e}" if args.reward_model else str(e)) from None
+        given = args.reward_model is not None
+        raise UserError(f"--reward-model: {e}" if given else str(e)) from None
 
 
 def _given(option: object, default: object) -> object:

@@ -134,11 +134,10 @@ def print_plan(console, placements: list[Placement], memory_gib: float) -> None:
         worst = max(r.step_error for r in results)
         low, high = min(r.steps for r in results), max(r.steps for r in results)
         steps = f"{low}" if low == high else f"{low}-{high}"
-        console.print(
-            f"each simulated {steps} steps, the warm-up dropped; step time's error at most "
-            f"{_error_text(worst)}",
-            markup=False,
-        )
+        error = ("unknown (5 steps or more give one)" if math.isinf(worst)
+                 else f"at most {_error_text(worst)}")  # fmt: skip
+        console.print(f"each simulated {steps} steps, the warm-up dropped; step time's error "
+                      f"{error}", markup=False)  # fmt: skip
     roles = _table(f"#1: GiB per GPU by role (GPUs of {memory_gib:.1f} GiB)",
                    ["role", *SHORT.values(), "total"])  # fmt: skip
     for b in placements[0].memory:
@@ -154,6 +153,7 @@ def print_result(console, r: Result) -> None:
     rows = [
         ("step", f"{r.step_s:.2f} s"),
         ("trained tokens / s", f"{r.tokens_per_s:,.0f}"),
+        ("response, mean", f"{r.response_mean:,.0f} tokens (after the cap)"),
         (
             "generation of a batch",
             "no batch completed" if math.isnan(r.generate_s) else f"{r.generate_s:.2f} s",

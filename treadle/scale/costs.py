@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import statistics
 from dataclasses import dataclass
 from typing import Literal
 
@@ -53,6 +54,21 @@ class Lengths:
                 f"Lengths(measured=...): prompt {empty} has no lengths; leave out prompts "
                 "with no response"
             )
+
+    def capped_mean(self) -> float:
+        """The mean response length drawn, tokens, after the cap at ``max``: the measured
+        lengths' (each capped), or the lognormal's E[min(X, M)] = m Phi((ln M - mu - s^2) / s)
+        + M (1 - Phi((ln M - mu) / s)), mu = ln m - s^2 / 2 (the limited expected value of a
+        lognormal; Klugman, Panjer and Willmot, "Loss Models", Appendix A.4.1.1); ``mean``
+        itself is the mean before the cap."""
+        if self.measured:
+            lengths = [min(self.max, max(1, n)) for group in self.measured for n in group]
+            return sum(lengths) / len(lengths)
+        if self.sigma == 0:
+            return float(min(self.mean, self.max))
+        phi = statistics.NormalDist().cdf
+        mu, s, cap = math.log(self.mean) - self.sigma**2 / 2, self.sigma, math.log(self.max)
+        return self.mean * phi((cap - mu - s * s) / s) + self.max * (1 - phi((cap - mu) / s))
 
     def draw(self, rng: random.Random, groups: int, size: int, extra: int = 0) -> list[int]:
         """``groups`` x (``size`` + ``extra``) lengths, each in [1, max], one group's after

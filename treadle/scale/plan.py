@@ -12,6 +12,7 @@ gives the engines their own GPUs (AReaL, verl's fully-async recipe).
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -306,25 +307,34 @@ def fitting(q: Question, names: Mapping[str, str] | None = None) -> list[Placeme
     """
     check_work(q.work)
     names = {n: f"--{n}" for n in ("tp", "pp", "sp", "ep")} | dict(names or {})
+    if q.ep is not None:  # a degree the model cannot take comes first, whatever the GPUs
+        _check_ep(q, names["ep"])
     if q.tp or q.pp or q.sp:
         check_layout(q.shape, Layout(tp=q.tp or 1, pp=q.pp or 1, sp=q.sp or 1), names, q.gpus)
         replica = (q.tp or 1) * (q.pp or 1) * (q.sp or 1)
         if q.gpus % replica:
-            given = " x ".join(f"{names[n]} {v}" for n, v in (("tp", q.tp), ("pp", q.pp),
-                                                               ("sp", q.sp)) if v)  # fmt: skip
-            # a given expert-parallel degree needs data-parallel ranks it divides too
-            unit = replica * (q.ep if q.ep and q.shape.experts else 1)
-            also = f"with {names['ep']} {q.ep}, " if unit > replica else ""
-            raise UserError(
-                f"{given} takes the trainer's GPUs {replica} at a time, which --gpus {q.gpus} "
-                f"does not divide: {also}use --gpus {(q.gpus // unit + 1) * unit}"
-            )
-    if q.ep is not None:
-        _check_ep(q, names["ep"])
+            raise UserError(_indivisible(q, replica, names))
     fits = [p for p in candidates(q) if p.fits]
     if not fits:
         raise UserError(_nothing_fits(q, names["ep"]))
     return fits
+
+
+def _indivisible(q: Question, replica: int, names: Mapping[str, str]) -> str:
+    """One line: the given layout takes ``replica`` GPUs at a time, which ``q.gpus`` does not
+    divide, and the fewest GPUs that are a multiple of it (and of a given expert-parallel
+    degree's ranks) and that a placement fits (:func:`_fewest_gpus`), if any."""
+    given = " x ".join(f"{names[n]} {v}" for n, v in (("tp", q.tp), ("pp", q.pp),
+                                                       ("sp", q.sp)) if v)  # fmt: skip
+    # a given expert-parallel degree needs data-parallel ranks it divides too
+    unit = replica * (q.ep if q.ep and q.shape.experts else 1)
+    also = f"with {names['ep']} {q.ep}, " if unit > replica else ""
+    fits = _fewest_gpus(q, unit)
+    head = f"{given} takes the trainer's GPUs {replica} at a time, which --gpus {q.gpus:,} does not"
+    if fits is None:
+        return (f"{head} divide, and no placement fits a multiple of {unit} GPUs up to "
+                f"{MAX_GPUS:,} either")  # fmt: skip
+    return f"{head} divide: {also}use --gpus {fits}"
 
 
 def rank(q: Question, fits: list[Placement], steps: int | None = 3,
@@ -509,12 +519,14 @@ def _fits(q: Question) -> bool:
     return any(p.fits for p in candidates(q))
 
 
-def _fewest_gpus(q: Question) -> int | None:
-    """The fewest GPUs of ``q``'s type above ``q.gpus`` that a placement fits, if any up to
-    MAX_GPUS: every count to 64, then whole nodes (to 1,024, and beyond it between the steps
-    of 1,024 where one of those fits)."""
-    node = q.gpu.per_node
-    counts = [*range(1, 65), *range(64 + node, 1025, node), *range(2048, MAX_GPUS + 1, 1024)]
+def _fewest_gpus(q: Question, unit: int = 1) -> int | None:
+    """The fewest GPUs of ``q``'s type above ``q.gpus``, a multiple of ``unit`` (a given
+    layout's GPUs), that a placement fits, if any up to MAX_GPUS: every multiple to 64 of
+    them, then whole nodes of them (to 1,024, and beyond it between the steps of 1,024 where
+    one of those fits)."""
+    node, big = math.lcm(unit, q.gpu.per_node), math.lcm(unit, 1024)
+    counts = sorted({*range(unit, 64 * unit + 1, unit), *range(node, 1025, node),
+                     *range(big, MAX_GPUS + 1, big)})  # fmt: skip
     below = q.gpus
     for n in (n for n in counts if n > q.gpus):
         if _fits(replace(q, gpus=n)):
@@ -522,6 +534,18 @@ def _fewest_gpus(q: Question) -> int | None:
             return next((m for m in whole if m > q.gpus and _fits(replace(q, gpus=m))), n)
         below = n
     return None
+
+
+def _searched(q: Question) -> str:
+    """The trainer layouts :func:`_smallest_fit` tries, in words, for a refusal that says none
+    fits: those ``q`` leaves to it, and the options that try others."""
+    free = [n for n, given in (("tp", q.tp), ("sp", q.sp)) if not given]
+    parts = ([f"{' and '.join(free)} of 1, 2, 4 or 8"] if free else []) + (
+        ["pp of 1, 2, 4, 8 or 16"] if not q.pp else [])  # fmt: skip
+    free_options = [f"--{n}" for n in ("tp", "pp", "sp") if not getattr(q, n)]
+    options = " and ".join([", ".join(free_options[:-1]), free_options[-1]] if len(free_options) > 2
+                           else free_options)  # fmt: skip
+    return f" with {', '.join(parts)} ({options} try others)" if parts else ""
 
 
 def _nothing_fits(q: Question, ep_option: str = "--ep") -> str:
@@ -544,8 +568,8 @@ def _nothing_fits(q: Question, ep_option: str = "--ep") -> str:
         )
     roles = ", ".join(q.roles)
     given_ep = f" and {ep_option} {q.ep}" if q.ep and q.shape.experts else ""
-    where = (f"it fits {fits} GPUs" if fits else
-             f"no placement fits up to {MAX_GPUS:,} GPUs either")  # fmt: skip
+    where = (f"it fits {fits:,} GPUs" if fits else
+             f"no placement{_searched(q)} fits up to {MAX_GPUS:,} GPUs either")  # fmt: skip
     # only what fits as given: each change not already made alone, then both; first another
     # expert-parallel degree (the largest that fits), where one was given
     changes = {}
@@ -568,7 +592,7 @@ def _nothing_fits(q: Question, ep_option: str = "--ep") -> str:
     lower_text = f"; or lower {' or '.join(lower)}" if lower else ""
     return (
         f"{q.shape.name} with {roles} at {q.seq:,} tokens per sequence{given_ep} does not fit "
-        f"{q.gpus} x {q.gpu.name} ({q.gpu.memory_gib:.1f} GiB) in any placement{need}: {where}"
+        f"{q.gpus:,} x {q.gpu.name} ({q.gpu.memory_gib:.1f} GiB) in any placement{need}: {where}"
         + (f", or use {fix} on these" if fix else "")
         + lower_text
     )

@@ -57,10 +57,28 @@ def timeline(result: Result, path: Path, title: str = "") -> Path:
         fontsize=8,
         frameon=False,
     )  # above the lanes, clear of the bars
-    ax.set_title(title or f"step {result.step_s:.1f} s, staleness mean {result.staleness_mean:.2f}",
-                 loc="left")  # fmt: skip
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    ax.set_title(_plain(title) or f"step {result.step_s:.1f} s, staleness mean "
+                 f"{result.staleness_mean:.2f}", loc="left")  # fmt: skip
+    return _write(fig, path)
+
+
+def _plain(text: str) -> str:
+    """``text`` drawn as written: a ``$`` escaped, which matplotlib would read as the start of
+    a formula (a model folder named ``m$\\frac$`` fails to parse)."""
+    return text.replace("$", r"\$")
+
+
+def _write(fig, path: Path) -> Path:
+    """Save ``fig`` to ``path`` (PNG) and close it; a character the font lacks (a folder's name
+    in Japanese) is drawn as a box without matplotlib's warning for each glyph."""
+    import warnings
+
+    import matplotlib.pyplot as plt
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Glyph .* missing from font")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
@@ -116,8 +134,5 @@ def memory(placements: list[Placement], memory_gib: float, path: Path, title: st
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in TERM_COLORS.values()]
     ax.legend(handles, [t.replace("_", " ") for t in TERM_COLORS], fontsize=8,
               loc="upper left", bbox_to_anchor=(1.0, 1.0))  # fmt: skip
-    ax.set_title(title or "memory per GPU by term")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    ax.set_title(_plain(title) or "memory per GPU by term")
+    return _write(fig, Path(path))

@@ -342,18 +342,21 @@ def _dense_layers(config: dict, shape: ModelShape) -> int:
 
 
 def resolve(model: str) -> ModelShape:
-    """A named shape, or the shape of a model folder (or its ``config.json``).
+    """The shape of a model folder (or its ``config.json``), or a named shape: a folder holding
+    a ``config.json`` comes first, as in transformers' ``from_pretrained``, so a folder named
+    like a shape (``./qwen2.5-7b``) is read, not shadowed.
 
     Raises:
         UserError: neither a name in :data:`NAMED` nor a readable ``config.json``.
     """
-    if model in NAMED:
-        return NAMED[model]
     path = Path(model)
     try:  # a name the file system refuses (over 255 bytes: ENAMETOOLONG) is bad input
+        local = (path / "config.json").is_file()
         path = path / "config.json" if path.is_dir() else path
     except OSError as e:
         raise UserError(f"model {model[:80]!r}...: {e.strerror or e}") from None
+    if model in NAMED and not local:
+        return NAMED[model]
     if path.is_dir():
         raise UserError(f"model {model!r}: {path} is a folder, not a config.json file")
     if not path.is_file():

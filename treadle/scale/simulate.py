@@ -91,6 +91,8 @@ class Result:
     with fewer than two pairs of steps; NaN for a ``window``, which seeks no steady state)."""
     window: tuple[int, int] | None = None
     """The steps averaged as asked, first..last (:func:`simulate`'s ``window``), or None."""
+    response_mean: float = 0.0
+    """Mean response length drawn, tokens, after the cap (:meth:`Lengths.capped_mean`)."""
     averaged_s: tuple[float, float] = (0.0, 0.0)
     """Seconds from the start between which the averaged steps ran (the timeline's span that
     ``step_s`` and ``tokens_per_s`` describe)."""
@@ -548,6 +550,7 @@ def simulate(
         warmup_steps=first - 1,
         step_error=math.nan if window else error,
         window=window,
+        response_mean=work.lengths.capped_mean(),
         averaged_s=(starts[first - 1], starts[last]),
         timeline=sim.timeline,
     )
