@@ -614,6 +614,10 @@ def test_expert_parallel_1_on_a_dense_model_is_no_expert_parallelism(capsys):
         # a degree the model cannot take is named before the GPU count
         (["plan", "llama3.1-70b", "--gpus", "2", "--tp", "4", "--ep", "4"], "has no experts"),
         (["simulate", "qwen2.5-7b", "--steps", "4", "--average-steps", "1-²"], "'1-²' is not"),
+        (["simulate", "qwen2.5-0.5b", "--prompt-tokens", "0"], "--prompt-tokens 0: must be at"),
+        (["simulate", "qwen2.5-0.5b", "--max-response", "0"], "--max-response 0: must be at"),
+        # 14 heads: sp 1, 2, 7 or 14 at tp 1, of which 1 and 2 divide the 8 training GPUs
+        (["simulate", "qwen2.5-0.5b", "--train-sp", "0"], "--train-pp 1: --train-sp 1 or 2"),
         (
             ["plan", "qwen2.5-1.5b", "--roles", "policy,reward,engine", "--reward-model", ""],
             "--reward-model: model '': not a named shape",
@@ -1106,7 +1110,7 @@ def test_a_plan_without_an_engine_shows_training_alone(tmp_path, capsys):
     # the work is checked as with an engine: lengths below a token, a batch smaller than its
     # optimizer steps
     assert main([*argv, "--max-response", "-5000"]) == 2
-    assert "--max-response must be at least 1 token" in capsys.readouterr().err
+    assert "--max-response -5000: must be at least 1 token" in capsys.readouterr().err
     assert main([*argv, "--prompts", "1", "--samples", "1", "--minibatches", "2"]) == 2
     assert "--minibatches 2: more optimizer steps" in capsys.readouterr().err
 

@@ -118,10 +118,15 @@ def _check_training(shape: ModelShape, work: Workload, setup: Setup) -> None:
                and shape.heads % (t * sp) == 0] if min(pp, sp) >= 1 else []  # fmt: skip
         pps = [p for p in range(1, min(n, shape.layers) + 1) if _splits(n, tp * p * sp, ep)
                ] if min(tp, sp) >= 1 and not tps else []  # fmt: skip
+        sps = [s for s in range(1, shape.heads // max(1, tp) + 1)
+               if _splits(n, tp * pp * s, ep) and shape.heads % (tp * s) == 0
+               ] if min(tp, pp) >= 1 and not tps and not pps else []  # fmt: skip
         hint = (f"; with --train-pp {pp} --train-sp {sp}: --train-tp "
                 f"{' or '.join(map(str, tps[-4:]))}" if tps else
                 f"; with --train-tp {tp} --train-sp {sp}: --train-pp "
-                f"{' or '.join(map(str, pps[-4:]))}" if pps else "")  # fmt: skip
+                f"{' or '.join(map(str, pps[-4:]))}" if pps else
+                f"; with --train-tp {tp} --train-pp {pp}: --train-sp "
+                f"{' or '.join(map(str, sps[-4:]))}" if sps else "")  # fmt: skip
         raise UserError(
             f"--train-tp {tp} x --train-pp {pp} x --train-sp {sp} must be at least 1 each and "
             f"divide the {setup.train_gpus} training GPUs{hint}"
@@ -174,8 +179,10 @@ def check_work(work: Workload) -> None:
             f"--minibatches {work.minibatches}: more optimizer steps than the step's {work.batch} "
             f"samples (--prompts x --samples); at most {work.batch}"
         )
-    if work.prompt_tokens < 1 or work.lengths.max < 1:
-        raise UserError("--prompt-tokens and --max-response must be at least 1 token")
+    for option, tokens in (("--prompt-tokens", work.prompt_tokens),
+                           ("--max-response", work.lengths.max)):  # fmt: skip
+        if tokens < 1:
+            raise UserError(f"{option} {tokens}: must be at least 1 token")
     if not (0 < work.lengths.mean <= work.lengths.max):
         raise UserError(
             f"--mean-response {work.lengths.mean:g} must be above 0 and at most --max-response "
