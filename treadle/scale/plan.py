@@ -540,12 +540,15 @@ def _searched(q: Question) -> str:
     """The trainer layouts :func:`_smallest_fit` tries, in words, for a refusal that says none
     fits: those ``q`` leaves to it, and the options that try others."""
     free = [n for n, given in (("tp", q.tp), ("sp", q.sp)) if not given]
-    parts = ([f"{' and '.join(free)} of 1, 2, 4 or 8"] if free else []) + (
+    parts = ([f"{_listed(free)} of 1, 2, 4 or 8"] if free else []) + (
         ["pp of 1, 2, 4, 8 or 16"] if not q.pp else [])  # fmt: skip
-    free_options = [f"--{n}" for n in ("tp", "pp", "sp") if not getattr(q, n)]
-    options = " and ".join([", ".join(free_options[:-1]), free_options[-1]] if len(free_options) > 2
-                           else free_options)  # fmt: skip
+    options = _listed([f"--{n}" for n in ("tp", "pp", "sp") if not getattr(q, n)])
     return f" with {', '.join(parts)} ({options} try others)" if parts else ""
+
+
+def _listed(items: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return " and ".join([", ".join(items[:-1]), items[-1]] if len(items) > 2 else items)
 
 
 def _nothing_fits(q: Question, ep_option: str = "--ep") -> str:
