@@ -365,6 +365,14 @@ def test_the_mean_response_after_the_cap_is_the_lognormals_limited_expectation()
     assert sum(drawn) / len(drawn) == pytest.approx(2822.8, rel=0.005)
     # measured lengths: their own mean, each capped (3 + 5 + 5) / 3
     assert Lengths(0, 5, measured=((3, 9), (7,))).capped_mean() == pytest.approx(13 / 3)
+    # the floor at 1 token: mean 0.5, sigma 0.8, mu = ln 0.5 - 0.32 = -1.013, so
+    # 0.5 + Phi(1.013 / 0.8) - 0.5 Phi((1.013 - 0.64) / 0.8) = 0.5 + 0.8973 - 0.5 x 0.6795
+    # = 1.058 tokens, as drawn; every length is 1 where the cap is 1
+    tiny = Lengths(0.5, 4096, 0.8)
+    assert tiny.capped_mean() == pytest.approx(1.058, abs=0.001)
+    drawn = tiny.draw(random.Random(0), 2000, 20)
+    assert sum(drawn) / len(drawn) == pytest.approx(1.058, rel=0.01)
+    assert Lengths(1, 1, 0.8).capped_mean() == pytest.approx(1.0)
 
 
 def _qwen3_moe_decode_step() -> float:

@@ -615,6 +615,39 @@ def test_expert_parallel_1_on_a_dense_model_is_no_expert_parallelism(capsys):
         (["plan", "llama3.1-70b", "--gpus", "2", "--tp", "4", "--ep", "4"], "has no experts"),
         (["simulate", "qwen2.5-7b", "--steps", "4", "--average-steps", "1-²"], "'1-²' is not"),
         (["simulate", "qwen2.5-0.5b", "--prompt-tokens", "0"], "--prompt-tokens 0: must be at"),
+        # "it fits N GPUs" names a count the given layout divides: 10 GPUs would fit (a 2:8
+        # split) but --tp 4 takes 4 at a time, so 12; with --tp 2 --ep 4, a multiple of 8
+        (
+            ["plan", "qwen3-30b-a3b", "--tp", "4", "--gpus", "4"],
+            "ep1 zero3 | engine tp4): it fits 12",
+        ),
+        (["plan", "qwen3-30b-a3b", "--tp", "2", "--ep", "4", "--gpus", "8"], "it fits 16 GPUs"),
+        # a layout of 8 x 16 x 8 = 1,024 GPUs: its next multiple is the cap, not beyond it
+        (
+            [
+                "plan",
+                "deepseek-v3",
+                "--tp",
+                "8",
+                "--pp",
+                "16",
+                "--sp",
+                "8",
+                "--gpus",
+                "100",
+                "--max-response",
+                "485000",
+            ],
+            "no placement fits a multiple of 1024 GPUs up to 16,384 either",
+        ),
+        (
+            ["plan", "qwen2.5-7b", "--micro-batch", "64", "--tp", "4", "--pp", "2"],
+            "no placement with sp of 1, 2, 4 or 8 (--sp tries others) fits up to 16,384",
+        ),
+        (
+            ["simulate", "qwen2.5-7b", "--steps", "9", "--average-steps", "1-" + "1" * 5000],
+            "'1-" + "1" * 38 + "...' is not FIRST-LAST",
+        ),
         (["simulate", "qwen2.5-0.5b", "--max-response", "0"], "--max-response 0: must be at"),
         # 14 heads: sp 1, 2, 7 or 14 at tp 1, of which 1 and 2 divide the 8 training GPUs
         (["simulate", "qwen2.5-0.5b", "--train-sp", "0"], "--train-pp 1: --train-sp 1 or 2"),

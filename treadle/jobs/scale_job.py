@@ -223,9 +223,12 @@ def _simulate_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _step_range(text: str) -> tuple[int, int]:
     """``FIRST-LAST`` as (first, last), 1 <= first <= last. Raises ArgumentTypeError."""
-    match = re.fullmatch(r"([0-9]+)-([0-9]+)", text)
+    match = re.fullmatch(r"([0-9]{1,9})-([0-9]{1,9})", text)
     if not (match and 1 <= int(match[1]) <= int(match[2])):
-        raise argparse.ArgumentTypeError(f"{text!r} is not FIRST-LAST, as 5-9 (1 <= FIRST <= LAST)")
+        shown = text if len(text) <= 40 else f"{text[:40]}..."
+        raise argparse.ArgumentTypeError(
+            f"{shown!r} is not FIRST-LAST, as 5-9 (1 <= FIRST <= LAST)"
+        )
     return int(match[1]), int(match[2])
 
 

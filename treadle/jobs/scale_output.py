@@ -167,7 +167,8 @@ def print_result(console, r: Result) -> None:
             "steps simulated",
             f"{r.steps}, the first {r.warmup_steps} as warm-up"
             if r.window is None
-            else f"{r.steps}, steps {r.window[0]}-{r.window[1]} averaged",
+            else f"{r.steps}; step and tokens / s over steps {r.window[0]}-{r.window[1]}, the "
+            "rest over all",
         ),
         (
             "step time's error",

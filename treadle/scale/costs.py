@@ -56,19 +56,22 @@ class Lengths:
             )
 
     def capped_mean(self) -> float:
-        """The mean response length drawn, tokens, after the cap at ``max``: the measured
-        lengths' (each capped), or the lognormal's E[min(X, M)] = m Phi((ln M - mu - s^2) / s)
+        """The mean response length drawn, tokens, within [1, ``max``]: the measured lengths'
+        (each clipped), or the lognormal's E[min(X, M)] = m Phi((ln M - mu - s^2) / s)
         + M (1 - Phi((ln M - mu) / s)), mu = ln m - s^2 / 2 (the limited expected value of a
-        lognormal; Klugman, Panjer and Willmot, "Loss Models", Appendix A.4.1.1); ``mean``
-        itself is the mean before the cap."""
+        lognormal; Klugman, Panjer and Willmot, "Loss Models", Appendix A.4.1.1), plus
+        E[(1 - X)+] = Phi(-mu / s) - m Phi((-mu - s^2) / s) for the floor at 1 token (the
+        draw's rounding to whole tokens left out); ``mean`` itself is the mean before both."""
         if self.measured:
             lengths = [min(self.max, max(1, n)) for group in self.measured for n in group]
             return sum(lengths) / len(lengths)
         if self.sigma == 0:
-            return float(min(self.mean, self.max))
+            return float(min(max(self.mean, 1), self.max))
         phi = statistics.NormalDist().cdf
-        mu, s, cap = math.log(self.mean) - self.sigma**2 / 2, self.sigma, math.log(self.max)
-        return self.mean * phi((cap - mu - s * s) / s) + self.max * (1 - phi((cap - mu) / s))
+        m, s, cap = self.mean, self.sigma, math.log(self.max)
+        mu = math.log(m) - s * s / 2
+        below_cap = m * phi((cap - mu - s * s) / s) + self.max * (1 - phi((cap - mu) / s))
+        return below_cap + phi(-mu / s) - m * phi((-mu - s * s) / s)
 
     def draw(self, rng: random.Random, groups: int, size: int, extra: int = 0) -> list[int]:
         """``groups`` x (``size`` + ``extra``) lengths, each in [1, max], one group's after

@@ -326,8 +326,7 @@ def _indivisible(q: Question, replica: int, names: Mapping[str, str]) -> str:
     degree's ranks) and that a placement fits (:func:`_fewest_gpus`), if any."""
     given = " x ".join(f"{names[n]} {v}" for n, v in (("tp", q.tp), ("pp", q.pp),
                                                        ("sp", q.sp)) if v)  # fmt: skip
-    # a given expert-parallel degree needs data-parallel ranks it divides too
-    unit = replica * (q.ep if q.ep and q.shape.experts else 1)
+    unit = _unit(q)
     also = f"with {names['ep']} {q.ep}, " if unit > replica else ""
     fits = _fewest_gpus(q, unit)
     head = f"{given} takes the trainer's GPUs {replica} at a time, which --gpus {q.gpus:,} does not"
@@ -519,14 +518,22 @@ def _fits(q: Question) -> bool:
     return any(p.fits for p in candidates(q))
 
 
+def _unit(q: Question) -> int:
+    """The GPUs a given trainer layout takes at a time (``--tp`` x ``--pp`` x ``--sp``, 1 for
+    those not given), times a given expert-parallel degree, whose data-parallel ranks it
+    divides too: ``--gpus`` must be a multiple of it."""
+    replica = (q.tp or 1) * (q.pp or 1) * (q.sp or 1)
+    return replica * (q.ep if q.ep and q.shape.experts else 1)
+
+
 def _fewest_gpus(q: Question, unit: int = 1) -> int | None:
     """The fewest GPUs of ``q``'s type above ``q.gpus``, a multiple of ``unit`` (a given
     layout's GPUs), that a placement fits, if any up to MAX_GPUS: every multiple to 64 of
     them, then whole nodes of them (to 1,024, and beyond it between the steps of 1,024 where
     one of those fits)."""
     node, big = math.lcm(unit, q.gpu.per_node), math.lcm(unit, 1024)
-    counts = sorted({*range(unit, 64 * unit + 1, unit), *range(node, 1025, node),
-                     *range(big, MAX_GPUS + 1, big)})  # fmt: skip
+    counts = sorted({*range(unit, min(64 * unit, MAX_GPUS) + 1, unit),
+                     *range(node, 1025, node), *range(big, MAX_GPUS + 1, big)})  # fmt: skip
     below = q.gpus
     for n in (n for n in counts if n > q.gpus):
         if _fits(replace(q, gpus=n)):
@@ -543,7 +550,8 @@ def _searched(q: Question) -> str:
     parts = ([f"{_listed(free)} of 1, 2, 4 or 8"] if free else []) + (
         ["pp of 1, 2, 4, 8 or 16"] if not q.pp else [])  # fmt: skip
     options = _listed([f"--{n}" for n in ("tp", "pp", "sp") if not getattr(q, n)])
-    return f" with {', '.join(parts)} ({options} try others)" if parts else ""
+    verb = "tries" if " " not in options else "try"
+    return f" with {', '.join(parts)} ({options} {verb} others)" if parts else ""
 
 
 def _listed(items: list[str]) -> str:
@@ -555,7 +563,7 @@ def _nothing_fits(q: Question, ep_option: str = "--ep") -> str:
     """One line: what does not fit, and the smallest GPU count of this type that would
     (:func:`_fewest_gpus`), if any; with the expert-parallel degree given (as ``ep_option``),
     where it holds."""
-    fits = _fewest_gpus(q)
+    fits = _fewest_gpus(q, _unit(q))  # a count the given layout divides, as fitting() asks
     tried = candidates(q)
     best = min(tried, key=lambda p: p.train_peak, default=None)
     need = ""

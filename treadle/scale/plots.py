@@ -50,7 +50,10 @@ def timeline(result: Result, path: Path, title: str = "") -> Path:
     first, last = result.window or (result.warmup_steps + 1, result.steps)
     ax.legend(
         handles,
-        [*COLORS, f"steps {first}-{last}, averaged"],
+        [
+            *COLORS,
+            f"step {first}, averaged" if first == last else f"steps {first}-{last}, averaged",
+        ],
         loc="lower right",
         bbox_to_anchor=(1.0, 1.0),
         ncol=4,
