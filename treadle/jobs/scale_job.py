@@ -214,6 +214,11 @@ def _simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--spec-accept", type=float,
                         help="chance each draft token is accepted, 0..1 (DeepSeek-V3 reports "
                         "0.85-0.9 for its MTP token); needed with --spec-tokens")  # fmt: skip
+    _simulate_output_arguments(parser)
+
+
+def _simulate_output_arguments(parser: argparse.ArgumentParser) -> None:
+    """``treadle simulate``'s options on what it reports: the steps averaged and the plot."""
     parser.add_argument("--average-steps", type=_step_range, metavar="FIRST-LAST",
                         help="average these steps of the --steps simulated, as a benchmark "
                         "of short runs reports them (NeMo-RL's table: 5-9 of 10 steps) "
@@ -630,11 +635,14 @@ def simulate_argv(shape: str, work: Workload, setup: Setup, roles: tuple[str, ..
         argv += ["--sync-seconds", _number(s.sync_seconds)]
     if roles != DEFAULT_ROLES:
         argv += ["--roles", ",".join(roles)]
-    if steps is not None:
-        argv += ["--steps", str(steps)]
-    if window is not None:
-        argv += ["--average-steps", f"{window[0]}-{window[1]}"]
-    return argv + (["--sync-method", s.sync_method] if s.sync_method else [])
+    argv += ["--sync-method", s.sync_method] if s.sync_method else []
+    return argv + _steps_argv(steps, window)
+
+
+def _steps_argv(steps: int | None, window: tuple[int, int] | None) -> list[str]:
+    """``--steps`` and ``--average-steps`` for ``steps`` and ``window``, where given."""
+    argv = ["--steps", str(steps)] if steps is not None else []
+    return argv + (["--average-steps", f"{window[0]}-{window[1]}"] if window else [])
 
 
 def _number(value: float | str) -> str:

@@ -523,7 +523,16 @@ def simulate(
             progress(sim.steps, error)
     # the steps averaged: --steps N's 2..N, the steady state's after the warm-up, or the window
     first, last = window or ((dropped if auto else 0) + 2, len(sim.step_ends))
-    starts, k = [0.0, *sim.step_ends], setup.updates_per_sync  # step j: starts[j - 1..j]
+    return _result(sim, (first, last), window, math.nan if window else error)
+
+
+def _result(sim: _Simulation, averaged: tuple[int, int], window: tuple[int, int] | None,
+            error: float) -> Result:  # fmt: skip
+    """``sim``'s figures: the step time and throughput over the ``averaged`` steps (first,
+    last; all the updates after the first's start where no ``window`` was asked), the rest
+    over the whole run."""
+    first, last = averaged
+    starts, k = [0.0, *sim.step_ends], sim.setup.updates_per_sync  # step j: starts[j - 1..j]
     step = (starts[last] - starts[first - 1]) / (last - first + 1)
     total = sim.step_ends[-1]
     mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
@@ -532,11 +541,10 @@ def simulate(
         for lane, start, end, kind in sim.timeline
         if kind == "decode" and lane != "trainer" and start < total
     )
+    updates = sim.trained_tokens[k * (first - 1) : None if window is None else k * last]
     return Result(
         step_s=step,
-        tokens_per_s=k
-        * mean(sim.trained_tokens[k * (first - 1) : None if window is None else k * last])
-        / step,
+        tokens_per_s=k * mean(updates) / step,
         engine_busy=decoding / (len(sim.engines) * total),
         trainer_busy=sum(sim.train_times) / total,
         staleness_mean=mean(sim.staleness),
@@ -548,9 +556,9 @@ def simulate(
         sync_s=sim.sync,
         steps=sim.steps,
         warmup_steps=first - 1,
-        step_error=math.nan if window else error,
+        step_error=error,
         window=window,
-        response_mean=work.lengths.capped_mean(),
+        response_mean=sim.work.lengths.capped_mean(),
         averaged_s=(starts[first - 1], starts[last]),
         timeline=sim.timeline,
     )
