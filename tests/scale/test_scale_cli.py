@@ -608,20 +608,25 @@ def test_expert_parallel_1_on_a_dense_model_is_no_expert_parallelism(capsys):
             "no placement with tp and sp of 1, 2, 4 or 8, pp of 1, 2, 4, 8 or 16 (--tp, --pp and "
             "--sp try others) fits up to 16,384 GPUs either",
         ),
-        # a layout the GPUs do not divide: the fewest GPUs that are a multiple of it and fit,
-        # not merely the next multiple (4 GPUs need 329.9 GiB a GPU, 20 still 93.3 GiB)
-        (["plan", "llama3.1-70b", "--gpus", "2", "--tp", "4"], "does not divide: use --gpus 24"),
+        # a layout no placement's training GPUs take (2 colocated, 1 in a 1:1 split): the fewest
+        # GPUs that fit, not merely the next multiple (4 GPUs need 329.9 GiB a GPU, 20 still
+        # 93.3 GiB)
+        (
+            ["plan", "llama3.1-70b", "--gpus", "2", "--tp", "4"],
+            "which no placement's training GPUs on --gpus 2 (2 and 1) take: use --gpus 24",
+        ),
         # a degree the model cannot take is named before the GPU count
         (["plan", "llama3.1-70b", "--gpus", "2", "--tp", "4", "--ep", "4"], "has no experts"),
         (["simulate", "qwen2.5-7b", "--steps", "4", "--average-steps", "1-²"], "'1-²' is not"),
         (["simulate", "qwen2.5-0.5b", "--prompt-tokens", "0"], "--prompt-tokens 0: must be at"),
-        # "it fits N GPUs" names a count the given layout divides: 10 GPUs would fit (a 2:8
-        # split) but --tp 4 takes 4 at a time, so 12; with --tp 2 --ep 4, a multiple of 8
+        # "it fits N GPUs" with a layout given: 10 GPUs fit --tp 4 as a 2:8 split, whose 8
+        # training GPUs take it (test_a_layout_fits_a_split_whose_training_gpus_take_it), and
+        # --tp 2 --ep 4 there too (8 training GPUs: 4 data-parallel ranks)
         (
             ["plan", "qwen3-30b-a3b", "--tp", "4", "--gpus", "4"],
-            "ep1 zero3 | engine tp4): it fits 12",
+            "ep1 zero3 | engine tp4): it fits 10 GPUs",
         ),
-        (["plan", "qwen3-30b-a3b", "--tp", "2", "--ep", "4", "--gpus", "8"], "it fits 16 GPUs"),
+        (["plan", "qwen3-30b-a3b", "--tp", "2", "--ep", "4", "--gpus", "8"], "it fits 10 GPUs"),
         # a layout of 8 x 16 x 8 = 1,024 GPUs: its next multiple is the cap, not beyond it
         (
             [
@@ -638,7 +643,7 @@ def test_expert_parallel_1_on_a_dense_model_is_no_expert_parallelism(capsys):
                 "--max-response",
                 "485000",
             ],
-            "no placement fits a multiple of 1024 GPUs up to 16,384 either",
+            "(100, 75, 50 and 25) take, and no placement fits up to 16,384 GPUs either",
         ),
         (
             ["plan", "qwen2.5-7b", "--micro-batch", "64", "--tp", "4", "--pp", "2"],
@@ -676,8 +681,8 @@ def test_expert_parallel_1_on_a_dense_model_is_no_expert_parallelism(capsys):
         # with --tp 8 the data-parallel ranks 8 divides are multiples of 64 GPUs
         (
             ["plan", "qwen3-30b-a3b", "--gpus", "12", "--tp", "8", "--ep", "8"],
-            "--tp 8 takes the trainer's GPUs 8 at a time, which --gpus 12 does not divide: with "
-            "--ep 8, use --gpus 64",
+            "--tp 8 takes the trainer's GPUs 8 at a time, which no placement's training GPUs on "
+            "--gpus 12 (12, 9, 6 and 3) take: with --ep 8, use --gpus 64",
         ),
         # 24 GPUs split 6:18, 12:12 and 18:6 (or all 24 colocated): no 16 data-parallel ranks;
         # ep 8 divides the colocated 24
@@ -709,6 +714,16 @@ def test_bad_input_is_one_line_and_exit_2(argv, says, capsys):
 QWEN_05B_CONFIG = {"num_attention_heads": 14, "num_key_value_heads": 2, "hidden_size": 896,
                    "num_hidden_layers": 24, "intermediate_size": 4864, "vocab_size": 151936,
                    "tie_word_embeddings": True}  # fmt: skip
+
+
+def test_a_layout_fits_a_split_whose_training_gpus_take_it(capsys):
+    # --tp 4 on 10 GPUs: the colocated 10 and the 5:5 and 8:2 splits' training GPUs do not
+    # take it, the 2:8 split's 8 do; plan recommends that placement alone
+    assert main(["plan", "qwen3-30b-a3b", "--tp", "4", "--gpus", "10", "--steps", "2",
+                 "--json"]) == 0  # fmt: skip
+    (row,) = json.loads(capsys.readouterr().out)
+    assert (row["kind"], row["rollout_gpus"], row["train_gpus"]) == ("disaggregated", 2, 8)
+    assert "tp4" in row["placement"]
 
 
 def test_a_folder_named_like_a_shape_is_read_not_shadowed(tmp_path, monkeypatch):
@@ -1029,8 +1044,11 @@ def test_plan_pins_the_pipeline_stages_and_names_the_option_as_typed(capsys):
     for option in ("--pp", "--train-pp", "--train-tp", "--sp"):
         assert main(["plan", "qwen2.5-7b", option, "0"]) == 2
         assert capsys.readouterr().err.strip() == f"treadle: error: {option} 0: must be 1..1,024"
-    assert main(["plan", "qwen2.5-7b", "--pp", "3"]) == 2
-    assert "--pp 3 takes the trainer's GPUs 3 at a time" in capsys.readouterr().err
+    # 3 stages: the 2:6 split's 6 training GPUs take them, no other placement's; 5 stages, none
+    assert main(["plan", "qwen2.5-7b", "--pp", "3", "--steps", "2", "--json"]) == 0
+    assert [r["train_gpus"] for r in json.loads(capsys.readouterr().out)] == [6]
+    assert main(["plan", "qwen2.5-7b", "--pp", "5"]) == 2
+    assert "--pp 5 takes the trainer's GPUs 5 at a time" in capsys.readouterr().err
     # the layout refusals too: 28 heads take tp 1, 2, 4 (and 7, 14, 28 beyond the powers of
     # 2 offered); 28 heads / tp 1 take Ulysses 1, 2, 4, 7, 14, 28, of which 8 GPUs take 1, 2
     # and 4; 28 layers
@@ -1040,7 +1058,7 @@ def test_plan_pins_the_pipeline_stages_and_names_the_option_as_typed(capsys):
     assert capsys.readouterr().err.endswith("; use --train-sp 1 or 2 or 4\n")  # on 8 GPUs
     assert main(["plan", "qwen2.5-7b", "--gpus", "32", "--train-pp", "32"]) == 2
     assert capsys.readouterr().err.endswith("layers; use --train-pp 28 or fewer\n")
-    assert main(["plan", "qwen2.5-7b", "--gpus", "6", "--train-tp", "4", "--pp", "1"]) == 2
+    assert main(["plan", "qwen2.5-7b", "--gpus", "3", "--train-tp", "4", "--pp", "1"]) == 2
     assert "error: --train-tp 4 x --pp 1 takes the trainer's GPUs 4" in capsys.readouterr().err
     # simulate's name a fix too: the degrees the heads (14) and the 8 training GPUs take
     assert main(["simulate", "qwen2.5-0.5b", "--train-tp", "4"]) == 2

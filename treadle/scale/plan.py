@@ -12,7 +12,6 @@ gives the engines their own GPUs (AReaL, verl's fully-async recipe).
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -215,17 +214,23 @@ def candidates(q: Question) -> list[Placement]:
     """Colocated and disaggregated placements (rollout shares of 1/4, 1/2 and 3/4), each
     with the smallest training model- and sequence-parallel layout and engine TP that fit."""
     out = []
+    for kind, rollout, train in _splits(q):
+        placed = _smallest_fit(q, kind, rollout, train)
+        if placed is not None:
+            out.append(placed)
+    return out
+
+
+def _splits(q: Question) -> list[tuple[str, int, int]]:
+    """(kind, rollout GPUs, training GPUs) of :func:`candidates`' placements: all of
+    ``q.gpus`` colocated and, with an engine role, the rollout shares 1/4, 1/2 and 3/4."""
     splits = [("colocated", q.gpus, q.gpus)]
     if "engine" in q.roles and q.gpus >= 2:
         for share in (0.25, 0.5, 0.75):
             rollout = max(1, round(q.gpus * share))
             if 0 < rollout < q.gpus:
                 splits.append(("disaggregated", rollout, q.gpus - rollout))
-    for kind, rollout, train in dict.fromkeys(splits):
-        placed = _smallest_fit(q, kind, rollout, train)
-        if placed is not None:
-            out.append(placed)
-    return out
+    return list(dict.fromkeys(splits))
 
 
 def _measured(q: Question, kind: str, rollout: int, train: int, tp: int, pp: int,
@@ -312,28 +317,30 @@ def fitting(q: Question, names: Mapping[str, str] | None = None) -> list[Placeme
     if q.tp or q.pp or q.sp:
         check_layout(q.shape, Layout(tp=q.tp or 1, pp=q.pp or 1, sp=q.sp or 1), names, q.gpus)
         replica = (q.tp or 1) * (q.pp or 1) * (q.sp or 1)
-        if q.gpus % replica:
-            raise UserError(_indivisible(q, replica, names))
+        trains = [train for _, _, train in _splits(q)]
+        if all(train % replica for train in trains):  # 10 GPUs take --tp 4 as 2:8
+            raise UserError(_indivisible(q, replica, names, trains))
     fits = [p for p in candidates(q) if p.fits]
     if not fits:
         raise UserError(_nothing_fits(q, names["ep"]))
     return fits
 
 
-def _indivisible(q: Question, replica: int, names: Mapping[str, str]) -> str:
-    """One line: the given layout takes ``replica`` GPUs at a time, which ``q.gpus`` does not
-    divide, and the fewest GPUs that are a multiple of it (and of a given expert-parallel
-    degree's ranks) and that a placement fits (:func:`_fewest_gpus`), if any."""
+def _indivisible(q: Question, replica: int, names: Mapping[str, str], trains: list[int]) -> str:
+    """One line: the given layout takes ``replica`` GPUs at a time, which none of the training
+    GPUs ``trains`` of ``q.gpus``' placements divides, and the fewest GPUs that a placement
+    fits (:func:`_fewest_gpus`), if any (with a given expert-parallel degree, whose ranks the
+    data-parallel ones must hold too)."""
     given = " x ".join(f"{names[n]} {v}" for n, v in (("tp", q.tp), ("pp", q.pp),
                                                        ("sp", q.sp)) if v)  # fmt: skip
-    unit = _unit(q)
-    also = f"with {names['ep']} {q.ep}, " if unit > replica else ""
-    fits = _fewest_gpus(q, unit)
-    head = f"{given} takes the trainer's GPUs {replica} at a time, which --gpus {q.gpus:,} does not"
+    also = f"with {names['ep']} {q.ep}, " if q.ep and q.shape.experts and q.ep > 1 else ""
+    fits = _fewest_gpus(q)
+    shares = _listed([f"{n:,}" for n in trains])
+    head = (f"{given} takes the trainer's GPUs {replica} at a time, which no placement's "
+            f"training GPUs on --gpus {q.gpus:,} ({shares}) take")  # fmt: skip
     if fits is None:
-        return (f"{head} divide, and no placement fits a multiple of {unit} GPUs up to "
-                f"{MAX_GPUS:,} either")  # fmt: skip
-    return f"{head} divide: {also}use --gpus {fits}"
+        return f"{head}, and no placement fits up to {MAX_GPUS:,} GPUs either"
+    return f"{head}: {also}use --gpus {fits}"
 
 
 def rank(q: Question, fits: list[Placement], steps: int | None = 3,
@@ -518,22 +525,12 @@ def _fits(q: Question) -> bool:
     return any(p.fits for p in candidates(q))
 
 
-def _unit(q: Question) -> int:
-    """The GPUs a given trainer layout takes at a time (``--tp`` x ``--pp`` x ``--sp``, 1 for
-    those not given), times a given expert-parallel degree, whose data-parallel ranks it
-    divides too: ``--gpus`` must be a multiple of it."""
-    replica = (q.tp or 1) * (q.pp or 1) * (q.sp or 1)
-    return replica * (q.ep if q.ep and q.shape.experts else 1)
-
-
-def _fewest_gpus(q: Question, unit: int = 1) -> int | None:
-    """The fewest GPUs of ``q``'s type above ``q.gpus``, a multiple of ``unit`` (a given
-    layout's GPUs), that a placement fits, if any up to MAX_GPUS: every multiple to 64 of
-    them, then whole nodes of them (to 1,024, and beyond it between the steps of 1,024 where
-    one of those fits)."""
-    node, big = math.lcm(unit, q.gpu.per_node), math.lcm(unit, 1024)
-    counts = sorted({*range(unit, min(64 * unit, MAX_GPUS) + 1, unit),
-                     *range(node, 1025, node), *range(big, MAX_GPUS + 1, big)})  # fmt: skip
+def _fewest_gpus(q: Question) -> int | None:
+    """The fewest GPUs of ``q``'s type above ``q.gpus`` that a placement fits, if any up to
+    MAX_GPUS: every count to 64, then whole nodes (to 1,024, and beyond it between the steps
+    of 1,024 where one of those fits)."""
+    node = q.gpu.per_node
+    counts = [*range(1, 65), *range(64 + node, 1025, node), *range(2048, MAX_GPUS + 1, 1024)]
     below = q.gpus
     for n in (n for n in counts if n > q.gpus):
         if _fits(replace(q, gpus=n)):
@@ -563,7 +560,7 @@ def _nothing_fits(q: Question, ep_option: str = "--ep") -> str:
     """One line: what does not fit, and the smallest GPU count of this type that would
     (:func:`_fewest_gpus`), if any; with the expert-parallel degree given (as ``ep_option``),
     where it holds."""
-    fits = _fewest_gpus(q, _unit(q))  # a count the given layout divides, as fitting() asks
+    fits = _fewest_gpus(q)  # a count where a placement fits: fitting() takes it, layout given
     tried = candidates(q)
     best = min(tried, key=lambda p: p.train_peak, default=None)
     need = ""
