@@ -275,12 +275,8 @@ def _check(args: argparse.Namespace) -> None:
                 f"--spec-tokens {args.spec_tokens} needs --spec-accept A, the chance each draft "
                 "token is accepted (DeepSeek-V3 reports 0.85-0.9 for its MTP token)"
             )
-        first, last = args.average_steps or (1, 1)
-        if last > MAX_STEPS:
-            raise UserError(f"--average-steps {first}-{last}: steps 1..{MAX_STEPS} at most")
-        if args.average_steps is not None and not last <= (args.steps or 0):
-            raise UserError(f"--average-steps {first}-{last} averages simulated steps: give "
-                            f"--steps {max(2, last)}..{MAX_STEPS}")  # fmt: skip
+        if args.average_steps is not None:
+            _check_average_steps(*args.average_steps, args.steps)
         if args.staleness is not None and args.mode != "async":
             raise UserError(f"--staleness applies to --mode async, not {args.mode}")
         if args.rollout_gpus is not None and not 1 <= args.rollout_gpus < args.gpus:
@@ -297,6 +293,15 @@ def _check(args: argparse.Namespace) -> None:
             raise UserError(f"{option} {shown}: {e.strerror or e}") from None
     if args.plot is not None:
         _check_plot(Path(args.plot))
+
+
+def _check_average_steps(first: int, last: int, steps: int | None) -> None:
+    """Raises UserError for steps ``first``..``last`` that ``--steps`` does not simulate."""
+    if last > MAX_STEPS:
+        raise UserError(f"--average-steps {first}-{last}: steps 1..{MAX_STEPS} at most")
+    if last > (steps or 0):
+        raise UserError(f"--average-steps {first}-{last} averages simulated steps: give "
+                        f"--steps {max(2, last)}..{MAX_STEPS}")  # fmt: skip
 
 
 def _check_plot(path: Path) -> None:

@@ -44,7 +44,6 @@ def result_row(r: Result) -> dict:
     row = {f.name: getattr(r, f.name) for f in fields(r) if f.name != "timeline"}
     unknown = math.isinf(r.step_error) or math.isnan(r.step_error)
     row["step_error"] = None if unknown else r.step_error
-    row["window"] = list(r.window) if r.window else None
     row["generate_s"] = None if math.isnan(r.generate_s) else r.generate_s
     return row
 
@@ -134,10 +133,9 @@ def print_plan(console, placements: list[Placement], memory_gib: float) -> None:
         worst = max(r.step_error for r in results)
         low, high = min(r.steps for r in results), max(r.steps for r in results)
         steps = f"{low}" if low == high else f"{low}-{high}"
-        error = ("unknown (5 steps or more give one)" if math.isinf(worst)
-                 else f"at most {_error_text(worst)}")  # fmt: skip
+        bound = "" if math.isinf(worst) else "at most "  # an unknown error bounds nothing
         console.print(f"each simulated {steps} steps, the warm-up dropped; step time's error "
-                      f"{error}", markup=False)  # fmt: skip
+                      f"{bound}{_error_text(worst)}", markup=False)  # fmt: skip
     roles = _table(f"#1: GiB per GPU by role (GPUs of {memory_gib:.1f} GiB)",
                    ["role", *SHORT.values(), "total"])  # fmt: skip
     for b in placements[0].memory:

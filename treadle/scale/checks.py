@@ -118,7 +118,7 @@ def _check_training(shape: ModelShape, work: Workload, setup: Setup) -> None:
                and shape.heads % (t * sp) == 0] if min(pp, sp) >= 1 else []  # fmt: skip
         pps = [p for p in range(1, min(n, shape.layers) + 1) if _splits(n, tp * p * sp, ep)
                ] if min(tp, sp) >= 1 and not tps else []  # fmt: skip
-        sps = [s for s in range(1, shape.heads // max(1, tp) + 1)
+        sps = [s for s in range(1, shape.heads // tp + 1)
                if _splits(n, tp * pp * s, ep) and shape.heads % (tp * s) == 0
                ] if min(tp, pp) >= 1 and not tps and not pps else []  # fmt: skip
         hint = (f"; with --train-pp {pp} --train-sp {sp}: --train-tp "

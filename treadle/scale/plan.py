@@ -333,7 +333,7 @@ def _indivisible(q: Question, replica: int, names: Mapping[str, str], trains: li
     data-parallel ones must hold too)."""
     given = " x ".join(f"{names[n]} {v}" for n, v in (("tp", q.tp), ("pp", q.pp),
                                                        ("sp", q.sp)) if v)  # fmt: skip
-    also = f"with {names['ep']} {q.ep}, " if q.ep and q.shape.experts and q.ep > 1 else ""
+    also = f"with {names['ep']} {q.ep}, " if (q.ep or 0) > 1 and q.shape.experts else ""
     fits = _fewest_gpus(q)
     shares = _listed([f"{n:,}" for n in trains])
     head = (f"{given} takes the trainer's GPUs {replica} at a time, which no placement's "
