@@ -7,7 +7,7 @@ from treadle.core.errors import UserError
 from treadle.scale.costs import train_s
 from treadle.scale.hardware import gpu
 from treadle.scale.shapes import NAMED
-from treadle.scale.simulate import Lengths, Setup, Workload, simulate
+from treadle.scale.simulate import Lengths, Setup, Workload, _busy, simulate
 
 SHAPE = NAMED["qwen2.5-7b"]
 
@@ -66,3 +66,26 @@ def test_optimizer_steps_that_do_not_split_over_the_updates_are_refused():
     setup = Setup(gpu("h100"), 2, 2, updates_per_sync=2)
     with pytest.raises(UserError, match=r"3 optimizer steps a step .* use a multiple of 2"):
         simulate(SHAPE, Workload(8, 4, 100, Lengths(500, 1000), minibatches=3), setup)
+
+
+def test_busy_fractions_cover_the_averaged_steps_not_the_pipelines_fill():
+    # sigma 0, 4 engines for 1 trainer GPU, eta 1: the trainer is the bottleneck, so from step
+    # 2 on it trains (T = 73.8 s) and syncs (S = 2.05 s) back to back, busy T / (T + S) = 0.973
+    # of each averaged step. Step 1 also waits ~15 s for the first batch; over the whole run
+    # (3 updates in 242.5 s) it would read 0.913
+    work = Workload(64, 8, 256, Lengths(1000, 1000, 0.0), extra_forwards=0, minibatches=8)
+    setup = Setup(gpu("h100"), 4, 1, mode="async", staleness=1, partial=True)
+    r = simulate(SHAPE, work, setup, steps=3)
+    assert r.step_s == pytest.approx(r.train_s + r.sync_s)
+    assert r.trainer_busy == pytest.approx(r.train_s / (r.train_s + r.sync_s))
+    assert r.averaged_s[0] > r.step_s  # the first step, the fill, is longer and left out
+
+
+def test_busy_counts_the_bars_inside_the_span():
+    timeline = [("engine 0", 0.0, 10.0, "decode"), ("engine 1", 5.0, 15.0, "decode"),
+                ("trainer", 2.0, 8.0, "train"), ("engine 0", 10.0, 11.0, "sync")]  # fmt: skip
+    # span 4..12 (8 s): decode 10 - 4 = 6 s on engine 0 and 12 - 5 = 7 s on engine 1, 13 / 8;
+    # train 8 - 4 = 4 s, 4 / 8; the sync is neither
+    assert _busy(timeline, (4.0, 12.0), "decode") == pytest.approx(13 / 8)
+    assert _busy(timeline, (4.0, 12.0), "train") == pytest.approx(0.5)
+    assert _busy(timeline, (12.0, 20.0), "train") == 0.0

@@ -165,8 +165,8 @@ def print_result(console, r: Result) -> None:
             "steps simulated",
             f"{r.steps}, the first {r.warmup_steps} as warm-up"
             if r.window is None
-            else f"{r.steps}; step and tokens / s over steps {r.window[0]}-{r.window[1]}, the "
-            "rest over all",
+            else f"{r.steps}; step, tokens / s and busy over steps {r.window[0]}-"
+            f"{r.window[1]}, the rest over all",
         ),
         (
             "step time's error",

@@ -59,15 +59,20 @@ MAX_STEPS = 64
 
 @dataclass
 class Result:
-    """What a simulation measured: the step time and throughput over the steps after the
-    warm-up (the first step, the pipeline's fill, or as many as :func:`steady_state` drops),
-    the other figures over the whole run."""
+    """What a simulation measured: the step time, throughput and busy fractions over the
+    steps after the warm-up (the first step, the pipeline's fill, or as many as
+    :func:`steady_state` drops; or the ``window`` asked), the other figures over the whole
+    run."""
 
     step_s: float
     tokens_per_s: float
     """Trained tokens (prompt + response) per second."""
     engine_busy: float
+    """Fraction of the averaged steps' seconds (``averaged_s``) the engines spend decoding,
+    a mean over the engines."""
     trainer_busy: float
+    """Fraction of the averaged steps' seconds the trainer spends on updates (its offload
+    to host memory and back included)."""
     staleness_mean: float
     staleness_max: int
     dropped_stale: int
@@ -528,25 +533,20 @@ def simulate(
 
 def _result(sim: _Simulation, averaged: tuple[int, int], window: tuple[int, int] | None,
             error: float) -> Result:  # fmt: skip
-    """``sim``'s figures: the step time and throughput over the ``averaged`` steps (first,
-    last; all the updates after the first's start where no ``window`` was asked), the rest
-    over the whole run."""
+    """``sim``'s figures: the step time, throughput and busy fractions over the ``averaged``
+    steps (first, last; the throughput from all the updates after the first's start where no
+    ``window`` was asked), the rest over the whole run."""
     first, last = averaged
     starts, k = [0.0, *sim.step_ends], sim.setup.updates_per_sync  # step j: starts[j - 1..j]
     step = (starts[last] - starts[first - 1]) / (last - first + 1)
-    total = sim.step_ends[-1]
+    span = (starts[first - 1], starts[last])
     mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
-    decoding = sum(  # engine seconds decoding up to the last step's end
-        min(end, total) - start
-        for lane, start, end, kind in sim.timeline
-        if kind == "decode" and lane != "trainer" and start < total
-    )
     updates = sim.trained_tokens[k * (first - 1) : None if window is None else k * last]
     return Result(
         step_s=step,
         tokens_per_s=k * mean(updates) / step,
-        engine_busy=decoding / (len(sim.engines) * total),
-        trainer_busy=sum(sim.train_times) / total,
+        engine_busy=_busy(sim.timeline, span, "decode") / len(sim.engines),
+        trainer_busy=_busy(sim.timeline, span, "train"),
         staleness_mean=mean(sim.staleness),
         staleness_max=max(sim.staleness),
         dropped_stale=sim.dropped,
@@ -559,6 +559,15 @@ def _result(sim: _Simulation, averaged: tuple[int, int], window: tuple[int, int]
         step_error=error,
         window=window,
         response_mean=sim.work.lengths.capped_mean(),
-        averaged_s=(starts[first - 1], starts[last]),
+        averaged_s=span,
         timeline=sim.timeline,
     )
+
+
+def _busy(timeline: list[tuple[str, float, float, str]], span: tuple[float, float],
+          kind: str) -> float:  # fmt: skip
+    """Lane-seconds of ``kind`` bars inside ``span`` (start, end; seconds) over its length:
+    the busy fraction of one lane, or of all the lanes that draw ``kind`` summed."""
+    a, b = span
+    return sum(max(0.0, min(end, b) - max(start, a))
+               for _, start, end, bar in timeline if bar == kind) / (b - a)  # fmt: skip
