@@ -529,7 +529,7 @@ def run(args: argparse.Namespace, console, out=None) -> int:
         if args.plot:
             from treadle.scale.plots import memory
 
-            title = f"{shape.name} on {g.name}"
+            title = f"{shape.name} on {args.gpus} x {g.name}"
             _save(lambda p: memory(placements, g.memory_gib, p, title), Path(args.plot), console)
         if args.json:
             print(json.dumps([placement_row(p) for p in placements], indent=1))

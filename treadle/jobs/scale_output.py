@@ -121,9 +121,9 @@ def print_plan(console, placements: list[Placement], memory_gib: float) -> None:
     console.print(table)
     if any(p.has_engine for p in placements):
         console.print(
-            "GiB t/e: a training GPU's peak / an engine GPU's, its KV cache filling the share "
-            "of the GPU it reserves (gpu_memory_utilization); colocated: the most the update or "
-            "a rollout of one longest sequence needs / the rollout as reserved",
+            "GiB t/e: a training GPU's peak / an engine GPU's, its KV cache filling the share\n"
+            "  of the GPU it reserves (gpu_memory_utilization); colocated: the most the update\n"
+            "  or a rollout of one longest sequence needs / the rollout as reserved",
             markup=False,
         )
     else:
