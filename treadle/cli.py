@@ -260,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``treadle`` command; returns the process exit status.
 
     0 on success, 2 on a :class:`~treadle.core.errors.UserError` (printed to stderr), 143 on
-    SIGTERM and 130 on SIGINT (Ctrl-C): a run stops after its step, checkpointed. When the
+    SIGTERM, 130 on SIGINT (Ctrl-C) and 129 on SIGHUP: a run stops after its step,
+    checkpointed. When the
     reader of stdout goes away (``treadle config | head -1``) the output is dropped, quietly:
     a command printing through rich carries on to its own status (a training run is not cut
     short by a closed pager), one printing plain text (``--json``, ``--help``) ends with 0; a
@@ -611,7 +612,7 @@ def _inspect(args: argparse.Namespace, console) -> int:
 
 def _scale(args: argparse.Namespace) -> int:
     """``treadle plan`` / ``treadle simulate``; 2 with one line on bad input, 130 on Ctrl-C, 143
-    on SIGTERM (a plot being written is removed, not left half-written)."""
+    on SIGTERM, 129 on SIGHUP (a plot being written is removed, not left half-written)."""
     from treadle.core.errors import UserError
     from treadle.jobs.scale_job import run
     from treadle.jobs.stopping import Stopped, stop_on_signal

@@ -51,3 +51,30 @@ def test_no_signal_no_stop_and_the_handlers_are_restored() -> None:
     idle = StopOnSignal()
     with idle.deferred():
         idle.check(1, None)
+
+
+@pytest.fixture
+def hangup_handler():
+    """SIGHUP's handler restored after the test (CI may run it under nohup: ignored)."""
+    before = signal.getsignal(signal.SIGHUP)
+    yield
+    signal.signal(signal.SIGHUP, before)
+
+
+def test_a_hangup_stops_as_sigterm_does(hangup_handler) -> None:
+    # the terminal or ssh session closed: the step finishes and is checkpointed, exit 128 + 1
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    with pytest.raises(Stopped) as caught, stop_on_signal() as stop, stop.deferred():
+        os.kill(os.getpid(), signal.SIGHUP)
+        assert stop.requested == signal.SIGHUP
+        stop.check(2, None)
+    assert (caught.value.step, caught.value.name, caught.value.exit_code) == (2, "SIGHUP", 129)
+    assert signal.getsignal(signal.SIGHUP) == signal.SIG_DFL  # restored
+
+
+def test_a_hangup_ignored_by_nohup_stays_ignored(hangup_handler) -> None:
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    with stop_on_signal() as stop, stop.deferred():
+        os.kill(os.getpid(), signal.SIGHUP)  # ignored: nothing to stop
+        stop.check(1, None)
+    assert stop.requested is None and signal.getsignal(signal.SIGHUP) == signal.SIG_IGN

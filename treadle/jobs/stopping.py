@@ -1,11 +1,12 @@
-"""Stopping on a signal: SIGTERM (what schedulers, Kubernetes and Ray send) and SIGINT (Ctrl-C).
+"""Stopping on a signal: SIGTERM (what schedulers, Kubernetes and Ray send), SIGINT (Ctrl-C) and
+SIGHUP (the terminal or ssh session closed; left ignored under ``nohup``).
 
 Inside the RL loop the first signal is only recorded: the step running finishes, is logged and
 checkpointed (``run.checkpoint_on_stop``, or when one is due), and the loop raises
 :class:`Stopped` at that safe point. A second signal, or one outside the loop (model building,
 SFT, evaluation), raises :class:`Stopped` at once: every file treadle writes is written
 atomically (:mod:`treadle.store.atomic`), so stopping anywhere leaves the last checkpoint whole.
-The CLI prints one line saying how to resume and exits with ``128 + signum`` (143, 130).
+The CLI prints one line saying how to resume and exits with ``128 + signum`` (143, 130, 129).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from types import FrameType
 
 logger = logging.getLogger(__name__)
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 class Stopped(BaseException):
@@ -32,7 +33,7 @@ class Stopped(BaseException):
         self.run_dir: Path | None = None
         """The run directory, once the job that stopped has one (set by the job)."""
         self.signum = signum
-        """The signal's number (15 SIGTERM, 2 SIGINT)."""
+        """The signal's number (15 SIGTERM, 2 SIGINT, 1 SIGHUP)."""
         self.step = step
         """The RL steps done when it stopped at a safe point; None when it stopped at once."""
         self.checkpoint = checkpoint
@@ -50,7 +51,7 @@ class Stopped(BaseException):
 
 
 class StopOnSignal:
-    """Handles SIGTERM and SIGINT for one run (install with :func:`stop_on_signal`).
+    """Handles SIGTERM, SIGINT and SIGHUP for one run (install with :func:`stop_on_signal`).
 
     ``requested`` is the first signal's number while the RL loop defers it (:meth:`deferred`);
     the loop calls :meth:`check` at each safe point.
@@ -93,12 +94,15 @@ class StopOnSignal:
 
 @contextlib.contextmanager
 def stop_on_signal(run_dir: Path | None = None) -> Iterator[StopOnSignal]:
-    """Install :class:`StopOnSignal`'s handler for SIGTERM and SIGINT, restoring the previous
-    handlers on exit; a :class:`Stopped` leaving the block names ``run_dir``. Off the main
-    thread (where Python cannot install handlers) nothing is installed."""
+    """Install :class:`StopOnSignal`'s handler for SIGTERM, SIGINT and SIGHUP, restoring the
+    previous handlers on exit; a :class:`Stopped` leaving the block names ``run_dir``. A SIGHUP
+    ignored when the block begins (``nohup``) stays ignored. Off the main thread (where Python
+    cannot install handlers) nothing is installed."""
     stop = StopOnSignal()
     on_main = threading.current_thread() is threading.main_thread()
-    previous = {s: signal.signal(s, stop.handle) for s in SIGNALS} if on_main else {}
+    nohup = signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    ours = [s for s in SIGNALS if on_main and not (s == signal.SIGHUP and nohup)]
+    previous = {s: signal.signal(s, stop.handle) for s in ours}
     try:
         yield stop
     except Stopped as e:
