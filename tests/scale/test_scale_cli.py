@@ -2,6 +2,7 @@
 response lengths read from a run's buffer."""
 
 import json
+import os
 import random
 from dataclasses import replace
 
@@ -345,6 +346,15 @@ def test_lengths_from_a_damaged_buffer_file_is_one_line_exit_2(tmp_path, capsys)
     assert main(["simulate", "qwen2.5-0.5b", "--lengths-from", str(tmp_path)]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "cannot read" in line and "step_000001.parquet" in line
+
+
+def test_lengths_from_a_fifo_in_the_buffer_is_refused_not_read(tmp_path, capsys):
+    # opening a FIFO blocks until a writer comes, where no signal handler runs: never open it
+    _buffer(tmp_path, [10] * 4, 20)
+    os.mkfifo(tmp_path / "buffer" / "step_000002.parquet")
+    assert main(["simulate", "qwen2.5-0.5b", "--lengths-from", str(tmp_path)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "step_000002.parquet is not a regular file" in line
 
 
 def test_expert_parallel_1_on_a_dense_model_is_no_expert_parallelism(capsys):

@@ -44,6 +44,10 @@ def run_lengths(run_dir: Path) -> tuple[list[tuple[int, ...]], list[int]]:
             f"--lengths-from {run_dir}: no buffer/step_*.parquet there; pass the run directory "
             "of a treadle train run (it stores each step's rollouts)"
         )
+    odd = next((path for path in files if not path.is_file()), None)
+    if odd is not None:  # a FIFO or a device would block the read, a folder fail it
+        raise UserError(f"--lengths-from: {odd} is not a regular file; a treadle buffer holds "
+                        "only step_*.parquet files")  # fmt: skip
     groups: dict[tuple[int, int], list[int]] = {}
     prompts = []
     for f, path in enumerate(files):

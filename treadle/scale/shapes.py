@@ -336,8 +336,9 @@ def _dense_layers(config: dict, shape: ModelShape) -> int:
     ):
         raise UserError(f"{shape.name}: config.json's mlp_only_layers is {_short(only)}; a list of "
                         f"layer indices 0..{layers - 1}")  # fmt: skip
+    excluded = set(only)  # a set: a list of thousands of layers makes this quadratic
     sparse = [i for i in range(first, layers) if i % every["moe_layer_freq"] == 0
-              and (i + 1) % every["decoder_sparse_step"] == 0 and i not in only]  # fmt: skip
+              and (i + 1) % every["decoder_sparse_step"] == 0 and i not in excluded]  # fmt: skip
     return layers - len(sparse)
 
 
