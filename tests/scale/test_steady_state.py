@@ -74,3 +74,16 @@ def test_too_few_steps_leave_the_error_unknown_and_an_unsettled_run_says_so(caps
     assert main(["simulate", "qwen2.5-7b", "--prompts", "1", "--samples", "1"]) == 0
     assert "(above the 1% target: not settled)" in capsys.readouterr().out
     assert steady_state([100.0])[2] == steady_state([])[2] == float("inf")
+
+
+def test_progress_is_called_after_every_step_and_changes_no_figure():
+    # --steps 3: steps 1, 2, 3 reported, the error unknown (NaN) as none is sought; the
+    # simulation run a step at a time ends with the very same figures as one without progress
+    calls = []
+    work = Workload(8, 4, 100, Lengths(500, 1000, 0.8))
+    setup = Setup(gpu("h100"), 2, 2, mode="async", staleness=1, partial=True)
+    shown = simulate(NAMED["qwen2.5-7b"], work, setup, steps=3,
+                     progress=lambda k, e: calls.append((k, e)))  # fmt: skip
+    assert [k for k, _ in calls] == [1, 2, 3] and all(e != e for _, e in calls)  # NaN != NaN
+    plain = simulate(NAMED["qwen2.5-7b"], work, setup, steps=3)
+    assert (shown.step_s, shown.tokens_per_s) == (plain.step_s, plain.tokens_per_s)

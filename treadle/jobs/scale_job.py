@@ -493,7 +493,8 @@ def _save(draw, path: Path, console) -> None:
     on ``console`` (stderr: stdout may carry --json)."""
     tmp = path.with_name(f".treadle-plot-{os.getpid()}.tmp.png")  # short: any legal name fits
     try:
-        draw(tmp)
+        with console.status("drawing the plot"):  # a minute at the largest settings
+            draw(tmp)
         with tmp.open("rb") as f:
             os.fsync(f.fileno())
         tmp.replace(path)
@@ -525,7 +526,7 @@ def run(args: argparse.Namespace, console, out=None) -> int:
         fits = fitting(q, names=args.spelled)
         _say(console, note)
         with console.status("simulating the placements that fit") as status:
-            placements = rank(q, fits, steps=args.steps, progress=progress(status))
+            placements = rank(q, fits, steps=args.steps, progress=progress(status, args.steps))
         if args.plot:
             from treadle.scale.plots import memory
 
@@ -547,7 +548,7 @@ def run(args: argparse.Namespace, console, out=None) -> int:
         setup = replace(setup, offload_bytes=placed.resident)
     _say(console, note)
     with console.status("simulating") as status:
-        r = simulate(shape, work, setup, steps=args.steps, progress=progress(status),
+        r = simulate(shape, work, setup, steps=args.steps, progress=progress(status, args.steps),
                      window=args.average_steps)  # fmt: skip
     if args.plot:
         from treadle.scale.plots import timeline

@@ -24,12 +24,16 @@ SHORT = {
 TERMS = tuple(SHORT)
 
 
-def progress(status):
-    """A ``progress`` callback showing the simulation's steps on ``status`` (a rich Status)."""
+def progress(status, total: int | None = None):
+    """A ``progress`` callback showing the simulation's steps on ``status`` (a rich Status):
+    step k of ``total`` (the steps asked), or while seeking the steady state, k and the step
+    time's error so far."""
 
     def show(steps: int, error: float, label: str = "") -> None:
         where = f"{label}: " if label else ""
-        status.update(f"simulating {where}step {steps}, step time known to {error:.1%}")
+        known = "" if math.isnan(error) else f", step time known to {error:.1%}"
+        of = f" of {max(2, total)}" if total is not None else ""
+        status.update(f"simulating {where}step {steps}{of}{known}")
 
     return show
 

@@ -503,7 +503,8 @@ def simulate(
     averaged), or with ``steps=None`` until the steady state: at least
     :data:`AUTO_MIN_STEPS`, then one more at a time until the step time after
     :func:`steady_state`'s warm-up has a relative error of at most :data:`AUTO_TOLERANCE`, or
-    :data:`MAX_STEPS` have run. ``progress(steps, error)`` is called after each added step.
+    :data:`MAX_STEPS` have run. ``progress(steps, error)`` is called after each step (the
+    error NaN until the first ``steps`` or :data:`AUTO_MIN_STEPS` have run).
     ``window`` (first, last), 1-based and inclusive, averages those steps of the ``steps``
     instead, as a benchmark that reports them does (NeMo-RL's performance table: 5 steps of
     10-step runs); its ``step_error`` is NaN, the figure being those steps' own. A step's
@@ -517,8 +518,12 @@ def simulate(
         raise ValueError(f"window {window}: steps first..last of 1..{steps} simulated")
     check(shape, work, setup)
     auto = steps is None
-    sim = _Simulation(shape, work, setup, AUTO_MIN_STEPS if auto else max(2, steps), seed)
-    sim.run()
+    target = AUTO_MIN_STEPS if auto else max(2, steps)
+    sim = _Simulation(shape, work, setup, target, seed)
+    for sim.steps in range(1, target + 1):  # a step at a time: the same events, shown
+        sim.run()
+        if progress is not None:
+            progress(sim.steps, math.nan)
     dropped, _, error = steady_state(sim.step_ends, truncate=auto)
     while auto and error > AUTO_TOLERANCE and sim.steps < MAX_STEPS:
         sim.steps += 1
