@@ -89,3 +89,18 @@ def test_busy_counts_the_bars_inside_the_span():
     assert _busy(timeline, (4.0, 12.0), "decode") == pytest.approx(13 / 8)
     assert _busy(timeline, (4.0, 12.0), "train") == pytest.approx(0.5)
     assert _busy(timeline, (12.0, 20.0), "train") == 0.0
+
+
+def test_data_parallel_ranks_beyond_an_optimizer_steps_samples_idle():
+    # 64 samples in one optimizer step, one a micro-batch: 64 ranks of tp 1 hold one each;
+    # 128 or 1,024 GPUs only add ranks holding none, so the update takes what it takes on 64
+    # (it fell 1.09 -> 0.80 s from 512 to 4,096 GPUs for 512 samples before); 32 hold 2 each
+    work = Workload(16, 4, 100, Lengths(500, 1000, 0.0), minibatches=1)
+    h100, lengths = gpu("h100"), [500] * 64
+    t = {g: train_s(SHAPE, h100, g, work, lengths) for g in (32, 64, 128, 1024)}
+    assert t[1024] == t[128] == t[64] < t[32]
+    # at tp 2 the 64 ranks that hold a sample span 128 GPUs
+    assert train_s(SHAPE, h100, 512, work, lengths, tp=2) == train_s(SHAPE, h100, 128, work,
+                                                                     lengths, tp=2)  # fmt: skip
+    assert train_s(SHAPE, h100, 64, work, lengths, tp=2) > train_s(SHAPE, h100, 128, work,
+                                                                   lengths, tp=2)  # fmt: skip

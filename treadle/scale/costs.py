@@ -393,24 +393,28 @@ def train_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, lengths: lis
     an optimizer step's samples through the stages one sample a micro-batch, or packed into
     micro-batches of ``work.pack_tokens`` tokens (m of them, whole: the busiest rank's), and
     the 1F1B schedule takes (m + pp - 1) / m of the time without stages (Narayanan et al.
-    2021, arXiv 2104.04473, Sec. 2.2: bubble fraction (pp - 1) / m)."""
+    2021, arXiv 2104.04473, Sec. 2.2: bubble fraction (pp - 1) / m). Data-parallel ranks
+    beyond an optimizer step's micro-batches hold none and idle: the work is spread over the
+    ranks that hold one."""
     e = gpu.efficiency
     tokens = sum(lengths) + len(lengths) * work.prompt_tokens  # every sample's prompt too
-    tokens_per_gpu = tokens / (gpus * work.minibatches)
+    replica = tp * pp * sp
+    # whole micro-batches an optimizer step: bins of packed sequences, or samples
+    units = (tokens / work.pack_tokens if work.pack_tokens else len(lengths)) / work.minibatches
+    ranks = min(max(1, gpus // replica), max(1, math.ceil(units)))  # those holding work
+    busy = min(gpus, ranks * replica)
+    tokens_per_gpu = tokens / (busy * work.minibatches)
     mfu = e.train_mfu * tokens_per_gpu / (tokens_per_gpu + e.train_half_tokens)
     flops = train_flops(shape, work, lengths)
-    ranks = work.minibatches * max(1, gpus // (tp * pp * sp))
-    # the rank with the most micro-batches sets the pace: whole micro-batches (bins of packed
-    # sequences, or samples)
-    micro = max(1, math.ceil((tokens / work.pack_tokens if work.pack_tokens else len(lengths))
-                             / ranks))  # fmt: skip
+    micro = max(1, math.ceil(units / ranks))  # the busiest rank's micro-batches set the pace
     bubble = (micro + pp - 1) / micro
-    compute = flops / (gpus * gpu.bf16_tflops * 1e12 * mfu) * bubble
+    compute = flops / (busy * gpu.bf16_tflops * 1e12 * mfu) * bubble
     comms = (ulysses_s(shape, gpu, gpus, work, tokens, tp, sp)
              + train_tp_s(shape, gpu, gpus, work, tokens, tp)
-             + expert_alltoall_s(shape, gpu, gpus, work, tokens, tp * pp * sp,
+             + expert_alltoall_s(shape, gpu, gpus, work, tokens, replica,
                                  tp * sp, ep))  # fmt: skip
-    return compute + comms + e.train_overhead_s
+    # each term is a GPU's share of tokens / gpus: the ranks at work carry tokens / busy
+    return compute + comms * gpus / busy + e.train_overhead_s
 
 
 def train_tp_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, tokens: float,
