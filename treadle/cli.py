@@ -33,6 +33,7 @@ import argparse
 import contextlib
 import errno
 import logging
+import re
 import signal
 import sys
 import threading
@@ -340,8 +341,10 @@ def _stdout_failed(error: OSError) -> int:
 
 def _error_line(error: Exception) -> str:
     """A refusal as the one line it is meant to be: a line break inside it (a model folder
-    whose name holds one) written as ``\\n``."""
+    whose name holds one) written as ``\\n``, and a word longer than 240 characters (a value
+    pasted whole into a flag) cut to its first 160 and last 60 around an ellipsis."""
     text = str(error).replace("\r", "\\r").replace("\n", "\\n")
+    text = re.sub(r"\S{241,}", lambda m: f"{m[0][:160]}…{m[0][-60:]}", text)
     return f"treadle: error: {text}"
 
 

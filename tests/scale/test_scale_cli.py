@@ -762,6 +762,16 @@ def test_a_model_folders_odd_name_is_one_line_and_drawn_as_written(tmp_path, cap
     assert plot.stat().st_size > 10_000
 
 
+def test_a_value_pasted_whole_is_cut_in_the_one_line(capsys):
+    # 100,000 characters given to --roles, which its refusal quotes twice: each quote is cut to
+    # its first 160 and last 60 characters around an ellipsis, the fix still on the line
+    value = "r" * 50_000 + "s" * 50_000
+    assert main(["simulate", "qwen2.5-0.5b", "--roles", value]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.count("r" * 158 + "…" + "s" * 58) == 2 and len(line) < 800
+    assert line.endswith("comma-separated (e.g. policy,reference,engine)")
+
+
 TWO_LAYER_MOE = {"num_attention_heads": 32, "hidden_size": 4096, "num_hidden_layers": 2,
                  "intermediate_size": 128, "vocab_size": 100, "num_experts": 8,
                  "num_experts_per_tok": 2, "moe_intermediate_size": 64}  # fmt: skip
