@@ -709,6 +709,10 @@ def test_expert_parallel_1_on_a_dense_model_is_no_expert_parallelism(capsys):
             ["plan", "qwen3-30b-a3b", "--gpus", "1032", "--tp", "4", "--pp", "3", "--ep", "128"],
             "divides: it fits 1,536 GPUs, or use --ep 2 on these",
         ),
+        # Python's int() and float() take 8_0 as 80 and other scripts' digits: not here
+        (["simulate", "qwen2.5-0.5b", "--gpus", "8_0"], "--gpus: invalid int value: '8_0'"),
+        (["plan", "qwen2.5-0.5b", "--gpus", "\uff10\uff18"], "--gpus: invalid int value"),
+        (["simulate", "qwen2.5-0.5b", "--mean-response", "1_000"], "invalid float value: '1_000'"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, says, capsys):

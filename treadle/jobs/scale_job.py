@@ -40,32 +40,53 @@ from treadle.scale.simulate import (
 
 MAX_PACK_TOKENS = 2**24
 """Largest ``--pack-tokens``: a micro-batch of 16.8M tokens."""
+_INT = re.compile(r"[+-]?[0-9]+")
+_FLOAT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?|[+-]?(inf|nan)", re.I)
+
+
+def _int(text: str) -> int:
+    """An option's integer as written in ASCII digits: Python's int() also takes ``8_0`` (80)
+    and other scripts' digits, which no one means as a GPU count."""
+    if not _INT.fullmatch(text):
+        raise ValueError(text)
+    return int(text)
+
+
+def _float(text: str) -> float:
+    """An option's number as written in ASCII (as :func:`_int`); inf and nan reach the
+    options' own checks, which name them."""
+    if not _FLOAT.fullmatch(text):
+        raise ValueError(text)
+    return float(text)
+
+
+_int.__name__, _float.__name__ = "int", "float"  # argparse's "invalid int value: '8_0'"
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     """The options of ``command`` (plan or simulate)."""
     parser.add_argument("model", help="a named shape (llama3.1-8b, ...) or a model folder")
     parser.add_argument("--gpu", default="h100", help=f"GPU type: {', '.join(GPUS)} (h100)")
-    parser.add_argument("--gpus", type=int, default=8, help=f"GPUs in all, 1..{MAX_GPUS:,} (8)")
-    parser.add_argument("--prompts", type=int, default=64, help="prompts per RL step (64)")
-    parser.add_argument("--samples", type=int, default=8, help="samples per prompt (8)")
-    parser.add_argument("--prompt-tokens", type=int, help="tokens (default 512, or the run's)")
-    parser.add_argument("--max-response", type=int, help="tokens (default 4096)")
-    parser.add_argument("--mean-response", type=float,
+    parser.add_argument("--gpus", type=_int, default=8, help=f"GPUs in all, 1..{MAX_GPUS:,} (8)")
+    parser.add_argument("--prompts", type=_int, default=64, help="prompts per RL step (64)")
+    parser.add_argument("--samples", type=_int, default=8, help="samples per prompt (8)")
+    parser.add_argument("--prompt-tokens", type=_int, help="tokens (default 512, or the run's)")
+    parser.add_argument("--max-response", type=_int, help="tokens (default 4096)")
+    parser.add_argument("--mean-response", type=_float,
                         help="mean of the lognormal response lengths before they are cut at "
                         "--max-response, tokens (default max / 3); treadle simulate prints the "
                         "mean after the cut")  # fmt: skip
-    parser.add_argument("--length-sigma", type=float,
+    parser.add_argument("--length-sigma", type=_float,
                         help="spread (sigma) of the lognormal response lengths (0.8)")  # fmt: skip
-    parser.add_argument("--extra-forwards", type=int,
+    parser.add_argument("--extra-forwards", type=_int,
                         help="forward passes besides the update's, at the policy's cost "
                         "(default from --roles: 1 for the old policy's logprobs, +1 for a "
                         "reference, +1 for a critic's values, +1 for a reward model's "
                         "scores)")  # fmt: skip
-    parser.add_argument("--minibatches", type=int, default=1,
+    parser.add_argument("--minibatches", type=_int, default=1,
                         help="optimizer steps an RL step (verl's batch / ppo_mini_batch_size) "
                         "(1)")  # fmt: skip
-    parser.add_argument("--reward-seconds", type=float, default=0.0,
+    parser.add_argument("--reward-seconds", type=_float, default=0.0,
                         help="seconds to score one sample, beside the engines (0)")  # fmt: skip
     parser.add_argument("--offload", action="store_true",
                         help="colocated: the trainer's states go to host memory while the "
@@ -79,7 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     )
     parser.add_argument(
         "--steps",
-        type=int,
+        type=_int,
         help=f"RL steps simulated, 2..{MAX_STEPS} (default: until the steady-state step time "
         f"is known to {AUTO_TOLERANCE * 100:g}%%, the warm-up dropped)",
     )
@@ -116,7 +137,7 @@ def _training_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ReMax: one greedy response a prompt, generated after the "
                         "samples, scored, not trained; synchronous steps only (default: off, "
                         "or with --lengths-from the run's algorithm.advantage=remax)")  # fmt: skip
-    parser.add_argument("--lora-rank", type=int,
+    parser.add_argument("--lora-rank", type=_int,
                         help="train the policy's LoRA adapters of this rank, its weights frozen "
                         "in bf16 (a reference is the policy with its adapters disabled: no "
                         "memory, one forward); 0: every weight (default 0, or with "
@@ -139,18 +160,18 @@ def _training_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _plan_arguments(parser: argparse.ArgumentParser) -> None:
     """``treadle plan``'s own options."""
-    parser.add_argument("--tp", "--train-tp", type=int, dest="tp", action=_Spelled,
+    parser.add_argument("--tp", "--train-tp", type=_int, dest="tp", action=_Spelled,
                         help="training tensor-parallel degree (simulate's --train-tp)")  # fmt: skip
-    parser.add_argument("--pp", "--train-pp", type=int, dest="pp", action=_Spelled,
+    parser.add_argument("--pp", "--train-pp", type=_int, dest="pp", action=_Spelled,
                         help="training pipeline stages (simulate's --train-pp)")  # fmt: skip
-    parser.add_argument("--sp", "--train-sp", type=int, dest="sp", action=_Spelled,
+    parser.add_argument("--sp", "--train-sp", type=_int, dest="sp", action=_Spelled,
                         help="training Ulysses sequence-parallel degree (simulate's "
                         "--train-sp)")  # fmt: skip
-    parser.add_argument("--ep", "--train-ep", type=int, dest="ep", action=_Spelled,
+    parser.add_argument("--ep", "--train-ep", type=_int, dest="ep", action=_Spelled,
                         help="a MoE model's training expert-parallel degree over the "
                         "data-parallel ranks (simulate's --train-ep; default: in each layout, "
                         "the most that divides the ranks and the experts)")  # fmt: skip
-    parser.add_argument("--micro-batch", type=int, default=1, help="sequences per pass")
+    parser.add_argument("--micro-batch", type=_int, default=1, help="sequences per pass")
     # the spellings typed (_Spelled); no packing: plan's memory takes --micro-batch
     parser.set_defaults(spelled={}, pack_tokens=0)
     parser.add_argument("--plot", help="write memory per GPU by term and role to this PNG")
@@ -160,7 +181,7 @@ def _simulate_arguments(parser: argparse.ArgumentParser) -> None:
     """``treadle simulate``'s own options."""
     parser.add_argument("--mode", choices=("sync", "one_step", "async"), default="sync",
                         help="sync (default), one_step or async")  # fmt: skip
-    parser.add_argument("--staleness", type=float, help="eta, for --mode async (default 1)")
+    parser.add_argument("--staleness", type=_float, help="eta, for --mode async (default 1)")
     parser.add_argument("--partial", action="store_true", help="partial rollouts")
     parser.add_argument(
         "--drop-stale",
@@ -170,31 +191,31 @@ def _simulate_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--updates-per-sync",
-        type=int,
+        type=_int,
         default=1,
         help="trainer updates per weight sync, each on --prompts / N groups as they complete "
         "and at least one optimizer step (verl's trigger_parameter_sync_step; disaggregated "
         "only) (1)",
     )
-    parser.add_argument("--rollout-gpus", type=int, help="disaggregated: engines' GPUs")
-    parser.add_argument("--engine-tp", type=int, default=1,
+    parser.add_argument("--rollout-gpus", type=_int, help="disaggregated: engines' GPUs")
+    parser.add_argument("--engine-tp", type=_int, default=1,
                         help="GPUs an engine spans by tensor parallel (vLLM's "
                         "tensor_parallel_size) (1)")  # fmt: skip
-    parser.add_argument("--train-tp", type=int, default=1, help="trainer's tensor parallel (1)")
-    parser.add_argument("--train-pp", type=int, default=1,
+    parser.add_argument("--train-tp", type=_int, default=1, help="trainer's tensor parallel (1)")
+    parser.add_argument("--train-pp", type=_int, default=1,
                         help="trainer's pipeline stages: adds the 1F1B bubble (1)")  # fmt: skip
-    parser.add_argument("--train-sp", type=int, default=1,
+    parser.add_argument("--train-sp", type=_int, default=1,
                         help="trainer's Ulysses sequence parallel: splits each sequence's "
                         "activations, adds all-to-alls (1)")  # fmt: skip
-    parser.add_argument("--train-ep", type=int, default=0,
+    parser.add_argument("--train-ep", type=_int, default=0,
                         help="trainer's expert parallel over its data-parallel ranks "
                         "(Megatron's expert_model_parallel_size): a MoE model's experts a rank "
                         "holds and where its tokens' all-to-alls go (default: the most that "
                         "divides the ranks and the experts)")  # fmt: skip
-    parser.add_argument("--oversample", type=float, default=0.0,
+    parser.add_argument("--oversample", type=_float, default=0.0,
                         help="extra prompts a step, as a fraction (0.25: 25%% more); a step "
                         "trains the first --prompts groups to complete (0)")  # fmt: skip
-    parser.add_argument("--pack-tokens", type=int, default=0,
+    parser.add_argument("--pack-tokens", type=_int, default=0,
                         help="pack sequences into micro-batches of this many tokens (NeMo-RL's "
                         "train_mb_tokens): fewer micro-batches, a larger pipeline bubble "
                         "(default: one sequence a micro-batch)")  # fmt: skip
@@ -204,14 +225,14 @@ def _simulate_arguments(parser: argparse.ArgumentParser) -> None:
                         "resharded (each trainer GPU sends its shard), gathered (every GPU "
                         "receives the whole model, as NeMo-RL's Megatron refit) (colocated "
                         "if the engines share the GPUs, else broadcast)")  # fmt: skip
-    parser.add_argument("--sync-seconds", type=float,
+    parser.add_argument("--sync-seconds", type=_float,
                         help="a weight update's seconds as measured on your framework, in place "
                         "of the model of its bytes (default: the model's)")  # fmt: skip
-    parser.add_argument("--spec-tokens", type=int, default=0,
+    parser.add_argument("--spec-tokens", type=_int, default=0,
                         help="speculative decoding: draft tokens a decode step proposes, "
                         "with a draft of one layer and the output head (MTP, EAGLE) "
                         "(0: none)")  # fmt: skip
-    parser.add_argument("--spec-accept", type=float,
+    parser.add_argument("--spec-accept", type=_float,
                         help="chance each draft token is accepted, 0..1 (DeepSeek-V3 reports "
                         "0.85-0.9 for its MTP token); needed with --spec-tokens")  # fmt: skip
     _simulate_output_arguments(parser)
