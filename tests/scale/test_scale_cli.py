@@ -709,6 +709,12 @@ def test_expert_parallel_1_on_a_dense_model_is_no_expert_parallelism(capsys):
             ["plan", "qwen3-30b-a3b", "--gpus", "1032", "--tp", "4", "--pp", "3", "--ep", "128"],
             "divides: it fits 1,536 GPUs, or use --ep 2 on these",
         ),
+        # qwen2.5-0.5b is 896 wide: rank 4,096 adapters would hold 1.47 GiB a GPU against its
+        # 0.54 GiB of weights
+        (
+            ["simulate", "qwen2.5-0.5b", "--lora-rank", "4096"],
+            "--lora-rank 4096: more than qwen2.5-0.5b's hidden size, 896; its adapters",
+        ),
         # Python's int() and float() take 8_0 as 80 and other scripts' digits: not here
         (["simulate", "qwen2.5-0.5b", "--gpus", "8_0"], "--gpus: invalid int value: '8_0'"),
         (["plan", "qwen2.5-0.5b", "--gpus", "\uff10\uff18"], "--gpus: invalid int value"),
