@@ -233,7 +233,7 @@ def test_a_refusal_with_lengths_from_is_one_line_without_the_roles_note(tmp_path
         (b"model: {lora: {r: 5000}}", "model.lora.r 5000 is above the largest LoRA rank, 4,096"),
         (b"model: {lora: {r: %d}}" % 10**43, "model.lora.r 100000... (44 digits) is above the"),
         (b"model: {lora: [1]}", "model.lora is a list, not a section"),
-        (b"reward: {functions: reward_model}", "reward.functions is a str, not a list"),
+        (b"reward: {functions: reward_model}", "reward.functions is a string, not a list"),
         # aliases nested 9 deep make 10^9 values once expanded: refused before, in a moment
         (
             b"a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n"
@@ -804,7 +804,8 @@ BAD_MOE_LAYERS = (
     ({"hidden_size": 10**400}, "hidden_size is a huge number; a positive integer up to"),
     ({"num_hidden_layers": 10**9}, "num_hidden_layers is 1000000000; a positive integer up to"),
     ({"num_key_value_heads": 0}, "num_key_value_heads is 0; a positive integer"),
-    ({"head_dim": False}, "head_dim is False; a positive integer"),
+    ({"num_attention_heads": None}, "num_attention_heads is null; a positive integer"),  # JSON's
+    ({"head_dim": False}, "head_dim is false; a positive integer"),
     ({"tie_word_embeddings": "false"}, "tie_word_embeddings is 'false'; true or false"),
     ({"attention_bias": "no"}, "attention_bias is 'no'; true or false"),
 )

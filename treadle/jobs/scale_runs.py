@@ -128,7 +128,7 @@ def run_roles(run_dir: Path, fix: str = "pass --roles (and --extra-forwards) to 
     picked = {key: value for key, value in picked.items() if key not in given}
     for key, value in picked.items():  # a list or mapping (a YAML alias bomb) is not expanded
         if value is not None and not isinstance(value, str | int | float):
-            raise UserError(f"--lengths-from: {path}: {key} is a {type(value).__name__}, not a "
+            raise UserError(f"--lengths-from: {path}: {key} is {_kind(value)}, not a "
                             f"value; {fix}")  # fmt: skip
     try:  # each value as JSON text, so its YAML type holds: r: '16' stays a string, refused
         cfg = load_config(None, [f"{k}={json.dumps(v, default=str)}" for k, v in picked.items()
@@ -142,8 +142,8 @@ def run_roles(run_dir: Path, fix: str = "pass --roles (and --extra-forwards) to 
                         f"rank, {MAX_LORA_RANK:,}; {fix}")  # fmt: skip
     functions = reward.get("functions") or []
     if not isinstance(functions, list):
-        raise UserError(f"--lengths-from: {path}: reward.functions is a "
-                        f"{type(functions).__name__}, not a list; {fix}")  # fmt: skip
+        raise UserError(f"--lengths-from: {path}: reward.functions is "
+                        f"{_kind(functions)}, not a list; {fix}")  # fmt: skip
     rewarded = any(isinstance(f, dict) and f.get("name") == "reward_model" for f in functions)
     roles = ("policy", *(["reference"] if cfg.algorithm.kl.coef > 0 else []),
              *(["critic"] if cfg.algorithm.advantage == "gae" else []),
@@ -177,6 +177,14 @@ def _section(raw: dict, key: str, dotted: str = "", *, path: Path, fix: str) -> 
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise UserError(f"--lengths-from: {path}: {dotted or key} is a {type(value).__name__}, "
+        raise UserError(f"--lengths-from: {path}: {dotted or key} is {_kind(value)}, "
                         f"not a section; {fix}")  # fmt: skip
     return value
+
+
+def _kind(value: object) -> str:
+    """What a YAML value is, in YAML's words: "an integer", "a mapping" (Python's "a int",
+    "a dict" otherwise)."""
+    kinds = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+             list: "a list", dict: "a mapping"}  # fmt: skip
+    return kinds.get(type(value), f"a {type(value).__name__}")

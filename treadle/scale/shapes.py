@@ -218,7 +218,10 @@ def _flag(name: str, config: dict, key: str, default: bool) -> bool:
 
 
 def _short(value: object) -> str:
-    """``repr(value)``, cut to 40 characters (a huge number or string stays one short line)."""
+    """``repr(value)``, cut to 40 characters (a huge number or string stays one short line);
+    JSON's null, true and false as config.json writes them."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
     text = repr(value) if not isinstance(value, int) or abs(value) < 10**30 else "a huge number"
     return text if len(text) <= 40 else text[:37] + "..."
 
