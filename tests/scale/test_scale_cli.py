@@ -715,6 +715,11 @@ def test_expert_parallel_1_on_a_dense_model_is_no_expert_parallelism(capsys):
             ["simulate", "qwen2.5-0.5b", "--lora-rank", "4096"],
             "--lora-rank 4096: more than qwen2.5-0.5b's hidden size, 896; its adapters",
         ),
+        # 28 heads on 28 GPUs: 7, 14 and 28 divide both, as well as 4 (the last four named)
+        (
+            ["plan", "qwen2.5-7b", "--gpus", "28", "--tp", "3"],
+            "does not divide the 28 attention heads of qwen2.5-7b; use --tp 4 or 7 or 14 or 28",
+        ),
         # Python's int() and float() take 8_0 as 80 and other scripts' digits: not here
         (["simulate", "qwen2.5-0.5b", "--gpus", "8_0"], "--gpus: invalid int value: '8_0'"),
         (["plan", "qwen2.5-0.5b", "--gpus", "\uff10\uff18"], "--gpus: invalid int value"),

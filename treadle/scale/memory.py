@@ -105,7 +105,7 @@ def check_layout(shape: ModelShape, layout: Layout, names: Mapping[str, str] | N
     ``--tp``, ``--sp``, ``--pp``)."""
     names = {n: f"--{n}" for n in ("tp", "sp", "pp")} | dict(names or {})
     if layout.tp < 1 or shape.heads % layout.tp:
-        fits = [t for t in (1, 2, 4, 8, 16, 32, 64, 128) if shape.heads % t == 0
+        fits = [t for t in range(1, 129) if shape.heads % t == 0
                 and (gpus is None or gpus % t == 0)][-4:]  # fmt: skip
         use = f"use {names['tp']} {' or '.join(map(str, fits))}" if fits else "change --gpus"
         raise UserError(
