@@ -394,13 +394,17 @@ def test_stderr_on_a_full_disk_loses_the_messages_not_the_result():
 
 @pytest.mark.parametrize("fd", [1, 2])
 def test_a_descriptor_closed_before_the_start_is_nothing_to_write(fd):
-    # `treadle simulate ... >&-` or `2>&-`: Python's sys.stdout or sys.stderr is None; the
-    # command runs to its status 0 (it raised AttributeError at the end)
+    # `treadle simulate ... >&-` or `2>&-`: Python's sys.stdout or sys.stderr is None (it
+    # raised AttributeError at the end). Without stdout the answer has nowhere to go: one line,
+    # status 2, as ls and echo refuse a closed stdout; without stderr the messages are lost and
+    # the command runs to its status 0
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     done = subprocess.run(SIMULATE_JSON, preexec_fn=lambda: os.close(fd), env=env,
                           stdout=subprocess.DEVNULL if fd == 2 else None,
-                          stderr=subprocess.DEVNULL if fd == 1 else None, timeout=300)  # fmt: skip
-    assert done.returncode == 0
+                          stderr=subprocess.PIPE if fd == 1 else None, timeout=300)  # fmt: skip
+    assert done.returncode == (2 if fd == 1 else 0)
+    if fd == 1:
+        assert done.stderr.decode().startswith("treadle: error: stdout is closed;")
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full on this system")

@@ -620,8 +620,12 @@ def _scale(args: argparse.Namespace) -> int:
     from treadle.jobs.scale_job import run
     from treadle.jobs.stopping import Stopped, stop_on_signal
 
+    if sys.stdout is None:  # closed at the start (>&-): the answer would be lost, silently
+        _say(f"treadle: error: stdout is closed; treadle {args.command} prints its answer there: "
+             "give it a file or a pipe (> answer.txt)")  # fmt: skip
+        return 2
     # piped (not a terminal, no COLUMNS): wide enough that no table column is cut to "engi…"
-    terminal = sys.stdout is not None and sys.stdout.isatty()  # None: closed at the start
+    terminal = sys.stdout.isatty()
     wide = {} if terminal or "COLUMNS" in os.environ else {"width": 200}
     try:
         with stop_on_signal():  # SIGTERM, as Ctrl-C: the plot's temporary file removed

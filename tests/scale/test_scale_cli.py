@@ -1210,3 +1210,11 @@ def test_piped_tables_are_not_cut(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "…" not in out and "disagg 4096:12288 async" in out
     assert " #  placement e:t " in out and " busy e/t" in out
+
+
+def test_a_plot_path_with_a_line_break_is_said_on_one_line(tmp_path, capsys):
+    path = tmp_path / "a\nb.png"
+    argv = ["simulate", "qwen2.5-0.5b", "--prompts", "4", "--samples", "2", "--steps", "2",
+            "--plot", str(path)]  # fmt: skip
+    assert main(argv) == 0 and path.exists()
+    assert f"plot: {tmp_path}/a\\nb.png" in capsys.readouterr().err.splitlines()

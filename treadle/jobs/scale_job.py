@@ -525,7 +525,8 @@ def _save(draw, path: Path, console) -> None:
     except BaseException:  # Ctrl-C mid-write: no half-written file left beside the plot
         tmp.unlink(missing_ok=True)
         raise
-    console.print(f"plot: {path}", markup=False, soft_wrap=True)  # one line to copy
+    shown = str(path).replace("\r", "\\r").replace("\n", "\\n")  # one line, to copy
+    console.print(f"plot: {shown}", markup=False, soft_wrap=True)
 
 
 def run(args: argparse.Namespace, console, out=None) -> int:
