@@ -392,6 +392,41 @@ def test_stderr_on_a_full_disk_loses_the_messages_not_the_result():
     assert json.loads(done.stdout)[0]["steps"] == 2
 
 
+def test_on_a_terminal_the_status_line_shows_and_the_run_ends():
+    # on a pty rich's status line puts a proxy in sys.stderr that prints through the console;
+    # the console writing into it looped for good (any run past the first refresh, ~80 ms:
+    # this one takes ~0.4 s), deaf to Ctrl-C, until 2026-12-07
+    import threading
+
+    master, slave = os.openpty()
+    env = os.environ | {"TERM": "xterm", "COLUMNS": "100"}
+    proc = subprocess.Popen([sys.executable, "-m", "treadle.cli", "simulate", "qwen2.5-0.5b"],
+                            stdin=slave, stdout=slave, stderr=slave, env=env)  # fmt: skip
+    os.close(slave)
+    chunks: list[bytes] = []
+
+    def drain() -> None:  # the pty's buffer is small: read it while the command writes
+        while True:
+            try:
+                data = os.read(master, 4096)
+            except OSError:  # EIO: the command is gone
+                return
+            if not data:
+                return
+            chunks.append(data)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        assert proc.wait(timeout=120) == 0
+    finally:
+        proc.kill()
+        reader.join(10)
+        os.close(master)
+    out = b"".join(chunks).decode(errors="replace")
+    assert "simulating step" in out and "steps simulated" in out
+
+
 @pytest.mark.parametrize("fd", [1, 2])
 def test_a_descriptor_closed_before_the_start_is_nothing_to_write(fd):
     # `treadle simulate ... >&-` or `2>&-`: Python's sys.stdout or sys.stderr is None (it

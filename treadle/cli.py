@@ -374,30 +374,40 @@ def _console(stderr: bool = False, **options: Any) -> Any:
 
 class _Messages:
     """stderr as a file for messages that may be lost: a write or flush that fails (no reader,
-    a full disk, a descriptor closed) points stderr at /dev/null and carries on."""
+    a full disk, a descriptor closed) points stderr at /dev/null and carries on. It writes to
+    the stream behind rich's proxy: while a status or progress display shows on a terminal,
+    rich puts a proxy printing through the console in ``sys.stderr``, and the console's own
+    writes into it would loop for good (every run longer than the display's first refresh
+    hung on a terminal, deaf to Ctrl-C, until 2026-12-07)."""
+
+    @staticmethod
+    def _stream() -> Any:
+        stream = sys.stderr
+        return getattr(stream, "rich_proxied_file", stream)
 
     @property
     def encoding(self) -> str:
-        return getattr(sys.stderr, "encoding", None) or "utf-8"
+        return getattr(self._stream(), "encoding", None) or "utf-8"
 
     def write(self, text: str) -> int:
         try:
-            sys.stderr.write(text)
+            self._stream().write(text)
         except (AttributeError, OSError):
             _to_devnull(sys.stderr)
         return len(text)
 
     def flush(self) -> None:
         try:
-            sys.stderr.flush()
+            self._stream().flush()
         except (AttributeError, OSError):
             _to_devnull(sys.stderr)
 
     def isatty(self) -> bool:
-        return bool(sys.stderr) and sys.stderr.isatty()
+        stream = self._stream()
+        return bool(stream) and stream.isatty()
 
     def fileno(self) -> int:
-        return sys.stderr.fileno()
+        return self._stream().fileno()
 
 
 def _main(argv: list[str] | None) -> int:
