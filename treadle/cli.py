@@ -47,8 +47,18 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         command = self.prog.removeprefix("treadle").strip()
-        self.exit(2, f"treadle: error: {message} (treadle {command + ' ' if command else ''}"
-                     "--help lists the options)\n")  # fmt: skip
+        self.exit(2, f"treadle: error: {_cut(message)} (treadle "
+                     f"{command + ' ' if command else ''}--help lists the options)\n")  # fmt: skip
+
+
+def _cut(text: str) -> str:
+    """``text`` as one short line: a line break written as ``\\n``, a word longer than 240
+    characters (a value pasted whole into a flag) cut to its first 160 and last 60 around an
+    ellipsis, and a line still over 1,200 characters (a long value with spaces) cut to its
+    first 600 and last 400, where the fix is."""
+    text = text.replace("\r", "\\r").replace("\n", "\\n")
+    text = re.sub(r"\S{241,}", lambda m: f"{m[0][:160]}…{m[0][-60:]}", text)
+    return text if len(text) <= 1200 else f"{text[:600]} … {text[-400:]}"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -340,12 +350,9 @@ def _stdout_failed(error: OSError) -> int:
 
 
 def _error_line(error: Exception) -> str:
-    """A refusal as the one line it is meant to be: a line break inside it (a model folder
-    whose name holds one) written as ``\\n``, and a word longer than 240 characters (a value
-    pasted whole into a flag) cut to its first 160 and last 60 around an ellipsis."""
-    text = str(error).replace("\r", "\\r").replace("\n", "\\n")
-    text = re.sub(r"\S{241,}", lambda m: f"{m[0][:160]}…{m[0][-60:]}", text)
-    return f"treadle: error: {text}"
+    """A refusal as the one line it is meant to be (:func:`_cut`: a model folder whose name
+    holds a line break, a value pasted whole into a flag)."""
+    return f"treadle: error: {_cut(str(error))}"
 
 
 def _say(message: str) -> None:

@@ -1,6 +1,7 @@
 """``treadle plan`` and ``treadle simulate`` on the command line: tables, JSON, plots and
 response lengths read from a run's buffer."""
 
+import contextlib
 import json
 import os
 import random
@@ -346,6 +347,15 @@ def test_lengths_from_a_damaged_buffer_file_is_one_line_exit_2(tmp_path, capsys)
     assert main(["simulate", "qwen2.5-0.5b", "--lengths-from", str(tmp_path)]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "cannot read" in line and "step_000001.parquet" in line
+
+
+def test_lengths_from_a_run_whose_lora_rank_outgrows_the_model_is_refused(tmp_path, capsys):
+    # the run's rank 2,048 on qwen2.5-0.5b's 896-wide model, as --lora-rank 2048 would be
+    _buffer(tmp_path, [10] * 16, 20, group_size=4)
+    (tmp_path / "config.yaml").write_text("model: {lora: {r: 2048}}\n")
+    assert main(["simulate", "qwen2.5-0.5b", "--lengths-from", str(tmp_path)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert f"--lengths-from {tmp_path}: model.lora.r 2048: more than qwen2.5-0.5b's hidden" in line
 
 
 def test_lengths_from_a_fifo_in_the_buffer_is_refused_not_read(tmp_path, capsys):
@@ -785,6 +795,14 @@ def test_a_value_pasted_whole_is_cut_in_the_one_line(capsys):
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.count("r" * 158 + "…" + "s" * 58) == 2 and len(line) < 800
     assert line.endswith("comma-separated (e.g. policy,reference,engine)")
+    # argparse's own refusal, and a value of many 200-character words: still a short line
+    for argv in (["--gpus", "a" * 100_000], ["--roles", " ".join(["x" * 200] * 500)]):
+        with pytest.raises(SystemExit) if argv[0] == "--gpus" else contextlib.nullcontext():
+            assert main(["simulate", "qwen2.5-0.5b", *argv]) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert len(line) < 1300 and line.endswith(
+            ("lists the options)", "policy,reference,engine)")
+        )
 
 
 TWO_LAYER_MOE = {"num_attention_heads": 32, "hidden_size": 4096, "num_hidden_layers": 2,

@@ -539,14 +539,15 @@ def run(args: argparse.Namespace, console, out=None) -> int:
     run, from_run, source = _roles_and_forwards(args)
     roles = run.roles
     shape, g = resolve(args.model), gpu(args.gpu.lower())
-    if args.lora_rank is not None and args.lora_rank > shape.hidden:
+    work = _workload(args, roles, run)
+    if work.lora_rank > shape.hidden:
         # an adapter pair on a hidden x hidden matrix: r x 2 x hidden parameters, the matrix's
         # own count at r = hidden / 2, and no rank above the width adds expressiveness
-        raise UserError(f"--lora-rank {args.lora_rank}: more than {shape.name}'s hidden size, "
-                        f"{shape.hidden}; its adapters would outgrow the weights they adapt: use "
-                        f"a rank up to {shape.hidden} (8-256 is usual), or --lora-rank 0 to "
-                        "train every weight")  # fmt: skip
-    work = _workload(args, roles, run)
+        given = (f"--lora-rank {work.lora_rank}" if args.lora_rank is not None else
+                 f"--lengths-from {args.lengths_from}: model.lora.r {work.lora_rank}")  # fmt: skip
+        raise UserError(f"{given}: more than {shape.name}'s hidden size, {shape.hidden}; its "
+                        "adapters would outgrow the weights they adapt: use --lora-rank up to "
+                        f"{shape.hidden} (8-256 is usual), or 0 to train every weight")  # fmt: skip
     # where the roles came from, once the input is known good (no note above a refusal)
     note = _role_note(source, run, from_run, work, args) if source else ""
     if args.command == "plan":

@@ -409,12 +409,12 @@ def train_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, lengths: lis
     micro = max(1, math.ceil(units / ranks))  # the busiest rank's micro-batches set the pace
     bubble = (micro + pp - 1) / micro
     compute = flops / (busy * gpu.bf16_tflops * 1e12 * mfu) * bubble
-    comms = (ulysses_s(shape, gpu, gpus, work, tokens, tp, sp)
-             + train_tp_s(shape, gpu, gpus, work, tokens, tp)
-             + expert_alltoall_s(shape, gpu, gpus, work, tokens, replica,
+    # the collectives of the ranks at work (the experts spread over them where no ep is given)
+    comms = (ulysses_s(shape, gpu, busy, work, tokens, tp, sp)
+             + train_tp_s(shape, gpu, busy, work, tokens, tp)
+             + expert_alltoall_s(shape, gpu, busy, work, tokens, replica,
                                  tp * sp, ep))  # fmt: skip
-    # each term is a GPU's share of tokens / gpus: the ranks at work carry tokens / busy
-    return compute + comms * gpus / busy + e.train_overhead_s
+    return compute + comms + e.train_overhead_s
 
 
 def train_tp_s(shape: ModelShape, gpu: Gpu, gpus: int, work: Workload, tokens: float,
