@@ -381,11 +381,9 @@ def _console(stderr: bool = False, **options: Any) -> Any:
 
 class _Messages:
     """stderr as a file for messages that may be lost: a write or flush that fails (no reader,
-    a full disk, a descriptor closed) points stderr at /dev/null and carries on. It writes to
-    the stream behind rich's proxy: while a status or progress display shows on a terminal,
-    rich puts a proxy printing through the console in ``sys.stderr``, and the console's own
-    writes into it would loop for good (every run longer than the display's first refresh
-    hung on a terminal, deaf to Ctrl-C, until 2026-12-07)."""
+    a full disk, a descriptor closed) points stderr at /dev/null and carries on. It writes
+    behind rich's proxy, which a status display on a terminal puts in ``sys.stderr`` and which
+    prints through the console: writing into it looped for good (until 2026-12-07)."""
 
     @staticmethod
     def _stream() -> Any:

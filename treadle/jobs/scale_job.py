@@ -529,6 +529,18 @@ def _save(draw, path: Path, console) -> None:
     console.print(f"plot: {shown}", markup=False, soft_wrap=True)
 
 
+def _check_lora_rank(args: argparse.Namespace, shape: ModelShape, rank: int) -> None:
+    """Raises UserError for a LoRA rank (``--lora-rank``, or the run's) above ``shape``'s
+    width: an adapter pair on a hidden x hidden matrix holds r x 2 x hidden parameters, the
+    matrix's own count at r = hidden / 2, and no rank above the width adds expressiveness."""
+    if rank > shape.hidden:
+        given = (f"--lora-rank {rank}" if args.lora_rank is not None else
+                 f"--lengths-from {args.lengths_from}: model.lora.r {rank}")  # fmt: skip
+        raise UserError(f"{given}: more than {shape.name}'s hidden size, {shape.hidden}; its "
+                        "adapters would outgrow the weights they adapt: use --lora-rank up to "
+                        f"{shape.hidden} (8-256 is usual), or 0 to train every weight")  # fmt: skip
+
+
 def run(args: argparse.Namespace, console, out=None) -> int:
     """Answer ``treadle plan`` or ``treadle simulate``: tables on ``out`` (stdout by default) or
     JSON on stdout, messages on ``console`` (stderr). Raises UserError on bad input."""
@@ -540,14 +552,7 @@ def run(args: argparse.Namespace, console, out=None) -> int:
     roles = run.roles
     shape, g = resolve(args.model), gpu(args.gpu.lower())
     work = _workload(args, roles, run)
-    if work.lora_rank > shape.hidden:
-        # an adapter pair on a hidden x hidden matrix: r x 2 x hidden parameters, the matrix's
-        # own count at r = hidden / 2, and no rank above the width adds expressiveness
-        given = (f"--lora-rank {work.lora_rank}" if args.lora_rank is not None else
-                 f"--lengths-from {args.lengths_from}: model.lora.r {work.lora_rank}")  # fmt: skip
-        raise UserError(f"{given}: more than {shape.name}'s hidden size, {shape.hidden}; its "
-                        "adapters would outgrow the weights they adapt: use --lora-rank up to "
-                        f"{shape.hidden} (8-256 is usual), or 0 to train every weight")  # fmt: skip
+    _check_lora_rank(args, shape, work.lora_rank)
     # where the roles came from, once the input is known good (no note above a refusal)
     note = _role_note(source, run, from_run, work, args) if source else ""
     if args.command == "plan":

@@ -500,8 +500,7 @@ def _what_fits(q: Question, setup: Setup, kind: str) -> str:
     if q.checkpointing != "full" and as_given(replace(q, recompute="full")):
         fixes.append("--recompute full")
     text = (f"{fixes[0]} fits" + "".join(f", or {f}" for f in fixes[1:]) if fixes else
-            "`treadle plan` with this model, its workload options and --gpus N lists the "
-            "placements that fit")  # fmt: skip
+            "`treadle plan` with this model, options and --gpus N lists what fits")  # fmt: skip
     if q.work.pack_tokens and "--offload" not in fixes:
         text += ", or pack fewer tokens a micro-batch (--pack-tokens)"
     return text
