@@ -52,12 +52,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _cut(text: str) -> str:
-    """``text`` as one short line: a line break written as ``\\n``, a word longer than 240
+    """``text`` as one short line (:func:`~treadle.core.errors.one_line`), a word longer than 240
     characters (a value pasted whole into a flag) cut to its first 160 and last 60 around an
     ellipsis, and a line still over 1,200 characters (a long value with spaces) cut to its
     first 600 and last 400, where the fix is."""
-    text = text.replace("\r", "\\r").replace("\n", "\\n")
-    text = re.sub(r"\S{241,}", lambda m: f"{m[0][:160]}…{m[0][-60:]}", text)
+    from treadle.core.errors import one_line
+
+    text = re.sub(r"\S{241,}", lambda m: f"{m[0][:160]}…{m[0][-60:]}", one_line(text))
     return text if len(text) <= 1200 else f"{text[:600]} … {text[-400:]}"
 
 
@@ -272,12 +273,12 @@ def main(argv: list[str] | None = None) -> int:
 
     0 on success, 2 on a :class:`~treadle.core.errors.UserError` (printed to stderr), 143 on
     SIGTERM, 130 on SIGINT (Ctrl-C) and 129 on SIGHUP: a run stops after its step,
-    checkpointed. When the
-    reader of stdout goes away (``treadle config | head -1``) the output is dropped, quietly:
-    a command printing through rich carries on to its own status (a training run is not cut
-    short by a closed pager), one printing plain text (``--json``, ``--help``) ends with 0; a
-    stderr without a reader loses its messages, not the status. 2, with one line on stderr,
-    when stdout cannot be written (a full disk). ``argv`` defaults to ``sys.argv[1:]``.
+    checkpointed. When the reader of stdout goes away (``treadle config | head -1``) the output
+    is dropped, quietly: a command printing through rich carries on to its own status (a
+    training run is not cut short by a closed pager), one printing plain text (``--json``,
+    ``--help``) ends with 0; a stderr without a reader loses its messages, not the status. 2,
+    with one line on stderr, when stdout cannot be written (a full disk) or is closed (plan and
+    simulate, whose output is their answer). ``argv`` defaults to ``sys.argv[1:]``.
     """
     try:
         status = _main(argv)

@@ -719,8 +719,8 @@ def test_expert_parallel_1_on_a_dense_model_is_no_expert_parallelism(capsys):
             ["plan", "qwen3-30b-a3b", "--gpus", "1032", "--tp", "4", "--pp", "3", "--ep", "128"],
             "divides: it fits 1,536 GPUs, or use --ep 2 on these",
         ),
-        # qwen2.5-0.5b is 896 wide: rank 4,096 adapters would hold 1.47 GiB a GPU against its
-        # 0.54 GiB of weights
+        # qwen2.5-0.5b is 896 wide: a rank-4,096 pair on a 896 x 896 matrix holds 4,096 x 2 x
+        # 896 = 7.3M parameters, 9.1x the matrix's 0.8M
         (
             ["simulate", "qwen2.5-0.5b", "--lora-rank", "4096"],
             "--lora-rank 4096: more than qwen2.5-0.5b's hidden size, 896; its adapters",

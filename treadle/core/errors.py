@@ -9,6 +9,12 @@ class UserError(Exception):
     """Bad input from the user: the message names the input and the fix."""
 
 
+def one_line(text: str) -> str:
+    """``text`` with its line breaks written ``\\n`` and ``\\r``: a message meant as one line
+    (a refusal, a path said to copy) stays one, whatever name it quotes."""
+    return text.replace("\r", "\\r").replace("\n", "\\n")
+
+
 class StaleWeightsError(RuntimeError):
     """An engine serves weights other than the trainer's current ones (a weight sync was skipped
     or failed): training on its completions would silently mix policies."""

@@ -12,7 +12,7 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from treadle.core.errors import UserError
+from treadle.core.errors import UserError, one_line
 from treadle.jobs.scale_output import placement_row, print_plan, print_result, progress, result_row
 from treadle.jobs.scale_runs import RunRoles, run_lengths, run_roles
 from treadle.scale.checks import MAX_LORA_RANK, MAX_SPEC_TOKENS, check
@@ -525,8 +525,7 @@ def _save(draw, path: Path, console) -> None:
     except BaseException:  # Ctrl-C mid-write: no half-written file left beside the plot
         tmp.unlink(missing_ok=True)
         raise
-    shown = str(path).replace("\r", "\\r").replace("\n", "\\n")  # one line, to copy
-    console.print(f"plot: {shown}", markup=False, soft_wrap=True)
+    console.print(f"plot: {one_line(str(path))}", markup=False, soft_wrap=True)  # to copy
 
 
 def _check_lora_rank(args: argparse.Namespace, shape: ModelShape, rank: int) -> None:
