@@ -102,7 +102,7 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument(
         "--overwrite", action="store_true", help="replace an existing output folder"
     )
-    from treadle.jobs.scale_job import add_arguments
+    from treadle.jobs.scale_args import add_arguments
 
     for command in ("plan", "simulate"):
         add_arguments(sub.add_parser(command, **_about(command)), command)
