@@ -383,6 +383,8 @@ def test_expert_parallel_1_on_a_dense_model_is_no_expert_parallelism(capsys):
         (["simulate", "qwen2.5-0.5b", "--prompts", "0"], "--prompts 0 x --samples 8"),
         (["simulate", "qwen2.5-0.5b", "--max-response", "0"], "at least 1 token"),
         (["simulate", "qwen2.5-0.5b", "--mean-response", "nan"], "--mean-response nan"),
+        # Python's float() spelling "infinity" reaches the same check as "inf"
+        (["simulate", "qwen2.5-0.5b", "--mean-response", "infinity"], "--mean-response inf must"),
         (["simulate", "qwen2.5-0.5b", "--mean-response", "5000"], "at most --max-response 4096"),
         (
             [

@@ -15,7 +15,9 @@ from treadle.scale.simulate import AUTO_TOLERANCE, MAX_STEPS
 MAX_PACK_TOKENS = 2**24
 """Largest ``--pack-tokens``: a micro-batch of 16.8M tokens."""
 _INT = re.compile(r"[+-]?[0-9]+")
-_FLOAT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?|[+-]?(inf|nan)", re.I)
+_FLOAT = re.compile(
+    r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?|[+-]?(inf(inity)?|nan)", re.I
+)
 
 
 def _int(text: str) -> int:
