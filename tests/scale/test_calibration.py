@@ -271,7 +271,7 @@ MISSED = {
             "NeMo-RL DeepSeek-V3 one-step off-policy 256:256, in-flight updates",
         ),
         "-25/-35/-42%: with NeMo-RL's measured refits, its three rows solve to about 41 s of "
-        "generation and 42 s of training on 256 GPUs a step, where the model gives 17.7-22.6 "
+        "generation and 42 s of training on 256 GPUs a step, where the model gives 17.7-22.4 "
         "and 17.7 s: DeepSeek-V3's MoE kernels at these batches are slower than their bytes "
         "and FLOPs (SCALE.md)",
     ),

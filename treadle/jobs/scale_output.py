@@ -145,6 +145,10 @@ def print_plan(console, placements: list[Placement], memory_gib: float) -> None:
     for b in placements[0].memory:
         roles.add_row(b.role, *(f"{v:.2f}" for v in _gib(b).values()))
     console.print(roles)
+    if len(placements[0].memory) > 1:
+        console.print("each role at its own peak: the roles that share a GPU peak at "
+                      "different\n  times, so a GPU's peak is GiB t/e above, not the sum",
+                      markup=False)  # fmt: skip
 
 
 def print_result(console, r: Result) -> None:
