@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from treadle.core.errors import UserError
 from treadle.scale.costs import SYNC_METHODS, Setup, Workload, kv_capacity
 from treadle.scale.shapes import ModelShape
+from treadle.scale.values import choice, kind, number
 
 MAX_STALENESS = 64
 """Largest eta :func:`check` takes: the simulation's queue holds ``eta + steps`` batches of
@@ -21,12 +23,15 @@ MAX_LORA_RANK = 4096
 """Largest LoRA rank :func:`check` takes (a rank near the model's width is no longer low)."""
 MAX_BATCH = 65536
 """Most samples per step :func:`check` takes, for the same reason as :data:`MAX_STALENESS`."""
+MAX_TOKENS = 2**24
+"""Most tokens of a packed micro-batch (16.8M)."""
 
 
 def check(shape: ModelShape, work: Workload, setup: Setup) -> None:
     """Raises UserError, naming the option to change, for a setup that cannot run (the work's
     own errors first, :func:`check_work`)."""
     check_work(work)
+    _check_setup_kinds(setup)
     if work.greedy_baseline and (setup.mode != "sync" or setup.oversample):
         raise UserError(
             "ReMax's greedy baseline (--greedy-baseline, or a run's algorithm.advantage=remax): "
@@ -70,6 +75,7 @@ def check(shape: ModelShape, work: Workload, setup: Setup) -> None:
             raise UserError(f"{flag} applies to --mode async (one_step and sync drain instead)")
     if setup.mode == "async" and setup.staleness <= 0 and setup.partial:
         raise UserError("--partial needs --staleness above 0 (eta = 0 is synchronous)")
+    _check_setup_ranges(setup)
     _check_kv_cache(shape, work, setup)
 
 
@@ -169,6 +175,7 @@ def _check_training(shape: ModelShape, work: Workload, setup: Setup) -> None:
 def check_work(work: Workload) -> None:
     """Raises UserError, naming the option to change, for a step's work that cannot run,
     wherever it is placed (``treadle plan`` checks it with no engine role too)."""
+    _check_work_kinds(work)
     if work.prompts < 1 or work.samples_per_prompt < 1 or work.batch > MAX_BATCH:
         raise UserError(
             f"--prompts {work.prompts} x --samples {work.samples_per_prompt}: both must be at "
@@ -197,6 +204,7 @@ def check_work(work: Workload) -> None:
     if work.lora_sync == "adapter" and not work.lora_rank:
         raise UserError("--lora-sync adapter sends LoRA adapters: give their rank, --lora-rank R "
                         "(treadle's model.lora.r), or drop --lora-sync")  # fmt: skip
+    _check_work_ranges(work)
 
 
 def engine_tp_splits_kv(shape: ModelShape, tp: int) -> bool:
@@ -270,3 +278,64 @@ def _check_kv_cache(shape: ModelShape, work: Workload, setup: Setup) -> None:
             f"{weights:.1f} GiB of weights per GPU, fewer than one prompt + longest response "
             f"({longest:,}{f' + {verified} verified' if verified else ''}): {more}"
         )
+
+
+_WORK_COUNTS = (
+    ("prompts", "--prompts", 1, MAX_BATCH), ("samples_per_prompt", "--samples", 1, MAX_BATCH),
+    ("prompt_tokens", "--prompt-tokens", 1, math.inf),
+    ("extra_forwards", "--extra-forwards", 0, 8), ("minibatches", "--minibatches", 1, 4096),
+    ("pack_tokens", "--pack-tokens", 0, MAX_TOKENS), ("lora_rank", "--lora-rank", 0, MAX_LORA_RANK),
+)  # fmt: skip
+"""A ``Workload``'s counts: field, option, least and most."""
+_SETUP_COUNTS = (
+    ("rollout_gpus", "--rollout-gpus", 1), ("train_gpus", "--gpus", 1),
+    ("engine_tp", "--engine-tp", 1), ("train_tp", "--train-tp", 1), ("train_pp", "--train-pp", 1),
+    ("train_sp", "--train-sp", 1), ("train_ep", "--train-ep", 0),
+    ("updates_per_sync", "--updates-per-sync", 1), ("spec_tokens", "--spec-tokens", 0),
+)  # fmt: skip
+"""A ``Setup``'s counts: field, option and least (the most: 2**20)."""
+
+
+def _check_work_kinds(work: Workload) -> None:
+    """``work``'s fields of the right kind (a ``Workload`` built in Python: the CLI's parsers
+    give no other): counts are integers, the rest numbers, names and flags their choices."""
+    for field, option, _, _ in _WORK_COUNTS:
+        kind(f"Workload.{field} ({option})", getattr(work, field), integer=True)
+    kind("Workload.reward_s (--reward-seconds)", work.reward_s)
+    choice("Workload.recompute (--recompute)", work.recompute, ("none", "selective", "full"))
+    choice("Workload.lora_sync (--lora-sync)", work.lora_sync, ("merged", "adapter"))
+    for field in ("critic", "greedy_baseline"):
+        choice(f"Workload.{field}", getattr(work, field), (False, True))
+    kind("Lengths.max (--max-response)", work.lengths.max, integer=True)
+    kind("Lengths.mean (--mean-response)", work.lengths.mean)
+    kind("Lengths.sigma (--length-sigma)", work.lengths.sigma)
+
+
+def _check_work_ranges(work: Workload) -> None:
+    """``work``'s fields in the ranges their options take, after :func:`check_work`'s own
+    checks (which name the options as the CLI gives them): those the CLI bounds before."""
+    for field, option, low, high in _WORK_COUNTS:
+        number(f"Workload.{field} ({option})", getattr(work, field), low, high, integer=True)
+    number("Workload.reward_s (--reward-seconds)", work.reward_s, 0, 3600)
+    number("Lengths.max (--max-response)", work.lengths.max, 1, integer=True)
+    number("Lengths.sigma (--length-sigma)", work.lengths.sigma, 0, 3)
+
+
+def _check_setup_kinds(setup: Setup) -> None:
+    """``setup``'s fields of the right kind (as :func:`_check_work_kinds`)."""
+    for field, option, _ in _SETUP_COUNTS:
+        kind(f"Setup.{field} ({option})", getattr(setup, field), integer=True)
+    choice("Setup.mode (--mode)", setup.mode, ("sync", "one_step", "async"))
+    for field in ("staleness", "oversample", "spec_accept"):
+        kind(f"Setup.{field} (--{field.replace('_', '-')})", getattr(setup, field))
+    for field in ("colocated", "partial", "drop_stale", "offload"):
+        choice(f"Setup.{field}", getattr(setup, field), (False, True))
+
+
+def _check_setup_ranges(setup: Setup) -> None:
+    """``setup``'s fields in the ranges their options take, after :func:`check`'s own."""
+    for field, option, low in _SETUP_COUNTS:
+        number(f"Setup.{field} ({option})", getattr(setup, field), low, 2**20, integer=True)
+    number("Setup.oversample (--oversample)", setup.oversample, 0, 4)
+    if setup.offload_bytes is not None:
+        number("Setup.offload_bytes", setup.offload_bytes, 0, 1e18)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from treadle.core.errors import UserError
+from treadle.scale.values import number
 
 GB = 1e9
 GIB = 2**30
@@ -59,6 +60,20 @@ class Efficiency:
     pcie_gbps: float = 25.0
     """Host <-> GPU copies, GB/s (offloading in a colocated placement)."""
 
+    def __post_init__(self) -> None:
+        """Raises UserError naming a field out of its range: fractions of a datasheet figure
+        above 0 (the FLOPs utilisations folded into calibrated rates may exceed 1: see
+        :mod:`.calibrate`), latencies of 0..3,600 s, a batch of at least one request."""
+        for name in ("train_mfu", "decode_bandwidth", "kv_memory_fraction", "interconnect"):
+            number(f"Efficiency.{name}", getattr(self, name), 0, 1, above=True)
+        for name in ("prefill_mfu", "decode_mfu", "pcie_gbps"):
+            number(f"Efficiency.{name}", getattr(self, name), 0, above=True)
+        for name in ("layer_latency_s", "step_floor_s", "token_overhead_s", "train_overhead_s",
+                     "sync_overhead_s", "network_hop_s"):  # fmt: skip
+            number(f"Efficiency.{name}", getattr(self, name), 0, 3600)
+        number("Efficiency.train_half_tokens", self.train_half_tokens, 0, 1e12)
+        number("Efficiency.max_batch", self.max_batch, 1, 2**20, integer=True)
+
 
 @dataclass(frozen=True)
 class Gpu:
@@ -75,6 +90,13 @@ class Gpu:
     """Inter-node bandwidth per GPU (InfiniBand / RoCE), one direction."""
     per_node: int = 8
     efficiency: Efficiency = Efficiency()
+
+    def __post_init__(self) -> None:
+        """Raises UserError naming a size or rate that is not a positive finite number, or a
+        node of no GPUs."""
+        for name in ("memory_gib", "bf16_tflops", "hbm_tbps", "nvlink_gbps", "network_gbps"):
+            number(f"Gpu {self.name}: {name}", getattr(self, name), 0, above=True)
+        number(f"Gpu {self.name}: per_node", self.per_node, 1, 1024, integer=True)
 
     @property
     def memory_bytes(self) -> float:

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from treadle.core.errors import UserError
 from treadle.scale.hardware import GIB, Gpu
 from treadle.scale.shapes import ModelShape
+from treadle.scale.values import choice, number
 
 Recompute = Literal["none", "selective", "full"]
 Convention = Literal["mixed", "fsdp"]
@@ -103,6 +104,13 @@ def check_layout(shape: ModelShape, layout: Layout, names: Mapping[str, str] | N
     """Raises UserError for a layout the model cannot take, naming the ones it can (on
     ``gpus``, where given) by the options ``names`` gives for "tp", "sp" and "pp" (default
     ``--tp``, ``--sp``, ``--pp``)."""
+    for name in ("dp", "tp", "pp", "sp", "ep"):
+        number(f"Layout.{name}", getattr(layout, name), 1, 2**20, integer=True)
+    number("Layout.zero", layout.zero, 0, 3, integer=True)
+    choice("Layout.convention", layout.convention, get_args(Convention))
+    if layout.dp % layout.ep:
+        raise UserError(f"expert parallel {layout.ep} does not divide the {layout.dp} "
+                        "data-parallel ranks (Megatron shards the experts over them)")  # fmt: skip
     names = {n: f"--{n}" for n in ("tp", "sp", "pp")} | dict(names or {})
     if layout.tp < 1 or shape.heads % layout.tp:
         fits = [t for t in range(1, 129) if shape.heads % t == 0

@@ -15,9 +15,10 @@ import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
+from typing import get_args
 
 from treadle.core.errors import UserError
-from treadle.scale.checks import check_work, engine_tp_splits_kv
+from treadle.scale.checks import check, check_work, engine_tp_splits_kv
 from treadle.scale.hardware import GIB, Gpu
 from treadle.scale.memory import (
     Breakdown,
@@ -32,6 +33,7 @@ from treadle.scale.memory import (
 )
 from treadle.scale.shapes import ModelShape
 from treadle.scale.simulate import Lengths, Result, Setup, Workload, simulate
+from treadle.scale.values import choice, number
 
 ROLES = ("policy", "reference", "critic", "reward", "engine")
 DEFAULT_ROLES = ("policy", "reference", "engine")
@@ -80,6 +82,24 @@ class Question:
     offload: bool = False
     """Colocated: the trainer's resident states go to host memory while the engine generates
     (``Setup.offload``), so the engine has the GPUs to itself."""
+
+    def __post_init__(self) -> None:
+        """Raises UserError naming a field of the wrong kind or range (a ``Question`` built in
+        Python; the CLI checks its options first): the roles, a policy among them, each once."""
+        number("Question.gpus (--gpus)", self.gpus, 1, MAX_GPUS, integer=True)
+        number("Question.micro_batch (--micro-batch)", self.micro_batch, 0, 4096, above=True)
+        for name in ("tp", "pp", "sp", "ep"):
+            if getattr(self, name) is not None:
+                number(f"Question.{name} (--{name})", getattr(self, name), 1, MAX_GPUS,
+                       integer=True)  # fmt: skip
+        number("Question.zero", self.zero, 0, 3, integer=True)
+        choice("Question.offload (--offload)", self.offload, (False, True))
+        if self.recompute is not None:
+            choice("Question.recompute (--recompute)", self.recompute, get_args(Recompute))
+        roles = tuple(self.roles)
+        if "policy" not in roles or len(set(roles)) < len(roles) or set(roles) - set(ROLES):
+            raise UserError(f"Question.roles {roles!r} (--roles): each of {', '.join(ROLES)} "
+                            "at most once, a policy among them")  # fmt: skip
 
     @property
     def checkpointing(self) -> Recompute:
@@ -438,6 +458,7 @@ def check_fits(q: Question, setup: Setup) -> Placement:
             --recompute full would fit them as given), or a colocated engine's KV
             cache beside the trainer's states holds less than one sequence.
     """
+    check(q.shape, q.work, setup)
     kind = "colocated" if setup.colocated else "disaggregated"
     p = _measured(q, kind, setup.rollout_gpus, setup.train_gpus, setup.train_tp, setup.train_pp,
                   setup.engine_tp, setup.train_sp, setup.train_ep)  # fmt: skip

@@ -12,6 +12,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from treadle.core.errors import UserError
+from treadle.scale.values import number
+
+MAX_SIZE = 2**20
+"""The largest count or width a shape (or its config.json) may give (1,048,576: every
+released model's sizes are below it, and the arithmetic stays in floating point's range)."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,25 @@ class ModelShape:
     kv_lora_rank: int = 0
     rope_head_dim: int = 0
     v_head_dim: int = 0
+
+    def __post_init__(self) -> None:
+        """Raises UserError naming a size that is not a whole count in range (a shape built in
+        Python; :func:`from_hf_config` names config.json's keys instead): the widths and counts
+        1..:data:`MAX_SIZE`, the KV heads a divisor of the heads (unless MLA, whose KV heads
+        are the heads), the active experts 1..experts, the dense layers 0..layers."""
+        for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab"):
+            number(f"{self.name}: {name}", getattr(self, name), 1, MAX_SIZE, integer=True)
+        for name in ("experts", "shared_experts", "expert_intermediate", "q_lora_rank",
+                     "kv_lora_rank", "rope_head_dim", "v_head_dim"):  # fmt: skip
+            number(f"{self.name}: {name}", getattr(self, name), 0, MAX_SIZE, integer=True)
+        if not self.mla and self.heads % self.kv_heads:
+            raise UserError(f"{self.name}: kv_heads {self.kv_heads} must divide heads {self.heads}")
+        if self.experts:
+            number(f"{self.name}: experts_active", self.experts_active, 1, self.experts,
+                   integer=True)  # fmt: skip
+            number(f"{self.name}: expert_intermediate", self.expert_intermediate, 1, MAX_SIZE,
+                   integer=True)  # fmt: skip
+        number(f"{self.name}: dense_layers", self.dense_layers, 0, self.layers, integer=True)
 
     @property
     def mla(self) -> bool:
@@ -178,9 +202,6 @@ NAMED: dict[str, ModelShape] = {
 """Named shapes, from each model's published ``config.json``."""
 
 
-MAX_SIZE = 2**20
-"""The largest count or width a config.json may give (1,048,576: every released model's
-sizes are below it, and the arithmetic stays in floating point's range)."""
 POSITIVE = ("num_attention_heads", "hidden_size", "num_hidden_layers", "intermediate_size",
             "vocab_size")  # fmt: skip
 """The config.json keys every shape needs, each a positive integer."""
