@@ -200,14 +200,20 @@ class _Simulation:
         heapq.heappush(self.events, (time, self.order, kind, payload))
 
     def run(self) -> None:
-        """Process events until ``steps`` steps have ended (the last one's sync included);
-        called again after ``steps`` grew, it goes on from where it stopped."""
+        """Process events until ``steps`` steps have ended (the last one's sync included), and
+        then those before that end: a step's end is known when its sync starts, and the
+        engines' work during the sync belongs to the step (its busy fractions); called again
+        after ``steps`` grew, it goes on from where it stopped."""
         if not self.order:  # the first call: every engine looks at the queue at time 0
             for engine in self.engines:
                 self.push(0.0, "wake", engine)
         while len(self.step_ends) < self.steps:
             if not self.events:
                 raise RuntimeError("simulation stalled: no event left")  # a bug, not input
+            time, _, kind, payload = heapq.heappop(self.events)
+            getattr(self, f"on_{kind}")(time, payload)
+        end = self.step_ends[self.steps - 1]
+        while self.events and self.events[0][0] < end and len(self.step_ends) == self.steps:
             time, _, kind, payload = heapq.heappop(self.events)
             getattr(self, f"on_{kind}")(time, payload)
 
