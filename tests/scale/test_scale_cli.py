@@ -949,7 +949,7 @@ def test_a_sigterm_while_the_plot_is_written_leaves_no_file(tmp_path, capsys, mo
 
     from treadle.scale import plots
 
-    def timeline(result, path):
+    def timeline(result, path, title=""):
         with open(path, "wb") as f:
             f.write(b"\x89PNG half")
         os.kill(os.getpid(), signal.SIGTERM)  # its handler raises here, mid-write
@@ -963,6 +963,29 @@ def test_a_sigterm_while_the_plot_is_written_leaves_no_file(tmp_path, capsys, mo
                                        "half-written\n")  # fmt: skip
     assert list(tmp_path.iterdir()) == []
     assert signal.getsignal(signal.SIGTERM) == before  # the handler put back
+
+
+def test_the_timeline_is_titled_with_its_model_gpus_placement_and_mode(tmp_path, monkeypatch):
+    # a plot seen apart from its command says which setting it draws (before: the step time
+    # and staleness alone)
+    from treadle.scale import plots
+
+    titles = []
+
+    def timeline(result, path, title=""):
+        titles.append(title)
+        path.write_bytes(b"\x89PNG")
+        return path
+
+    monkeypatch.setattr(plots, "timeline", timeline)
+    plot = ["--plot", str(tmp_path / "t.png")]
+    small = ["simulate", "qwen2.5-0.5b", "--gpus", "2", "--prompts", "8", "--steps", "2"]
+    assert main([*small, "--rollout-gpus", "1", "--mode", "async", "--partial", *plot]) == 0
+    assert main([*small, *plot]) == 0
+    assert [t.split(": step ")[0] for t in titles] == [
+        "qwen2.5-0.5b on 2 x h100, 1:1 engine:training GPUs, async eta 1",
+        "qwen2.5-0.5b on 2 x h100, colocated, sync",
+    ]
 
 
 def test_a_plot_another_user_owns_in_a_sticky_folder_is_refused_first(tmp_path, capsys,

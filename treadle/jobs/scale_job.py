@@ -366,7 +366,12 @@ def run(args: argparse.Namespace, console, out=None) -> int:
     if args.plot:
         from treadle.scale.plots import timeline
 
-        _save(lambda p: timeline(r, p), Path(args.plot), console)
+        where = ("colocated" if setup.colocated
+                 else f"{setup.rollout_gpus}:{setup.train_gpus} engine:training GPUs")  # fmt: skip
+        mode = f"async eta {setup.eta:g}" if setup.mode == "async" else setup.mode
+        title = (f"{shape.name} on {args.gpus} x {g.name}, {where}, {mode}: step "
+                 f"{r.step_s:.1f} s, staleness mean {r.staleness_mean:.2f}")  # fmt: skip
+        _save(lambda p: timeline(r, p, title), Path(args.plot), console)
     row = result_row(r)
     if args.json:
         print(json.dumps([row], indent=1))

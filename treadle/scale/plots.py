@@ -61,7 +61,7 @@ def timeline(result: Result, path: Path, title: str = "") -> Path:
         frameon=False,
     )  # above the lanes, clear of the bars
     ax.set_title(_plain(title) or f"step {result.step_s:.1f} s, staleness mean "
-                 f"{result.staleness_mean:.2f}", loc="left")  # fmt: skip
+                 f"{result.staleness_mean:.2f}", loc="left", pad=16)  # fmt: skip  # over the legend
     return _write(fig, path)
 
 
