@@ -51,7 +51,9 @@ def timeline(result: Result, path: Path, title: str = "") -> Path:
     ax.legend(
         handles,
         [
-            *COLORS,
+            "decode",
+            "train",
+            "sync (+ KV recompute)",  # an engine's sync bar holds its running requests' prefill
             f"step {first}, averaged" if first == last else f"steps {first}-{last}, averaged",
         ],
         loc="lower right",
@@ -61,7 +63,7 @@ def timeline(result: Result, path: Path, title: str = "") -> Path:
         frameon=False,
     )  # above the lanes, clear of the bars
     ax.set_title(_plain(title) or f"step {result.step_s:.1f} s, staleness mean "
-                 f"{result.staleness_mean:.2f}", loc="left", pad=16)  # fmt: skip  # over the legend
+                 f"{result.staleness_mean:.2f}", loc="left", pad=20)  # fmt: skip  # over the legend
     return _write(fig, path)
 
 
