@@ -42,6 +42,8 @@ ASYNC = Setup(H100, 2, 2, mode="async", staleness=1, partial=True)
             replace(COLOCATED, offload=True, offload_bytes=-1e12),
             "Setup.offload_bytes -1000000000000.0: must",
         ),
+        # an int past a float's range: OverflowError from the messages' own formatting before
+        (WORK, replace(ASYNC, staleness=10**400), "Setup.staleness (--staleness) 1000"),
         (WORK, replace(ASYNC, oversample=-0.5), "Setup.oversample (--oversample) -0.5: must"),
         (WORK, replace(ASYNC, oversample=math.nan), "Setup.oversample (--oversample) nan"),
         (WORK, replace(ASYNC, mode="bogus"), "Setup.mode (--mode) 'bogus': must be one of"),

@@ -326,8 +326,9 @@ def _check_setup_kinds(setup: Setup) -> None:
     for field, option, _ in _SETUP_COUNTS:
         kind(f"Setup.{field} ({option})", getattr(setup, field), integer=True)
     choice("Setup.mode (--mode)", setup.mode, ("sync", "one_step", "async"))
-    for field in ("staleness", "oversample", "spec_accept"):
-        kind(f"Setup.{field} (--{field.replace('_', '-')})", getattr(setup, field))
+    for field in ("staleness", "oversample", "spec_accept", "sync_seconds", "offload_bytes"):
+        if getattr(setup, field) is not None:
+            kind(f"Setup.{field} (--{field.replace('_', '-')})", getattr(setup, field))
     for field in ("colocated", "partial", "drop_stale", "offload"):
         choice(f"Setup.{field}", getattr(setup, field), (False, True))
 

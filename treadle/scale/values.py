@@ -32,7 +32,8 @@ def number(label: str, value: object, low: float, high: float = math.inf, *,
     NaN fails every range; an infinity fails any finite ``high``, and ``high`` infinite still
     refuses it (no count or time is infinite)."""
     kind = isinstance(value, int) if integer else isinstance(value, (int, float))
-    ok = kind and not isinstance(value, bool) and math.isfinite(value)
+    # an int is finite however large (math.isfinite cannot take one past a float's range)
+    ok = kind and not isinstance(value, bool) and (isinstance(value, int) or math.isfinite(value))
     if ok and (low < value if above else low <= value) and value <= high:
         return
     what = "an integer" if integer else "a finite number"
@@ -50,6 +51,8 @@ def kind(label: str, value: object, *, integer: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
         raise UserError(f"{label} {_shown(value)}: must be "
                         f"{'an integer' if integer else 'a number'}")  # fmt: skip
+    if not integer and isinstance(value, int) and abs(value) > 1e300:  # past a float's range
+        raise UserError(f"{label} {_shown(value)}: must be a number below 1e300")
 
 
 def choice(label: str, value: object, choices: Iterable[object]) -> None:
