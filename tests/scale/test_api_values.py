@@ -10,7 +10,7 @@ import pytest
 
 from treadle.core.errors import UserError
 from treadle.scale.hardware import gpu
-from treadle.scale.memory import Layout, trainer
+from treadle.scale.memory import Layout, engine, trainer
 from treadle.scale.plan import Question, check_fits, fitting
 from treadle.scale.shapes import NAMED
 from treadle.scale.simulate import Lengths, Setup, Workload, simulate
@@ -40,7 +40,7 @@ ASYNC = Setup(H100, 2, 2, mode="async", staleness=1, partial=True)
         (
             WORK,
             replace(COLOCATED, offload=True, offload_bytes=-1e12),
-            "Setup.offload_bytes -1000000000000.0: must",
+            "Setup.offload_bytes (sized by --offload) -1000000000000.0",
         ),
         # an int past a float's range: OverflowError from the messages' own formatting before
         (WORK, replace(ASYNC, staleness=10**400), "Setup.staleness (--staleness) 1000"),
@@ -49,7 +49,7 @@ ASYNC = Setup(H100, 2, 2, mode="async", staleness=1, partial=True)
         (WORK, replace(ASYNC, mode="bogus"), "Setup.mode (--mode) 'bogus': must be one of"),
         (WORK, replace(ASYNC, engine_tp=2.0), "Setup.engine_tp (--engine-tp) 2.0: must be an"),
         (WORK, replace(ASYNC, updates_per_sync=2.0), "Setup.updates_per_sync (--updates-per"),
-        (WORK, replace(ASYNC, partial=1), "Setup.partial 1: must be one of False, True"),
+        (WORK, replace(ASYNC, partial=1), "Setup.partial 1: must be True or False"),
     ],
 )
 def test_simulate_refuses_a_field_naming_it(work, setup, says):
@@ -136,3 +136,57 @@ def test_a_layout_refuses_an_expert_degree_its_ranks_cannot_hold():
         trainer(moe, Layout(dp=8, ep=128), 1, 1000)
     with pytest.raises(UserError, match=r"Layout.pp -1: must be an integer"):
         trainer(moe, Layout(dp=8, pp=-1), 1, 1000)
+
+
+def test_numpy_scalars_are_numbers_and_bools_are_flags_not_counts():
+    # a sweep over np.arange passes NumPy's scalars: they ran before the checks, and still do
+    np = pytest.importorskip("numpy")
+    work = Workload(np.int64(8), 4, 100, Lengths(np.float32(200), 400))
+    setup = Setup(H100, np.int64(4), 4, colocated=np.bool_(True))
+    numpy = simulate(SHAPE, work, setup, steps=2)
+    assert numpy.step_s == simulate(SHAPE, WORK, COLOCATED, steps=2).step_s
+    with pytest.raises(UserError, match=r"Workload.prompts \(--prompts\) True: must be an int"):
+        simulate(SHAPE, replace(WORK, prompts=True), COLOCATED, steps=2)
+    with pytest.raises(UserError, match=r"Workload.prompts \(--prompts\) an integer of over 4,3"):
+        simulate(SHAPE, replace(WORK, prompts=10**5000), COLOCATED, steps=2)
+
+
+@pytest.mark.parametrize(
+    ("call", "says"),
+    [
+        (lambda: simulate(SHAPE, WORK, COLOCATED, steps=True), "steps (--steps) True: must be"),
+        (lambda: simulate(SHAPE, WORK, COLOCATED, steps=0), "steps (--steps) 0: must be an "
+         "integer in 1..64"),
+        (lambda: simulate(SHAPE, WORK, COLOCATED, steps=10**9), "steps (--steps) 1000000000"),
+        (lambda: simulate(SHAPE, WORK, COLOCATED, steps=4, window=(1.5, 3)), "window (--avera"),
+        (lambda: simulate(SHAPE, WORK, replace(COLOCATED, gpu="h100"), 2), "Setup.gpu (--gpu) "
+         "'h100': must be a Gpu"),
+        (lambda: simulate(SHAPE, replace(WORK, lengths=None), COLOCATED, 2), "Workload.lengths "
+         "None: must be a Lengths"),
+        (lambda: simulate(SHAPE, replace(WORK, lengths=Lengths(200, 400, measured=((-50, 9),))),
+                          COLOCATED, 2), "Lengths.measured[0] -50: must be an integer in 0.."),
+        (lambda: fitting(Question(SHAPE, H100, 8, WORK, roles="policy")), "Question.roles "
+         "'policy' (--roles): a tuple"),
+        (lambda: check_fits(Question(SHAPE, gpu("h20"), 4, WORK), COLOCATED), "Setup.gpu h100 is "
+         "not Question.gpu h20"),
+        (lambda: engine(NAMED["qwen3-30b-a3b"], H100, 1, ep=-1), "engine's ep -1: must be an "
+         "integer in 1..128"),
+        (lambda: trainer(SHAPE, Layout(), 1, 100, lora_rank=-64), "lora_rank (--lora-rank) -64"),
+        (lambda: trainer(SHAPE, Layout(), math.nan, 100), "micro_batch (--micro-batch) nan"),
+        (lambda: trainer(SHAPE, Layout(), 1, 100, recompute="x"), "recompute (--recompute) 'x'"),
+    ],
+)  # fmt: skip
+def test_the_other_entry_points_refuse_by_name(call, says):
+    # each gave a traceback, a negative size (engine ep -1: -51.1 GiB of weights) or ran
+    with pytest.raises(UserError) as refused:
+        call()
+    assert says in str(refused.value), str(refused.value)
+
+
+def test_a_packed_micro_batch_of_many_short_sequences_is_no_micro_batch_option():
+    # --pack-tokens 1,000,000 over 32-token sequences packs 31,250 of them a micro-batch: a
+    # derived size, not --micro-batch's 1..4,096 (the first checks refused it, naming
+    # --micro-batch, which simulate has not)
+    work = Workload(512, 16, 16, Lengths(16, 16, 0.0), pack_tokens=1_000_000, recompute="full")
+    q = Question(SHAPE, H100, 8, work, roles=("policy", "engine"))
+    assert check_fits(q, Setup(H100, 8, 8, colocated=True)).fits

@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 from treadle.core.errors import UserError
-from treadle.scale.costs import SYNC_METHODS, Setup, Workload, kv_capacity
+from treadle.scale.costs import SYNC_METHODS, Lengths, Setup, Workload, kv_capacity
+from treadle.scale.hardware import Gpu
 from treadle.scale.shapes import ModelShape
-from treadle.scale.values import choice, kind, number
+from treadle.scale.values import choice, flag, instance, kind, number
 
 MAX_STALENESS = 64
 """Largest eta :func:`check` takes: the simulation's queue holds ``eta + steps`` batches of
@@ -25,6 +25,9 @@ MAX_BATCH = 65536
 """Most samples per step :func:`check` takes, for the same reason as :data:`MAX_STALENESS`."""
 MAX_TOKENS = 2**24
 """Most tokens of a packed micro-batch (16.8M)."""
+MAX_SEQ = 2**40
+"""Most tokens of a prompt or a response (1.1e12): far past any model's context, so an engine's
+KV cache refuses such a length by name first; a bound keeps the arithmetic in a float's range."""
 
 
 def check(shape: ModelShape, work: Workload, setup: Setup) -> None:
@@ -70,9 +73,9 @@ def check(shape: ModelShape, work: Workload, setup: Setup) -> None:
     if not (0 <= setup.staleness <= MAX_STALENESS):  # also refuses NaN
         raise UserError(f"--staleness {setup.staleness:g} must be in 0..{MAX_STALENESS}")
     _check_training(shape, work, setup)
-    for flag, on in (("--partial", setup.partial), ("--drop-stale", setup.drop_stale)):
+    for option, on in (("--partial", setup.partial), ("--drop-stale", setup.drop_stale)):
         if on and setup.mode != "async":
-            raise UserError(f"{flag} applies to --mode async (one_step and sync drain instead)")
+            raise UserError(f"{option} applies to --mode async (one_step and sync drain instead)")
     if setup.mode == "async" and setup.staleness <= 0 and setup.partial:
         raise UserError("--partial needs --staleness above 0 (eta = 0 is synchronous)")
     _check_setup_ranges(setup)
@@ -282,7 +285,7 @@ def _check_kv_cache(shape: ModelShape, work: Workload, setup: Setup) -> None:
 
 _WORK_COUNTS = (
     ("prompts", "--prompts", 1, MAX_BATCH), ("samples_per_prompt", "--samples", 1, MAX_BATCH),
-    ("prompt_tokens", "--prompt-tokens", 1, math.inf),
+    ("prompt_tokens", "--prompt-tokens", 1, MAX_SEQ),
     ("extra_forwards", "--extra-forwards", 0, 8), ("minibatches", "--minibatches", 1, 4096),
     ("pack_tokens", "--pack-tokens", 0, MAX_TOKENS), ("lora_rank", "--lora-rank", 0, MAX_LORA_RANK),
 )  # fmt: skip
@@ -305,10 +308,15 @@ def _check_work_kinds(work: Workload) -> None:
     choice("Workload.recompute (--recompute)", work.recompute, ("none", "selective", "full"))
     choice("Workload.lora_sync (--lora-sync)", work.lora_sync, ("merged", "adapter"))
     for field in ("critic", "greedy_baseline"):
-        choice(f"Workload.{field}", getattr(work, field), (False, True))
+        flag(f"Workload.{field}", getattr(work, field))
+    instance("Workload.lengths", work.lengths, Lengths)
+    instance("Workload.reward_shape (--reward-model)", work.reward_shape, ModelShape, none=True)
     kind("Lengths.max (--max-response)", work.lengths.max, integer=True)
     kind("Lengths.mean (--mean-response)", work.lengths.mean)
     kind("Lengths.sigma (--length-sigma)", work.lengths.sigma)
+    for k, group in enumerate(work.lengths.measured):  # a run's buffer: whole tokens, >= 0
+        for n in group:
+            number(f"Lengths.measured[{k}]", n, 0, MAX_SEQ, integer=True)
 
 
 def _check_work_ranges(work: Workload) -> None:
@@ -317,20 +325,23 @@ def _check_work_ranges(work: Workload) -> None:
     for field, option, low, high in _WORK_COUNTS:
         number(f"Workload.{field} ({option})", getattr(work, field), low, high, integer=True)
     number("Workload.reward_s (--reward-seconds)", work.reward_s, 0, 3600)
-    number("Lengths.max (--max-response)", work.lengths.max, 1, integer=True)
+    number("Lengths.max (--max-response)", work.lengths.max, 1, MAX_SEQ, integer=True)
     number("Lengths.sigma (--length-sigma)", work.lengths.sigma, 0, 3)
 
 
 def _check_setup_kinds(setup: Setup) -> None:
     """``setup``'s fields of the right kind (as :func:`_check_work_kinds`)."""
+    instance("Setup.gpu (--gpu)", setup.gpu, Gpu)
     for field, option, _ in _SETUP_COUNTS:
         kind(f"Setup.{field} ({option})", getattr(setup, field), integer=True)
     choice("Setup.mode (--mode)", setup.mode, ("sync", "one_step", "async"))
-    for field in ("staleness", "oversample", "spec_accept", "sync_seconds", "offload_bytes"):
+    for field, option in (("staleness", "--staleness"), ("oversample", "--oversample"),
+                          ("spec_accept", "--spec-accept"), ("sync_seconds", "--sync-seconds"),
+                          ("offload_bytes", "sized by --offload")):  # fmt: skip
         if getattr(setup, field) is not None:
-            kind(f"Setup.{field} (--{field.replace('_', '-')})", getattr(setup, field))
+            kind(f"Setup.{field} ({option})", getattr(setup, field))
     for field in ("colocated", "partial", "drop_stale", "offload"):
-        choice(f"Setup.{field}", getattr(setup, field), (False, True))
+        flag(f"Setup.{field}", getattr(setup, field))
 
 
 def _check_setup_ranges(setup: Setup) -> None:
@@ -339,4 +350,4 @@ def _check_setup_ranges(setup: Setup) -> None:
         number(f"Setup.{field} ({option})", getattr(setup, field), low, 2**20, integer=True)
     number("Setup.oversample (--oversample)", setup.oversample, 0, 4)
     if setup.offload_bytes is not None:
-        number("Setup.offload_bytes", setup.offload_bytes, 0, 1e18)
+        number("Setup.offload_bytes (sized by --offload)", setup.offload_bytes, 0, 1e18)

@@ -21,7 +21,7 @@ from typing import Literal, get_args
 from treadle.core.errors import UserError
 from treadle.scale.hardware import GIB, Gpu
 from treadle.scale.shapes import ModelShape
-from treadle.scale.values import choice, number
+from treadle.scale.values import choice, flag, number
 
 Recompute = Literal["none", "selective", "full"]
 Convention = Literal["mixed", "fsdp"]
@@ -188,6 +188,12 @@ def trainer(
     activations.
     """
     check_layout(shape, layout)
+    number("micro_batch (--micro-batch)", micro_batch, 0, 2**24, above=True)
+    number("seq (--prompt-tokens + --max-response)", seq, 1, 2**41)
+    number("lora_rank (--lora-rank)", lora_rank, 0, shape.hidden, integer=True)
+    choice("recompute (--recompute)", recompute, get_args(Recompute))
+    choice("role (--roles)", role, ("policy", "reference", "critic", "reward"))
+    flag("trainable", trainable)
     tokens = micro_batch * seq / layout.sp
     vocab = 1 if role in ("critic", "reward") else shape.vocab
     params, grads, optimizer, gathered = model_states(shape, layout, trainable and not lora_rank)
@@ -268,6 +274,9 @@ def engine(
     weights, and a KV cache filling the rest of ``budget`` (default: the GPU's memory times
     ``kv_memory_fraction``, vLLM's gpu_memory_utilization)."""
     check_layout(shape, Layout(tp=tp), {"tp": "--engine-tp"})
+    number("engine's ep", ep, 1, max(1, shape.experts), integer=True)
+    if budget is not None:
+        number("engine's budget (bytes)", budget, -(2**60), 2**60)  # below 0: no KV cache
     expert = shape.expert_params()
     weights = 2 * ((shape.params() - expert) / tp + expert / (tp * ep))
     budget = gpu.memory_bytes * gpu.efficiency.kv_memory_fraction if budget is None else budget

@@ -18,7 +18,7 @@ from functools import partial
 from typing import get_args
 
 from treadle.core.errors import UserError
-from treadle.scale.checks import check, check_work, engine_tp_splits_kv
+from treadle.scale.checks import MAX_TOKENS, check, check_work, engine_tp_splits_kv
 from treadle.scale.hardware import GIB, Gpu
 from treadle.scale.memory import (
     Breakdown,
@@ -33,7 +33,7 @@ from treadle.scale.memory import (
 )
 from treadle.scale.shapes import ModelShape
 from treadle.scale.simulate import Lengths, Result, Setup, Workload, simulate
-from treadle.scale.values import choice, number
+from treadle.scale.values import choice, flag, instance, number
 
 ROLES = ("policy", "reference", "critic", "reward", "engine")
 DEFAULT_ROLES = ("policy", "reference", "engine")
@@ -85,21 +85,27 @@ class Question:
 
     def __post_init__(self) -> None:
         """Raises UserError naming a field of the wrong kind or range (a ``Question`` built in
-        Python; the CLI checks its options first): the roles, a policy among them, each once."""
+        Python; the CLI checks its options first): the roles, a policy among them, each once;
+        ``micro_batch`` up to a packed micro-batch's :data:`MAX_TOKENS` one-token sequences."""
+        instance("Question.shape (MODEL)", self.shape, ModelShape)
+        instance("Question.gpu (--gpu)", self.gpu, Gpu)
+        instance("Question.work", self.work, Workload)
         number("Question.gpus (--gpus)", self.gpus, 1, MAX_GPUS, integer=True)
-        number("Question.micro_batch (--micro-batch)", self.micro_batch, 0, 4096, above=True)
+        number("Question.micro_batch (--micro-batch)", self.micro_batch, 0, MAX_TOKENS,
+               above=True)  # fmt: skip
         for name in ("tp", "pp", "sp", "ep"):
             if getattr(self, name) is not None:
                 number(f"Question.{name} (--{name})", getattr(self, name), 1, MAX_GPUS,
                        integer=True)  # fmt: skip
         number("Question.zero", self.zero, 0, 3, integer=True)
-        choice("Question.offload (--offload)", self.offload, (False, True))
+        flag("Question.offload (--offload)", self.offload)
         if self.recompute is not None:
             choice("Question.recompute (--recompute)", self.recompute, get_args(Recompute))
-        roles = tuple(self.roles)
-        if "policy" not in roles or len(set(roles)) < len(roles) or set(roles) - set(ROLES):
-            raise UserError(f"Question.roles {roles!r} (--roles): each of {', '.join(ROLES)} "
-                            "at most once, a policy among them")  # fmt: skip
+        roles = self.roles
+        if (isinstance(roles, str) or "policy" not in roles or len(set(roles)) < len(roles)
+                or set(roles) - set(ROLES)):  # fmt: skip
+            raise UserError(f"Question.roles {roles!r} (--roles): a tuple of each of "
+                            f"{', '.join(ROLES)} at most once, a policy among them")  # fmt: skip
 
     @property
     def checkpointing(self) -> Recompute:
@@ -459,6 +465,9 @@ def check_fits(q: Question, setup: Setup) -> Placement:
             cache beside the trainer's states holds less than one sequence.
     """
     check(q.shape, q.work, setup)
+    if setup.gpu != q.gpu:
+        raise UserError(f"Setup.gpu {setup.gpu.name} is not Question.gpu {q.gpu.name}: one GPU "
+                        "type sizes the memory and the steps")  # fmt: skip
     kind = "colocated" if setup.colocated else "disaggregated"
     p = _measured(q, kind, setup.rollout_gpus, setup.train_gpus, setup.train_tp, setup.train_pp,
                   setup.engine_tp, setup.train_sp, setup.train_ep)  # fmt: skip

@@ -42,6 +42,7 @@ from treadle.scale.costs import (
 )
 from treadle.scale.shapes import ModelShape
 from treadle.scale.steady import steady_state
+from treadle.scale.values import number
 
 __all__ = ["Lengths", "Mode", "Result", "Setup", "SyncMethod", "Workload", "simulate"]
 
@@ -517,9 +518,14 @@ def simulate(
     time does not depend on how many steps follow it. Deterministic for a seed.
 
     Raises:
-        UserError: a setup :func:`check` refuses.
+        UserError: a setup :func:`check` refuses; ``steps`` or ``window`` not integers of 1
+            to :data:`MAX_STEPS`.
         ValueError: a ``window`` outside 1..``steps``, or without ``steps``.
     """
+    if steps is not None:  # 1: 2 (the first step fills the pipeline)
+        number("steps (--steps)", steps, 1, MAX_STEPS, integer=True)
+    for end in window or ():
+        number("window (--average-steps)", end, 1, MAX_STEPS, integer=True)
     if window is not None and not (steps is not None and 1 <= window[0] <= window[1] <= steps):
         raise ValueError(f"window {window}: steps first..last of 1..{steps} simulated")
     check(shape, work, setup)
