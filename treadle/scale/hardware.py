@@ -92,10 +92,11 @@ class Gpu:
     efficiency: Efficiency = Efficiency()
 
     def __post_init__(self) -> None:
-        """Raises UserError naming a size or rate that is not a positive finite number, or a
-        node of no GPUs."""
+        """Raises UserError naming a size or rate that is not a positive number of at most 1e9,
+        or a node of no GPUs."""
         for name in ("memory_gib", "bf16_tflops", "hbm_tbps", "nvlink_gbps", "network_gbps"):
-            number(f"Gpu {self.name}: {name}", getattr(self, name), 0, above=True)
+            # at most 1e9 (GiB, TFLOP/s, TB/s, GB/s): calibrate's CPU rates stand for "free"
+            number(f"Gpu {self.name}: {name}", getattr(self, name), 0, 1e9, above=True)
         number(f"Gpu {self.name}: per_node", self.per_node, 1, 1024, integer=True)
 
     @property
