@@ -32,7 +32,8 @@ KV cache refuses such a length by name first; a bound keeps the arithmetic in a 
 
 def check(shape: ModelShape, work: Workload, setup: Setup) -> None:
     """Raises UserError, naming the option to change, for a setup that cannot run (the work's
-    own errors first, :func:`check_work`)."""
+    own errors first, :func:`check_work`), and naming the field for one of the wrong kind or
+    out of its option's range (a ``Setup`` built in Python: :mod:`.values`)."""
     check_work(work)
     _check_setup_kinds(setup)
     if work.greedy_baseline and (setup.mode != "sync" or setup.oversample):
