@@ -22,6 +22,13 @@ COLOCATED = Setup(H100, 4, 4, colocated=True)
 ASYNC = Setup(H100, 2, 2, mode="async", staleness=1, partial=True)
 
 
+def _refused(call, says):
+    """``call()`` raises UserError, its message holding ``says``."""
+    with pytest.raises(UserError) as refused:
+        call()
+    assert says in str(refused.value), str(refused.value)
+
+
 @pytest.mark.parametrize(
     ("work", "setup", "says"),
     [
@@ -53,9 +60,7 @@ ASYNC = Setup(H100, 2, 2, mode="async", staleness=1, partial=True)
     ],
 )
 def test_simulate_refuses_a_field_naming_it(work, setup, says):
-    with pytest.raises(UserError) as refused:
-        simulate(SHAPE, work, setup, steps=2)
-    assert says in str(refused.value), str(refused.value)
+    _refused(lambda: simulate(SHAPE, work, setup, steps=2), says)
 
 
 @pytest.mark.parametrize(
@@ -71,9 +76,7 @@ def test_simulate_refuses_a_field_naming_it(work, setup, says):
 def test_a_gpu_refuses_an_efficiency_out_of_range(fields, says):
     # a train_mfu of -0.4 gave an update of -0.064 s; 0 a ZeroDivisionError; max_batch 0 the
     # simulator's own "stalled: no event left" (a bug, not input)
-    with pytest.raises(UserError) as refused:
-        gpu("h100", **fields)
-    assert says in str(refused.value), str(refused.value)
+    _refused(lambda: gpu("h100", **fields), says)
 
 
 @pytest.mark.parametrize(
@@ -90,9 +93,7 @@ def test_a_gpu_refuses_an_efficiency_out_of_range(fields, says):
 def test_a_model_shape_refuses_sizes_no_model_has(fields, says):
     # Qwen2.5-0.5B: 24 layers, 14 heads, 2 KV heads; an intermediate of -100,000 gave a
     # placement of -26.9 GiB, a KV head count of 0 a ZeroDivisionError
-    with pytest.raises(UserError) as refused:
-        replace(SHAPE, **fields)
-    assert says in str(refused.value), str(refused.value)
+    _refused(lambda: replace(SHAPE, **fields), says)
 
 
 def test_check_fits_runs_simulates_checks_first():
@@ -123,9 +124,8 @@ def test_check_fits_runs_simulates_checks_first():
 )  # fmt: skip
 def test_a_question_refuses_fields_no_placement_answers(fields, says):
     # micro_batch -4 gave a placement of -4.8 GiB; gpus 0 "dp1 sp4" placements; tp 0 "auto"
-    with pytest.raises(UserError) as refused:
-        fitting(Question(**{"shape": SHAPE, "gpu": H100, "gpus": 8, "work": WORK, **fields}))
-    assert says in str(refused.value), str(refused.value)
+    given = {"shape": SHAPE, "gpu": H100, "gpus": 8, "work": WORK, **fields}
+    _refused(lambda: fitting(Question(**given)), says)
 
 
 def test_a_layout_refuses_an_expert_degree_its_ranks_cannot_hold():
@@ -178,9 +178,7 @@ def test_numpy_scalars_are_numbers_and_bools_are_flags_not_counts():
 )  # fmt: skip
 def test_the_other_entry_points_refuse_by_name(call, says):
     # each gave a traceback, a negative size (engine ep -1: -51.1 GiB of weights) or ran
-    with pytest.raises(UserError) as refused:
-        call()
-    assert says in str(refused.value), str(refused.value)
+    _refused(call, says)
 
 
 def test_a_packed_micro_batch_of_many_short_sequences_is_no_micro_batch_option():

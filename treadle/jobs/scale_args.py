@@ -7,14 +7,11 @@ import argparse
 import re
 from pathlib import Path
 
-from treadle.scale.checks import MAX_TOKENS
 from treadle.scale.costs import SYNC_METHODS
 from treadle.scale.hardware import GPUS
 from treadle.scale.plan import DEFAULT_ROLES, MAX_GPUS, ROLES
 from treadle.scale.simulate import AUTO_TOLERANCE, MAX_STEPS
 
-MAX_PACK_TOKENS = MAX_TOKENS
-"""Largest ``--pack-tokens``: a micro-batch of 16.8M tokens."""
 _INT = re.compile(r"[+-]?[0-9]+")
 _FLOAT = re.compile(
     r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?|[+-]?(inf(inity)?|nan)", re.I

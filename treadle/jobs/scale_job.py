@@ -12,10 +12,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from treadle.core.errors import UserError, one_line
-from treadle.jobs.scale_args import MAX_PACK_TOKENS, add_arguments
+from treadle.jobs.scale_args import add_arguments
 from treadle.jobs.scale_output import placement_row, print_plan, print_result, progress, result_row
 from treadle.jobs.scale_runs import RunRoles, run_lengths, run_roles
-from treadle.scale.checks import MAX_LORA_RANK, MAX_SPEC_TOKENS, check
+from treadle.scale.checks import MAX_LORA_RANK, MAX_SPEC_TOKENS, MAX_TOKENS, check
 from treadle.scale.hardware import Gpu, gpu
 from treadle.scale.plan import (
     DEFAULT_ROLES,
@@ -55,7 +55,7 @@ def _check(args: argparse.Namespace) -> None:
                     MAX_GPUS if n == "ep" else 1024)
                    for n in ("tp", "pp", "sp", "ep") if getattr(args, n) is not None]  # fmt: skip
     else:
-        bounds += [("--pack-tokens", args.pack_tokens, 0, MAX_PACK_TOKENS),
+        bounds += [("--pack-tokens", args.pack_tokens, 0, MAX_TOKENS),
                    ("--oversample", args.oversample, 0, 4)]  # fmt: skip
     for name, value, low, high in bounds:
         if not low <= value <= high:

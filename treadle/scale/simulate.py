@@ -211,12 +211,15 @@ class _Simulation:
         while len(self.step_ends) < self.steps:
             if not self.events:
                 raise RuntimeError("simulation stalled: no event left")  # a bug, not input
-            time, _, kind, payload = heapq.heappop(self.events)
-            getattr(self, f"on_{kind}")(time, payload)
+            self.next_event()
         end = self.step_ends[self.steps - 1]
         while self.events and self.events[0][0] < end and len(self.step_ends) == self.steps:
-            time, _, kind, payload = heapq.heappop(self.events)
-            getattr(self, f"on_{kind}")(time, payload)
+            self.next_event()
+
+    def next_event(self) -> None:
+        """Process the earliest event."""
+        time, _, kind, payload = heapq.heappop(self.events)
+        getattr(self, f"on_{kind}")(time, payload)
 
     def bar(self, lane: str, start: float, end: float, kind: str) -> None:
         """Add a timeline bar, merged with the lane's previous one when they touch."""
